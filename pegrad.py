@@ -55,11 +55,11 @@ Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
 Stats = dict[str, Any]
 
-# Statistics that are Σ_units φ(g_unit) for an elementwise φ, and that φ.
+# Statistics that are (1/units) Σ_units φ(g_unit) for an elementwise φ, and that φ.
 _PHI: dict[str, Callable[[Array], Array]] = {
-    "sum": lambda x: x,
-    "sq_sum": jnp.square,
-    "sign_sum": jnp.sign,
+    "mean": lambda x: x,
+    "sq_mean": jnp.square,
+    "sign_mean": jnp.sign,
 }
 
 
@@ -99,21 +99,7 @@ def value_and_grad_stats(
     Statistics have the dtype `stat_dtype(param dtype)`; "sq_norms" has shape [units] where
     units is B, or B·T at token granularity (row-major: unit i·T + t).
     """
-    stats = tuple(stats)
-    unknown = [s for s in stats if s not in STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
-    if impl not in ("vmap", "factorized"):
-        raise ValueError(f"impl must be 'vmap' or 'factorized', got {impl!r}")
-    if granularity not in ("example", "token"):
-        raise ValueError(f"granularity must be 'example' or 'token', got {granularity!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if "clipped_mean" in stats:
-        if clip_norm is None or not clip_norm > 0:
-            raise ValueError(f"'clipped_mean' needs clip_norm > 0, got clip_norm={clip_norm!r}")
-    elif clip_norm is not None:
-        raise ValueError("clip_norm was given but 'clipped_mean' is not among the statistics")
+    stats = _check_options(stats, impl, granularity, chunk_size, clip_norm)
 
     def fn(params: PyTree, batch: PyTree) -> tuple[Float[Array, ""], Stats]:
         n_examples, n_positions = _check_inputs(loss_fn, params, batch, stats, granularity)
@@ -131,6 +117,31 @@ def value_and_grad_stats(
 
 # --------------------------------------------------------------------------------------------
 # Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
+
+
+def _check_options(
+    stats: Sequence[str],
+    impl: str,
+    granularity: str,
+    chunk_size: int | None,
+    clip_norm: float | None,
+) -> tuple[str, ...]:
+    stats = tuple(stats)
+    unknown = [s for s in stats if s not in STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+    if impl not in ("vmap", "factorized"):
+        raise ValueError(f"impl must be 'vmap' or 'factorized', got {impl!r}")
+    if granularity not in ("example", "token"):
+        raise ValueError(f"granularity must be 'example' or 'token', got {granularity!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if "clipped_mean" in stats:
+        if clip_norm is None or not clip_norm > 0:
+            raise ValueError(f"'clipped_mean' needs clip_norm > 0, got clip_norm={clip_norm!r}")
+    elif clip_norm is not None:
+        raise ValueError("clip_norm was given but 'clipped_mean' is not among the statistics")
+    return stats
 
 
 def _check_inputs(
@@ -233,42 +244,38 @@ def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
 
 
 def _finish(
-    stats: tuple[str, ...], sums: dict[str, Any], sq_norms: Array | None, n_units: int
+    stats: tuple[str, ...], means: dict[str, Any], sq_norms: Array | None, n_units: int
 ) -> Stats:
-    """Turn sums over units into the published statistics."""
-    out: Stats = {}
-    if "mean" in stats:
-        out["mean"] = jax.tree.map(lambda s: s / n_units, sums["sum"])
-    if "sq_mean" in stats:
-        out["sq_mean"] = jax.tree.map(lambda s: s / n_units, sums["sq_sum"])
-    if "sign_mean" in stats:
-        out["sign_mean"] = jax.tree.map(lambda s: s / n_units, sums["sign_sum"])
+    """Publish the requested statistics from averages over units (keys of `_PHI`, and
+    "clipped_mean"; "var" too where it was computed in two passes)."""
+    out: Stats = {name: means[name] for name in stats if name in _PHI or name == "clipped_mean"}
     if "var" in stats:
-        if "centered_sq_sum" in sums:
-            out["var"] = jax.tree.map(lambda s: s / (n_units - 1), sums["centered_sq_sum"])
-        else:
-            # Σ(g - ḡ)² = Σg² - (Σg)²/B; rounding can dip below zero, the variance cannot.
+        out["var"] = means.get("var")
+        if out["var"] is None:
+            # B/(B-1)·(q - ḡ²); rounding can dip below zero, the variance cannot.
             out["var"] = jax.tree.map(
-                lambda s, q: jnp.maximum(q - s * s / n_units, 0.0) / (n_units - 1),
-                sums["sum"],
-                sums["sq_sum"],
+                lambda m, q: jnp.maximum(q - m * m, 0.0) * (n_units / (n_units - 1)),
+                means["mean"],
+                means["sq_mean"],
             )
     if "sq_norms" in stats:
         out["sq_norms"] = sq_norms
-    if "clipped_mean" in stats:
-        out["clipped_mean"] = jax.tree.map(lambda s: s / n_units, sums["clipped_sum"])
-    out["batch_size"] = jnp.asarray(n_units)
+    with jax.ensure_compile_time_eval():  # concrete under jit: consumers can check B at trace time
+        out["batch_size"] = jnp.asarray(n_units, jnp.int32)
     return out
 
 
-def _needed_sums(stats: tuple[str, ...]) -> set[str]:
-    need = set()
-    if "mean" in stats or "var" in stats:
-        need.add("sum")
-    if "sq_mean" in stats or "var" in stats:
-        need.add("sq_sum")
-    if "sign_mean" in stats:
-        need.add("sign_sum")
+def _unseed(stat: str, n_units: int) -> float:
+    """What turns Σ_u φ(g_u / units) into (1/units) Σ_u φ(g_u): 1/(units·φ(1/units))."""
+    phi_of_seed = {"mean": 1.0 / n_units, "sq_mean": 1.0 / n_units**2, "sign_mean": 1.0}[stat]
+    return 1.0 / (n_units * phi_of_seed)
+
+
+def _needed_means(stats: tuple[str, ...]) -> set[str]:
+    """The φ-averages that `stats` are made of."""
+    need = {name for name in stats if name in _PHI}
+    if "var" in stats:
+        need |= {"mean", "sq_mean"}
     return need
 
 
@@ -302,7 +309,7 @@ def _reference_stats(
         return losses, grads
 
     n_examples = jax.tree.leaves(batch)[0].shape[0]
-    need = _needed_sums(stats) | {"sum"}
+    need = _needed_means(stats) | {"mean"}
 
     def first_pass(chunk: PyTree) -> tuple[dict[str, Any], dict[str, Array]]:
         losses, grads = per_unit_grads(chunk)
@@ -316,24 +323,28 @@ def _reference_stats(
         if "clipped_mean" in stats:
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
-            sums["clipped_sum"] = jax.tree.map(
+            sums["clipped_mean"] = jax.tree.map(
                 lambda g: jnp.tensordot(factors.astype(g.dtype), g, axes=1), grads
             )
         return sums, {"sq_norms": sq_norms}
 
     sums, per_unit = _chunked_sum(first_pass, batch, n_examples, chunk_size)
     n_units = per_unit["sq_norms"].shape[0]
+    loss_sum = sums.pop("loss")
+    loss = (loss_sum / n_examples).astype(stat_dtype(loss_sum.dtype))
+    means = {name: jax.tree.map(lambda s: s / n_units, value) for name, value in sums.items()}
     if "var" in stats:
         # The definition, two passes: Σ_i (g_i - ḡ)² with ḡ from the first pass.
-        mean = jax.tree.map(lambda s: s / n_units, sums["sum"])
-
         def second_pass(chunk: PyTree) -> tuple[PyTree, None]:
             _, grads = per_unit_grads(chunk)
-            return jax.tree.map(lambda g, m: jnp.sum((g - m) ** 2, axis=0), grads, mean), None
+            centered = jax.tree.map(
+                lambda g, m: jnp.sum((g - m) ** 2, axis=0), grads, means["mean"]
+            )
+            return centered, None
 
-        sums["centered_sq_sum"], _ = _chunked_sum(second_pass, batch, n_examples, chunk_size)
-    loss = (sums["loss"] / n_examples).astype(stat_dtype(sums["loss"].dtype))
-    return loss, _finish(stats, sums, per_unit["sq_norms"], n_units)
+        centered, _ = _chunked_sum(second_pass, batch, n_examples, chunk_size)
+        means["var"] = jax.tree.map(lambda s: s / (n_units - 1), centered)
+    return loss, _finish(stats, means, per_unit["sq_norms"], n_units)
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,16 +519,30 @@ class _GradientProgram:
         example_leaves = jax.tree.leaves(example)
         self.n_params = len(leaves)
         self.param_dtypes = [x.dtype for x in leaves]
+        self.param_shapes = [tuple(x.shape) for x in leaves]
 
-        def flat_value_and_grad(*flat: Any) -> list[Any]:
+        self.n_example = len(example_leaves)
+
+        def flat_value_and_grad(*inputs: Any) -> list[Any]:
+            # The backward pass starts from `seed` instead of 1: the factorized path seeds it
+            # with 1/units, as the gradient of a mean loss does, so the mean needs no rescaling
+            # (a pass over a batch-sized factor or a weight-sized result) afterwards.
+            *flat, seed = inputs
             p = jax.tree.unflatten(self.param_tree, flat[: self.n_params])
             e = jax.tree.unflatten(jax.tree.structure(example), flat[self.n_params :])
-            loss, grads = jax.value_and_grad(loss_fn)(p, e)
+
+            def seeded(p: PyTree) -> tuple[Array, Array]:
+                loss = loss_fn(p, e)
+                return loss * seed.astype(loss.dtype), loss
+
+            (_, loss), grads = jax.value_and_grad(seeded, has_aux=True)(p)
             return [loss, *jax.tree.leaves(grads)]
 
-        nested = jax.make_jaxpr(flat_value_and_grad)(*leaves, *example_leaves)
+        self.seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+        seed = jnp.ones((), self.seed_dtype)
+        nested = jax.make_jaxpr(flat_value_and_grad)(*leaves, *example_leaves, seed)
         flat = jax.make_jaxpr(lambda *a: _eval_inlined(nested.jaxpr, nested.consts, *a))(
-            *leaves, *example_leaves
+            *leaves, *example_leaves, seed
         )
         self.jaxpr: jcore.Jaxpr = flat.jaxpr
         self.consts = flat.consts
@@ -538,7 +563,7 @@ class _GradientProgram:
                 if not isinstance(v, jcore.Literal):
                     self.users.setdefault(v, []).append(eqn)
         # A variable is batched when it depends on the example.
-        self.batched: set[Any] = set(jaxpr.invars[self.n_params :])
+        self.batched: set[Any] = set(jaxpr.invars[self.n_params : self.n_params + self.n_example])
         for eqn in jaxpr.eqns:
             if any(not isinstance(v, jcore.Literal) and v in self.batched for v in eqn.invars):
                 self.batched.update(eqn.outvars)
@@ -583,7 +608,7 @@ class _GradientProgram:
 
     def _plan_leaf(self, i: int) -> _LeafPlan:
         out_var = self.outvars[1 + i]
-        path, shape = self.paths[i], tuple(self.jaxpr.invars[i].aval.shape)
+        path, shape = self.paths[i], self.param_shapes[i]
         core_var, post = self._walk_post(out_var)
         core = self.producer.get(core_var) if isinstance(core_var, jcore.Var) else None
         plan = _LeafPlan(path, shape, "fallback", "", core=core, post=tuple(post), out_var=out_var)
@@ -640,8 +665,8 @@ class _GradientProgram:
     def _exclusive_tail(self, out_var: Any) -> tuple[Any, ...]:
         """The ops that only this leaf's gradient needs: evaluated per example in the fallback,
         so that no large per-example intermediate is ever materialized for the whole batch."""
-        if out_var not in self.producer:
-            return ()
+        if out_var not in self.producer or self.users.get(out_var):
+            return ()  # the head computes this value anyway: read it
         members: dict[int, Any] = {id(self.producer[out_var]): self.producer[out_var]}
         changed = True
         while changed:
@@ -678,8 +703,10 @@ class _GradientProgram:
                 seen[plan.out_var] = None
         return list(seen)
 
-    def _run_head(self, params: PyTree, batch: PyTree) -> tuple[Array, dict, dict]:
-        """Losses [B] and the interface variables: batched ones with a leading B, others once."""
+    def _run_head(self, params: PyTree, batch: PyTree, seed: float) -> tuple[Array, dict, dict]:
+        """Losses [B] and the interface variables: batched ones with a leading B, others once.
+
+        Every gradient-side value is that of the loss scaled by `seed`."""
         interface = self._interface()
         batched = [v for v in interface if v in self.batched]
         unbatched = [v for v in interface if v not in self.batched]
@@ -692,12 +719,12 @@ class _GradientProgram:
                 needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
         head.reverse()
         param_leaves = jax.tree.leaves(params)
+        seed_value = jnp.asarray(seed, self.seed_dtype)
 
         def one_example(example: PyTree) -> tuple[Any, list[Any], list[Any]]:
             env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-            env.update(
-                zip(self.jaxpr.invars, [*param_leaves, *jax.tree.leaves(example)], strict=True)
-            )
+            inputs = [*param_leaves, *jax.tree.leaves(example), seed_value]
+            env.update(zip(self.jaxpr.invars, inputs, strict=True))
             _eval_eqns(head, env)
             return (
                 _read(env, self.outvars[0]),
@@ -770,7 +797,7 @@ class _GradientProgram:
     def per_token(self, params: PyTree, example: PyTree) -> tuple[Array, PyTree]:
         """Token-granularity reference for one example: loss and per-position contributions."""
         batch = jax.tree.map(lambda x: x[None], example)
-        losses, batched, unbatched = self._run_head(params, batch)
+        losses, batched, unbatched = self._run_head(params, batch, 1.0)
         env = {**{v: x[0] for v, x in batched.items()}, **unbatched}
         grads = [self._per_unit(plan, env) for plan in self.plans]
         return losses[0], jax.tree.unflatten(self.param_tree, grads)
@@ -786,25 +813,26 @@ class _GradientProgram:
         batch: PyTree,
         n_examples: int,
     ) -> tuple[Float[Array, ""], Stats]:
-        losses, batched, unbatched = self._run_head(params, batch)
-        env = {**batched, **unbatched}
         token = self.granularity == "token"
         n_units = n_examples * (self.n_positions if token else 1)
-        sum_names = _needed_sums(stats)
+        # Everything below sees g_u / units, the per-unit gradients of the mean loss.
+        losses, batched, unbatched = self._run_head(params, batch, 1.0 / n_units)
+        env = {**batched, **unbatched}
+        mean_names = _needed_means(stats)
         need_norms = "sq_norms" in stats or "clipped_mean" in stats
-        sums: dict[str, list[Any]] = {k: [None] * self.n_params for k in sum_names}
+        means: dict[str, list[Any]] = {k: [None] * self.n_params for k in mean_names}
         norm_parts: list[Array] = []
         chunked: dict[int, set[str]] = {}  # leaf -> what the chunk loop must compute for it
 
         for i, plan in enumerate(self.plans):
             plan.methods = {}
-            for name in sum_names:
-                value = self._factored_sum(plan, env, _PHI[name], name == "sum")
+            for name in mean_names:
+                value = self._factored_mean(plan, env, name, n_units)
                 if value is None:
                     chunked.setdefault(i, set()).add(name)
                     plan.methods[name] = "chunked"
                 else:
-                    sums[name][i] = value
+                    means[name][i] = value
                     plan.methods[name] = "factorized"
             if need_norms:
                 norms = self._factored_norms(plan, env)
@@ -824,7 +852,7 @@ class _GradientProgram:
         loop_sums, loop_norms = self._chunk_loop(chunked, batched, unbatched, chunk, n_examples)
         for i, parts in loop_sums.items():
             for name, value in parts.items():
-                sums[name][i] = value
+                means[name][i] = value * _unseed(name, n_units)
         if loop_norms is not None:
             norm_parts.append(loop_norms)
         sq_norms = None
@@ -833,24 +861,23 @@ class _GradientProgram:
             sq_norms = jnp.zeros((n_units,), dtype)
             for part in norm_parts:
                 sq_norms = sq_norms + part.reshape(n_units).astype(dtype)
-        out_sums: dict[str, Any] = {
-            k: jax.tree.unflatten(self.param_tree, v) for k, v in sums.items()
-        }
+            sq_norms = sq_norms * float(n_units) ** 2
+        out: dict[str, Any] = {k: jax.tree.unflatten(self.param_tree, v) for k, v in means.items()}
         if "clipped_mean" in stats:
             assert clip_norm is not None and sq_norms is not None
-            factors = _clip_factors(sq_norms, clip_norm)
+            weights = _clip_factors(sq_norms, clip_norm)  # the 1/units is in the seed
             clipped: list[Any] = [None] * self.n_params
             for i, plan in enumerate(self.plans):
                 if plan.route != "fallback":
-                    clipped[i] = self._factored_clipped(plan, env, factors)
+                    clipped[i] = self._factored_clipped(plan, env, weights)
             weighted, _ = self._chunk_loop(
-                chunked, batched, unbatched, chunk, n_examples, factors=factors
+                chunked, batched, unbatched, chunk, n_examples, factors=weights
             )
             for i, value in weighted.items():
                 clipped[i] = value["clipped"]
-            out_sums["clipped_sum"] = jax.tree.unflatten(self.param_tree, clipped)
+            out["clipped_mean"] = jax.tree.unflatten(self.param_tree, clipped)
         loss = losses.mean().astype(stat_dtype(losses.dtype))
-        return loss, _finish(stats, out_sums, sq_norms, n_units)
+        return loss, _finish(stats, out, sq_norms, n_units)
 
     def _scatter_operands(self, core: Any, env: dict) -> tuple[Any, Array, Array]:
         """Operand, indices and updates of a row scatter, indices broadcast over the batch when
@@ -870,10 +897,16 @@ class _GradientProgram:
             return (0,), (0,)
         return (0, *(a + 1 for a in lc)), (0, *(a + 1 for a in rc))
 
-    def _factored_sum(
-        self, plan: _LeafPlan, env: dict, phi: Callable, linear: bool
-    ) -> Array | None:
-        """Σ_units phi(g_unit) without materializing per-unit gradients, or None."""
+    def _factored_mean(self, plan: _LeafPlan, env: dict, stat: str, n_units: int) -> Array | None:
+        """(1/units) Σ_units phi(g_unit) without materializing per-unit gradients, or None.
+
+        The factors carry the seed 1/units; the correction phi needs for it scales a factor
+        that phi already rewrites (so it fuses), never the weight-sized result."""
+        phi, scale, linear = _PHI[stat], _unseed(stat, n_units), stat == "mean"
+
+        def phi_scaled(x: Array) -> Array:
+            return phi(x) if scale == 1.0 else phi(x) * scale
+
         if plan.route == "fallback" or (plan.route == "sequence" and not linear):
             return None
         dtype = self._leaf_dtype(plan)
@@ -884,14 +917,14 @@ class _GradientProgram:
             ua, ub = self._units_axes(plan)
             _, _, lb, rb = _dot_parts(core)
             dn = ((ua, ub), (tuple(d + 1 for d in lb), tuple(d + 1 for d in rb)))
-            g = jax.lax.dot_general(phi(a), phi(b), dn, preferred_element_type=dtype)
+            g = jax.lax.dot_general(phi_scaled(a), phi(b), dn, preferred_element_type=dtype)
         elif name == "reduce_sum":
             z = _read(env, core.invars[0]).astype(dtype)
-            g = jnp.sum(phi(z), axis=(0, core.params["axes"][0] + 1))
+            g = jnp.sum(phi_scaled(z), axis=(0, core.params["axes"][0] + 1))
         else:
             operand, indices, updates = self._scatter_operands(core, env)
             rows = indices.reshape(-1, indices.shape[-1])
-            upd = phi(updates.astype(dtype)).reshape(-1, *updates.shape[2:])
+            upd = phi_scaled(updates.astype(dtype)).reshape(-1, *updates.shape[2:])
             g = _scatter_rows(core, operand.shape, rows, upd)
         return self._apply_post(plan, g, env, phi)
 
@@ -949,7 +982,7 @@ class _GradientProgram:
         return jnp.sum(gram_a * gram_b, axis=(1, 2, 3)) * scale
 
     def _factored_clipped(self, plan: _LeafPlan, env: dict, factors: Array) -> Array:
-        """Σ_units c_unit g_unit with the unit weights folded into one factor: (c∘Δ)ᵀX."""
+        """Σ_units w_unit g_unit with the unit weights folded into one factor: (w∘Δ)ᵀX."""
         dtype = self._leaf_dtype(plan)
         core = plan.core
         name = core.primitive.name
@@ -1085,7 +1118,7 @@ class LeafReport:
     path_taken: str  # "factorized" | "chunked" | "fallback"
     route: str  # "rank-one" | "sequence" | "per-token" | "fallback"
     reason: str
-    methods: dict[str, str]  # per needed sum ("sum", "sq_sum", ...): "factorized" | "chunked"
+    methods: dict[str, str]  # per ingredient ("mean", "sq_mean", "norms", ...): how computed
 
     def __str__(self) -> str:
         methods = ", ".join(f"{k}: {v}" for k, v in sorted(self.methods.items()))
@@ -1113,7 +1146,7 @@ def explain(
     stats = tuple(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0
-    value_and_grad_stats(loss_fn, stats, granularity=granularity, clip_norm=clip_norm)
+    _check_options(stats, "factorized", granularity, None, clip_norm)
     _, n_positions = _check_inputs(loss_fn, params, batch, stats, granularity)
     program = _GradientProgram(loss_fn, params, batch, granularity, n_positions)
     n_examples = jax.tree.leaves(batch)[0].shape[0]

@@ -186,7 +186,12 @@ PIECES = [
     ),
     Piece(
         "mlp3",
-        lambda k: [_dense(kk, o, i) for kk, (o, i) in zip(jax.random.split(k, 3), [(D_HID, D_IN), (D_HID, D_HID), (D_OUT, D_HID)], strict=True)],
+        lambda k: [
+            _dense(kk, o, i)
+            for kk, (o, i) in zip(
+                jax.random.split(k, 3), [(D_HID, D_IN), (D_HID, D_HID), (D_OUT, D_HID)], strict=True
+            )
+        ],
         mlp_loss,
         lambda k, b: _regression_batch(k, b, (D_IN,), (D_OUT,)),
         False,
