@@ -438,7 +438,7 @@ class _LeafPlan:
 
     path: str
     shape: tuple[int, ...]
-    route: str  # "rank-one" | "sequence" | "per-token" | "fallback"
+    route: str  # "rank-one" | "sequence" | "per-token" | "constant" | "fallback"
     reason: str
     core: Any = None  # the eqn whose output, after `post`, is the per-unit gradient
     post: tuple[_Step, ...] = ()
@@ -518,6 +518,7 @@ class _GradientProgram:
         ]
         example_leaves = jax.tree.leaves(example)
         self.n_params = len(leaves)
+        self.n_examples = jax.tree.leaves(batch)[0].shape[0]
         self.param_dtypes = [x.dtype for x in leaves]
         self.param_shapes = [tuple(x.shape) for x in leaves]
 
@@ -613,8 +614,12 @@ class _GradientProgram:
         core = self.producer.get(core_var) if isinstance(core_var, jcore.Var) else None
         plan = _LeafPlan(path, shape, "fallback", "", core=core, post=tuple(post), out_var=out_var)
         name = core.primitive.name if core is not None else None
-        if core is None or not self._is_batched(core_var):
-            plan.reason = "gradient does not depend on the example"
+        if not self._is_batched(out_var):
+            plan.reason = "gradient does not depend on the example (every g_i is the same)"
+            if self.granularity == "example":
+                plan.route = "constant"
+        elif core is None:
+            plan.reason = "gradient is an input"
         elif name == "add_any":
             plan.reason = "a sum of contributions before φ (e.g. a weight used twice)"
         elif name == "dot_general" and all(self._is_batched(v) for v in core.invars):
@@ -687,6 +692,8 @@ class _GradientProgram:
     def _tail_eqns(self, plan: _LeafPlan) -> tuple[Any, ...]:
         if plan.route == "fallback":
             return plan.tail
+        if plan.route == "constant":
+            return ()
         return (plan.core, *(s.eqn for s in plan.post))
 
     def _interface(self) -> list[Any]:
@@ -910,6 +917,9 @@ class _GradientProgram:
         if plan.route == "fallback" or (plan.route == "sequence" and not linear):
             return None
         dtype = self._leaf_dtype(plan)
+        if plan.route == "constant":  # the same g for every unit
+            g = _read(env, plan.out_var).astype(dtype) * float(n_units)  # undo the seed
+            return jnp.broadcast_to(phi(g), plan.shape)
         core = plan.core
         name = core.primitive.name
         if name == "dot_general":
@@ -945,6 +955,9 @@ class _GradientProgram:
         if plan.route == "fallback":
             return None
         dtype = self._leaf_dtype(plan)
+        if plan.route == "constant":
+            g = _read(env, plan.out_var).astype(dtype)
+            return jnp.full((self.n_examples,), jnp.sum(jnp.broadcast_to(g, plan.shape) ** 2))
         scale = self._post_scale_sq(plan, env, dtype)
         if scale is None:
             return None
@@ -981,16 +994,19 @@ class _GradientProgram:
         gram_b = jnp.einsum("znsf,zntf->znst", b2, b2)
         return jnp.sum(gram_a * gram_b, axis=(1, 2, 3)) * scale
 
-    def _factored_clipped(self, plan: _LeafPlan, env: dict, factors: Array) -> Array:
+    def _factored_clipped(self, plan: _LeafPlan, env: dict, weights: Array) -> Array:
         """Σ_units w_unit g_unit with the unit weights folded into one factor: (w∘Δ)ᵀX."""
         dtype = self._leaf_dtype(plan)
+        if plan.route == "constant":
+            g = _read(env, plan.out_var).astype(dtype)
+            return jnp.broadcast_to(g * jnp.sum(weights).astype(dtype), plan.shape)
         core = plan.core
         name = core.primitive.name
-        n_examples = factors.shape[0] // (self.n_positions if self.granularity == "token" else 1)
+        n_examples = self.n_examples
         if name == "dot_general":
             a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
             lc, _, _, _ = _dot_parts(core)
-            weights = factors.astype(dtype)
+            weights = weights.astype(dtype)
             if plan.route == "per-token":
                 weights = weights.reshape(n_examples, self.n_positions)
                 shape = [1] * a.ndim
@@ -1005,13 +1021,13 @@ class _GradientProgram:
         elif name == "reduce_sum":
             z = _read(env, core.invars[0]).astype(dtype)
             axis = core.params["axes"][0] + 1
-            weights = factors.astype(dtype).reshape(n_examples, self.n_positions)
+            weights = weights.astype(dtype).reshape(n_examples, self.n_positions)
             z = jnp.moveaxis(z, axis, 1) * weights.reshape(*weights.shape, *[1] * (z.ndim - 2))
             g = jnp.sum(z, axis=(0, 1))
         else:
             operand, indices, updates = self._scatter_operands(core, env)
             upd = updates.astype(dtype).reshape(-1, *updates.shape[2:])
-            upd = upd * factors.astype(dtype).reshape(-1, *[1] * (upd.ndim - 1))
+            upd = upd * weights.astype(dtype).reshape(-1, *[1] * (upd.ndim - 1))
             g = _scatter_rows(core, operand.shape, indices.reshape(-1, indices.shape[-1]), upd)
         return self._apply_post(plan, g, env, None)
 
@@ -1116,7 +1132,7 @@ class LeafReport:
     path: str
     shape: tuple[int, ...]
     path_taken: str  # "factorized" | "chunked" | "fallback"
-    route: str  # "rank-one" | "sequence" | "per-token" | "fallback"
+    route: str  # "rank-one" | "sequence" | "per-token" | "constant" | "fallback"
     reason: str
     methods: dict[str, str]  # per ingredient ("mean", "sq_mean", "norms", ...): how computed
 

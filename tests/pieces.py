@@ -107,6 +107,25 @@ def eqx_loss(p: Any, ex: Any, tokenwise: bool = False) -> jax.Array:
     return jnp.sum((p(x) - y) ** 2)
 
 
+def control_flow_loss(p: Any, ex: Any, tokenwise: bool = False) -> jax.Array:
+    """cond, a fori loop (scan), a data-independent regularizer and an unused parameter."""
+    x, y = ex
+    h = jax.lax.cond(
+        jnp.sum(x) > 0, lambda z: jnp.sin(p["w"] @ z), lambda z: jnp.cos(p["w"] @ z), x
+    )
+    h = jax.lax.fori_loop(0, 2, lambda i, z: z * p["decay"], h)
+    penalty = jnp.sum(p["reg"] ** 2) + 0.0 * jnp.sum(p["unused"])
+    return jnp.sum((h - y) ** 2) + penalty
+
+
+def conv_scan_loss(p: Any, ex: Any, tokenwise: bool = False) -> jax.Array:
+    """A 1-d convolution, then stacked layers applied with lax.scan."""
+    x, y = ex
+    h = jax.lax.conv_general_dilated(x.T[None], p["kernel"], (1,), "SAME")[0]
+    h, _ = jax.lax.scan(lambda z, w: (jnp.tanh(w @ z), None), h.sum(1), p["stack"])
+    return jnp.sum((h[:D_OUT] - y) ** 2)
+
+
 # -- sequence pieces: weights applied at every position --------------------------------------
 
 
@@ -219,6 +238,28 @@ PIECES = [
         lambda k: EqxMLP(k),
         eqx_loss,
         lambda k, b: _regression_batch(k, b, (D_IN,), (D_OUT,)),
+        False,
+    ),
+    Piece(
+        "control_flow",
+        lambda k: {
+            **_dense(k, D_OUT, D_IN, bias=False),
+            "decay": jnp.asarray(0.9),
+            "reg": _normal(jax.random.fold_in(k, 1), 2),
+            "unused": jnp.ones(3),
+        },
+        control_flow_loss,
+        lambda k, b: _regression_batch(k, b, (D_IN,), (D_OUT,)),
+        False,
+    ),
+    Piece(
+        "conv_scan",
+        lambda k: {
+            "kernel": _normal(k, D_HID, D_IN, 3) / 3.0,
+            "stack": _normal(jax.random.fold_in(k, 1), 2, D_HID, D_HID) / np.sqrt(D_HID),
+        },
+        conv_scan_loss,
+        lambda k, b: _regression_batch(k, b, (T, D_IN), (D_OUT,)),
         False,
     ),
     Piece(
