@@ -654,13 +654,17 @@ class _GradientProgram:
                 plan.reason = "scatter-add that is not one row per position"
         elif name == "scatter-add" and _is_row_scatter(core):
             plan.reason = "embedding rows: repeated tokens add up before φ"
+        elif name == "reduce_sum":
+            plan.reason = "a sum of small terms (bias, norm scale): exact per example"
         else:
             plan.reason = f"final operation '{name}' has no factorized rule"
         if plan.route == "fallback":
             if self.granularity == "token":
                 raise ValueError(
                     f"granularity='token': cannot split the gradient of params{path} "
-                    f"(shape {shape}) into per-position contributions: {plan.reason}"
+                    f"(shape {shape}) into per-position contributions: {plan.reason}. "
+                    "Per-token statistics need every parameter applied position-wise (an untied "
+                    "output head); granularity='example' works for any model"
                 )
             plan.tail = self._exclusive_tail(out_var)
             if not plan.tail and core is not None and self._is_batched(core_var):
@@ -696,55 +700,120 @@ class _GradientProgram:
             return ()
         return (plan.core, *(s.eqn for s in plan.post))
 
-    def _interface(self) -> list[Any]:
-        """Variables the tails read that the head must provide."""
-        seen: dict[Any, None] = {}
-        for plan in self.plans:
-            eqns = self._tail_eqns(plan)
-            produced = {v for e in eqns for v in e.outvars}
-            for eqn in eqns:
-                for v in eqn.invars:
-                    if isinstance(v, jcore.Var) and v not in produced:
-                        seen[v] = None
-            if not eqns and isinstance(plan.out_var, jcore.Var):
-                seen[plan.out_var] = None
-        return list(seen)
+    def _leaf_interface(self, plan: _LeafPlan) -> list[Any]:
+        """Variables the leaf's tail reads that the head must provide."""
+        eqns = self._tail_eqns(plan)
+        produced = {v for e in eqns for v in e.outvars}
+        found = {
+            v: None
+            for e in eqns
+            for v in e.invars
+            if isinstance(v, jcore.Var) and v not in produced
+        }
+        if not eqns and isinstance(plan.out_var, jcore.Var):
+            found[plan.out_var] = None
+        return list(found)
 
-    def _run_head(self, params: PyTree, batch: PyTree, seed: float) -> tuple[Array, dict, dict]:
+    def _run_head(
+        self,
+        params: PyTree,
+        batch: PyTree,
+        seed: float,
+        on_ready: Callable[[list[int], dict], dict] | None = None,
+    ) -> tuple[Array, dict, dict, dict]:
         """Losses [B] and the interface variables: batched ones with a leading B, others once.
 
-        Every gradient-side value is that of the loss scaled by `seed`."""
-        interface = self._interface()
-        batched = [v for v in interface if v in self.batched]
-        unbatched = [v for v in interface if v not in self.batched]
-        roots = [self.outvars[0], *interface]
-        needed: set[Any] = {v for v in roots if isinstance(v, jcore.Var)}
+        Every gradient-side value is that of the loss scaled by `seed`. With `on_ready`, the head
+        runs in segments and `on_ready(leaves, values) -> results` is called as soon as those
+        leaves' inputs exist; an optimization barrier then makes the rest of the backward pass
+        wait for `results`, so that each leaf's statistics are computed where plain grad computes
+        its gradient and the activations they read die as early as they do there. Returns the
+        losses, the interface values and all results."""
+        interfaces = [self._leaf_interface(plan) for plan in self.plans]
+        interface = list(dict.fromkeys(v for vs in interfaces for v in vs))
+        needed: set[Any] = {v for v in [self.outvars[0], *interface] if isinstance(v, jcore.Var)}
         head: list[Any] = []
         for eqn in reversed(self.jaxpr.eqns):
             if any(v in needed for v in eqn.outvars):
                 head.append(eqn)
                 needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
         head.reverse()
-        param_leaves = jax.tree.leaves(params)
-        seed_value = jnp.asarray(seed, self.seed_dtype)
 
-        def one_example(example: PyTree) -> tuple[Any, list[Any], list[Any]]:
-            env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-            inputs = [*param_leaves, *jax.tree.leaves(example), seed_value]
-            env.update(zip(self.jaxpr.invars, inputs, strict=True))
-            _eval_eqns(head, env)
-            return (
-                _read(env, self.outvars[0]),
-                [env[v] for v in batched],
-                [_read(env, v) for v in unbatched],
-            )
+        position = {id(eqn): k for k, eqn in enumerate(head)}
+        ready_at = [
+            max((position[id(self.producer[v])] for v in vs if v in self.producer), default=-1)
+            for vs in interfaces
+        ]
+        cuts = sorted(set(ready_at)) if on_ready is not None else []
+        last_use: dict[Any, int] = {v: len(head) for v in [self.outvars[0], *interface]}
+        for k, eqn in enumerate(head):
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var):
+                    last_use[v] = max(last_use.get(v, -1), k)
 
-        losses, batched_vals, unbatched_vals = jax.vmap(one_example, out_axes=(0, 0, None))(batch)
+        values: dict = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+        inputs = [
+            *jax.tree.leaves(params),
+            *jax.tree.leaves(batch),
+            jnp.asarray(seed, self.seed_dtype),
+        ]
+        values.update(zip(self.jaxpr.invars, inputs, strict=True))
+        start = 0
+        results: dict = {}
+        for cut in sorted({*cuts, len(head) - 1}):
+            segment = head[start : cut + 1]
+            if segment:
+                self._run_segment(segment, values, cut, last_use)
+            start = max(start, cut + 1)
+            ready = [i for i, r in enumerate(ready_at) if r == cut]
+            if on_ready is not None and ready:
+                new = on_ready(ready, values)
+                live = [v for v in values if last_use.get(v, -1) > cut]
+                new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
+                values.update(zip(live, kept, strict=True))
+                results.update(new)
         return (
-            losses,
-            dict(zip(batched, batched_vals, strict=True)),
-            dict(zip(unbatched, unbatched_vals, strict=True)),
+            values[self.outvars[0]],
+            {v: values[v] for v in interface if v in self.batched},
+            {v: _read(values, v) for v in interface if v not in self.batched},
+            results,
         )
+
+    def _run_segment(self, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
+        """Evaluate head equations batched (vmap over the example axis), adding to `values`
+        every result used after position `end`."""
+        produced = {v for e in segment for v in e.outvars}
+        reads = list(
+            dict.fromkeys(
+                v
+                for e in segment
+                for v in e.invars
+                if isinstance(v, jcore.Var) and v not in produced
+            )
+        )
+        reads_b = [v for v in reads if v in self.batched]
+        reads_u = [v for v in reads if v not in self.batched]
+        outs = [v for v in produced if last_use.get(v, -1) > end]
+        outs_b = [v for v in outs if v in self.batched]
+        outs_u = [v for v in outs if v not in self.batched]
+
+        if not reads_b:  # nothing here depends on the example
+            env = {v: values[v] for v in reads_u}
+            _eval_eqns(segment, env)
+            values.update((v, env[v]) for v in outs)
+            return
+
+        def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list]:
+            env = dict(zip(reads_b, batched_in, strict=True))
+            env.update(zip(reads_u, unbatched_in, strict=True))
+            _eval_eqns(segment, env)
+            return [env[v] for v in outs_b], [env[v] for v in outs_u]
+
+        got_b, got_u = jax.vmap(one_example, in_axes=(0, None), out_axes=(0, None))(
+            [values[v] for v in reads_b], [values[v] for v in reads_u]
+        )
+        values.update(zip(outs_b, got_b, strict=True))
+        values.update(zip(outs_u, got_u, strict=True))
 
     # -- per-unit gradients of one leaf (the token reference, the chunked fallbacks) -----------
 
@@ -804,7 +873,7 @@ class _GradientProgram:
     def per_token(self, params: PyTree, example: PyTree) -> tuple[Array, PyTree]:
         """Token-granularity reference for one example: loss and per-position contributions."""
         batch = jax.tree.map(lambda x: x[None], example)
-        losses, batched, unbatched = self._run_head(params, batch, 1.0)
+        losses, batched, unbatched, _ = self._run_head(params, batch, 1.0)
         env = {**{v: x[0] for v, x in batched.items()}, **unbatched}
         grads = [self._per_unit(plan, env) for plan in self.plans]
         return losses[0], jax.tree.unflatten(self.param_tree, grads)
@@ -822,38 +891,43 @@ class _GradientProgram:
     ) -> tuple[Float[Array, ""], Stats]:
         token = self.granularity == "token"
         n_units = n_examples * (self.n_positions if token else 1)
-        # Everything below sees g_u / units, the per-unit gradients of the mean loss.
-        losses, batched, unbatched = self._run_head(params, batch, 1.0 / n_units)
-        env = {**batched, **unbatched}
         mean_names = _needed_means(stats)
         need_norms = "sq_norms" in stats or "clipped_mean" in stats
-        means: dict[str, list[Any]] = {k: [None] * self.n_params for k in mean_names}
-        norm_parts: list[Array] = []
         chunked: dict[int, set[str]] = {}  # leaf -> what the chunk loop must compute for it
 
-        for i, plan in enumerate(self.plans):
-            plan.methods = {}
-            for name in mean_names:
-                value = self._factored_mean(plan, env, name, n_units)
-                if value is None:
-                    chunked.setdefault(i, set()).add(name)
-                    plan.methods[name] = "chunked"
-                else:
-                    means[name][i] = value
-                    plan.methods[name] = "factorized"
-            if need_norms:
-                norms = self._factored_norms(plan, env)
-                if norms is None:
-                    chunked.setdefault(i, set()).add("norms")
-                    plan.methods["norms"] = "chunked"
-                else:
-                    norm_parts.append(norms)
-                    plan.methods["norms"] = "factorized"
-            if "clipped_mean" in stats:
-                linear = plan.route != "fallback"
-                plan.methods["clipped"] = "factorized" if linear else "chunked"
-                if not linear:
-                    chunked.setdefault(i, set()).add("clipped")
+        def on_ready(leaves: list[int], env: dict) -> dict:
+            results = {}
+            for i in leaves:
+                plan = self.plans[i]
+                plan.methods = {}
+                for name in mean_names:
+                    value = self._factored_mean(plan, env, name, n_units)
+                    if value is None:
+                        chunked.setdefault(i, set()).add(name)
+                    else:
+                        results[name, i] = value
+                    plan.methods[name] = "chunked" if value is None else "factorized"
+                if need_norms:
+                    norms = self._factored_norms(plan, env)
+                    if norms is None:
+                        chunked.setdefault(i, set()).add("norms")
+                    else:
+                        results["norms", i] = norms
+                    plan.methods["norms"] = "chunked" if norms is None else "factorized"
+                if "clipped_mean" in stats:
+                    linear = plan.route != "fallback"
+                    plan.methods["clipped"] = "factorized" if linear else "chunked"
+                    if not linear:
+                        chunked.setdefault(i, set()).add("clipped")
+            return results
+
+        # Everything below sees g_u / units, the per-unit gradients of the mean loss.
+        losses, batched, unbatched, results = self._run_head(params, batch, 1.0 / n_units, on_ready)
+        env = {**batched, **unbatched}
+        means: dict[str, list[Any]] = {
+            k: [results.get((k, i)) for i in range(self.n_params)] for k in mean_names
+        }
+        norm_parts = [results["norms", i] for i in range(self.n_params) if ("norms", i) in results]
 
         chunk = self._chunk(chunk_size, chunked, n_examples)
         loop_sums, loop_norms = self._chunk_loop(chunked, batched, unbatched, chunk, n_examples)
@@ -894,6 +968,13 @@ class _GradientProgram:
             indices = jnp.broadcast_to(indices, (updates.shape[0], *indices.shape))
         return operand, indices, updates
 
+    def _factors(self, core: Any, env: dict, dtype: Any) -> tuple[Array, Array]:
+        """δ and x of a dense weight's gradient. The barrier keeps XLA from computing φ(x)
+        during the forward pass and holding it until the backward pass needs it: with it,
+        φ(x) and φ(δ) live only around their matmul."""
+        a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
+        return jax.lax.optimization_barrier((a, b))
+
     def _leaf_dtype(self, plan: _LeafPlan) -> Any:
         return stat_dtype(self.param_dtypes[self.paths.index(plan.path)])
 
@@ -923,7 +1004,7 @@ class _GradientProgram:
         core = plan.core
         name = core.primitive.name
         if name == "dot_general":
-            a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
+            a, b = self._factors(core, env, dtype)
             ua, ub = self._units_axes(plan)
             _, _, lb, rb = _dot_parts(core)
             dn = ((ua, ub), (tuple(d + 1 for d in lb), tuple(d + 1 for d in rb)))
@@ -964,7 +1045,7 @@ class _GradientProgram:
         core = plan.core
         name = core.primitive.name
         if name == "dot_general":
-            a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
+            a, b = self._factors(core, env, dtype)
             lc, rc, lb, rb = _dot_parts(core)
             if plan.route == "sequence":
                 return self._gram_norms(core, a, b, scale)
@@ -1004,7 +1085,7 @@ class _GradientProgram:
         name = core.primitive.name
         n_examples = self.n_examples
         if name == "dot_general":
-            a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
+            a, b = self._factors(core, env, dtype)
             lc, _, _, _ = _dot_parts(core)
             weights = weights.astype(dtype)
             if plan.route == "per-token":

@@ -1,0 +1,358 @@
+"""optimizers.py against optax and against its SPEC §4 formulas, at float64.
+
+Every optimizer runs on the statistics of pegrad.value_and_grad_stats with impl="vmap" and with
+impl="factorized"; the two trajectories must agree, and both must match a from-scratch numpy
+implementation of the optimizer's formula fed by a naive per-example loop (jax.grad on one
+example at a time), which never touches pegrad.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optimizers
+
+Impl = Literal["vmap", "factorized"]
+IMPLS: tuple[Impl, ...] = ("vmap", "factorized")
+STEPS = 10
+LR = 1e-2
+ADAM_FAMILY = ("adam", "micro_adam", "micro_adam_var", "micro_adam_msq")
+SIGN_FAMILY = ("micro_sign_sgd", "sign_sgd", "sign_ema")
+NAMES = ADAM_FAMILY + SIGN_FAMILY
+# MicroAdamMSQ's preconditioner √ReLU(v̂) is ~0 wherever the noise hides the mean; with ε = 1e-8
+# that blows the toy problems up, and exploding trajectories compare nothing.
+HPARAMS: dict[str, dict[str, Any]] = {"micro_adam_msq": {"eps": 1e-1}}
+
+
+# --------------------------------------------------------------------------------------------
+# Two small models, loss of ONE example (SPEC §1).
+
+
+def mlp_loss(params: dict, example: dict) -> jax.Array:
+    h = jnp.tanh(example["x"] @ params["w1"] + params["b1"])
+    return 0.5 * jnp.sum((h @ params["w2"] + params["b2"] - example["y"]) ** 2)
+
+
+def seq_loss(params: dict, example: dict) -> jax.Array:
+    """A dense layer at every position of a [T, d] input, plus a bias; mean over positions."""
+    h = jnp.tanh(example["x"] @ params["w"] + params["b"])
+    return jnp.mean((h @ params["v"] - example["y"]) ** 2)
+
+
+def problem(model: str, batch_size: int = 5, dtype: Any = jnp.float64, seed: int = 0):
+    """(loss_fn, params, batches): STEPS different batches of `batch_size` examples."""
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    if model == "mlp":
+        params = {"w1": arr(4, 6), "b1": arr(6), "w2": arr(6, 3), "b2": arr(3)}
+        batches = [{"x": arr(batch_size, 4), "y": arr(batch_size, 3)} for _ in range(STEPS)]
+        return mlp_loss, params, batches
+    params = {"w": arr(3, 5), "b": arr(5), "v": arr(5)}
+    batches = [{"x": arr(batch_size, 4, 3), "y": arr(batch_size, 4)} for _ in range(STEPS)]
+    return seq_loss, params, batches
+
+
+def make(name: str, learning_rate: Any = LR, **options: Any) -> optimizers.StatsOptimizer:
+    return getattr(optimizers, name)(learning_rate, **{**HPARAMS.get(name, {}), **options})
+
+
+def run(step: Callable, opt: optimizers.StatsOptimizer, params: dict, batches: list) -> list:
+    state = opt.init(params)
+    trajectory = []
+    for batch in batches:
+        params, state, _, _ = step(params, state, batch)
+        trajectory.append(jax.tree.map(np.asarray, params))
+    return trajectory
+
+
+# XLA compiles slowly on small CPUs, so each (optimizer, model, impl) step compiles once and is
+# shared between tests.
+@functools.cache
+def train_step(name: str, model: str, impl: Impl) -> Callable:
+    return optimizers.make_train_step(problem(model)[0], make(name), impl=impl)
+
+
+@functools.cache
+def trajectory(name: str, model: str, impl: Impl) -> list:
+    _, params, batches = problem(model)
+    return run(train_step(name, model, impl), make(name), params, batches)
+
+
+def run_optax(tx: optax.GradientTransformation, loss_fn: Callable, params: dict, batches: list):
+    """The optax baseline on jax.grad of the mean loss (optax itself is not strict-clean)."""
+
+    def mean_loss(p: dict, batch: dict) -> jax.Array:
+        return jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0))(p, batch))
+
+    @jax.jit
+    def step(p: dict, s: Any, batch: dict) -> tuple[Any, Any]:
+        updates, s = tx.update(jax.grad(mean_loss)(p, batch), s, p)
+        return optax.apply_updates(p, updates), s
+
+    trajectory = []
+    with jax.numpy_dtype_promotion("standard"):
+        state = tx.init(params)
+        for batch in batches:
+            params, state = step(params, state, batch)
+            trajectory.append(jax.tree.map(np.asarray, params))
+    return trajectory
+
+
+def assert_trajectories_close(a: list, b: list, rtol: float = 1e-10, atol: float = 1e-12):
+    assert len(a) == len(b)
+    for t, (pa, pb) in enumerate(zip(a, b, strict=True)):
+        for k in pa:
+            np.testing.assert_allclose(pa[k], pb[k], rtol=rtol, atol=atol, err_msg=f"{k} @ {t}")
+
+
+# --------------------------------------------------------------------------------------------
+# The from-scratch reference: a naive per-example loop and SPEC §4's formulas in numpy.
+
+
+@functools.cache
+def _example_grad(loss_fn: Callable) -> Callable:
+    return jax.jit(jax.grad(loss_fn))
+
+
+def per_example_grads(loss_fn: Callable, params: dict, batch: dict) -> dict[str, np.ndarray]:
+    """[B, ...] per leaf: jax.grad on one example at a time."""
+    n = len(next(iter(batch.values())))
+    grads = [
+        _example_grad(loss_fn)(
+            jax.tree.map(jnp.asarray, params), jax.tree.map(lambda x, i=i: x[i], batch)
+        )
+        for i in range(n)
+    ]
+    return {k: np.stack([np.asarray(g[k]) for g in grads]) for k in params}
+
+
+def reference(
+    name: str,
+    loss_fn: Callable,
+    params: dict,
+    batches: list,
+    learning_rate: float = LR,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    momentum: float | None = None,
+    weight_decay: float = 0.0,
+    max_grad_norm: float | None = None,
+) -> list:
+    eps = HPARAMS.get(name, {}).get("eps", eps)
+    if momentum is None:
+        momentum = 0.9 if name == "sign_ema" else 0.0
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(x) for k, x in p.items()}
+    trajectory = []
+    for t, batch in enumerate(batches, start=1):
+        g = per_example_grads(loss_fn, p, batch)
+        n = len(next(iter(g.values())))
+        gbar = {k: x.mean(0) for k, x in g.items()}
+        c = 1.0
+        if max_grad_norm is not None:
+            c = min(1.0, max_grad_norm / np.sqrt(sum(np.sum(x**2) for x in gbar.values())))
+        for k in p:
+            gi, mean = c * g[k], c * gbar[k]  # clipping scales every per-example gradient
+            if name in ADAM_FAMILY:
+                if name == "adam":
+                    second = mean**2
+                elif name == "micro_adam":
+                    second = np.mean(gi**2, 0)
+                else:
+                    var = np.sum((gi - mean) ** 2, 0) / (n - 1)  # two-pass, as in SPEC §2
+                    second = var if name == "micro_adam_var" else mean**2 - var / n
+                m[k] = b1 * m[k] + (1 - b1) * mean
+                v[k] = b2 * v[k] + (1 - b2) * second
+                v_hat = v[k] / (1 - b2**t)
+                if name == "micro_adam_msq":
+                    v_hat = np.maximum(v_hat, 0.0)
+                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps)
+            else:
+                x = {"micro_sign_sgd": np.mean(np.sign(gi), 0), "sign_sgd": np.sign(mean)}
+                m[k] = momentum * m[k] + (1 - momentum) * x.get(name, mean)
+                direction = np.sign(m[k]) if name == "sign_ema" else m[k]
+            p[k] = p[k] - learning_rate * (direction + weight_decay * p[k])
+        trajectory.append({k: x.copy() for k, x in p.items()})
+    return trajectory
+
+
+# --------------------------------------------------------------------------------------------
+# Equalities
+
+
+@functools.cache
+def optax_adam_trajectory(model: str) -> list:
+    loss_fn, params, batches = problem(model)
+    return run_optax(optax.adam(LR), loss_fn, params, batches)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("model", ["mlp", "seq"])
+def test_adam_matches_optax(model: str, impl: Impl):
+    assert_trajectories_close(trajectory("adam", model, impl), optax_adam_trajectory(model))
+
+
+@pytest.mark.parametrize("model", ["mlp", "seq"])
+@pytest.mark.parametrize("name", NAMES)
+def test_impls_agree_and_match_formula(name: str, model: str):
+    loss_fn, params, batches = problem(model)
+    vmap, factorized = (trajectory(name, model, impl) for impl in IMPLS)
+    assert_trajectories_close(vmap, factorized)
+    assert_trajectories_close(vmap, reference(name, loss_fn, params, batches), rtol=1e-9)
+
+
+def median_grad_norm(model: str) -> float:
+    """A clipping threshold that is active in about half of the steps, so both branches run."""
+    loss_fn, params, batches = problem(model)
+    grads = [per_example_grads(loss_fn, params, batch) for batch in batches]
+    return float(
+        np.median([np.sqrt(sum(np.sum(x.mean(0) ** 2) for x in g.values())) for g in grads])
+    )
+
+
+def test_adam_with_weight_decay_mask_and_clipping_matches_optax():
+    loss_fn, params, batches = problem("mlp")
+    clip = median_grad_norm("mlp")
+    mask = {"w1": True, "b1": False, "w2": True, "b2": False}
+    opt = optimizers.adam(LR, weight_decay=0.1, weight_decay_mask=mask, max_grad_norm=clip)
+    tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(LR, weight_decay=0.1, mask=mask))
+    ours = run(optimizers.make_train_step(loss_fn, opt), opt, params, batches)
+    assert_trajectories_close(ours, run_optax(tx, loss_fn, params, batches))
+
+
+@pytest.mark.parametrize("name", ["micro_adam", "sign_ema"])
+def test_weight_decay_and_clipping_follow_formula(name: str):
+    loss_fn, params, batches = problem("seq")
+    options = {"weight_decay": 0.05, "max_grad_norm": median_grad_norm("seq")}
+    opt = make(name, **options)
+    ours = run(optimizers.make_train_step(loss_fn, opt, impl="factorized"), opt, params, batches)
+    assert_trajectories_close(ours, reference(name, loss_fn, params, batches, **options), 1e-9)
+
+
+def test_optax_schedule_as_learning_rate():
+    loss_fn, params, batches = problem("mlp")
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 3, STEPS)  # lr_1 = schedule(0) = 0
+    opt = optimizers.adam(schedule)
+    ours = run(optimizers.make_train_step(loss_fn, opt), opt, params, batches)
+    assert_trajectories_close(ours, run_optax(optax.adam(schedule), loss_fn, params, batches))
+
+
+def test_chain_and_as_optax_compose_with_optax():
+    loss_fn, params, batches = problem("seq")
+    # chain: optax transforms run on the updates, and the statistics still reach the optimizer.
+    opt = optimizers.chain(optimizers.micro_adam(LR), optax.scale(0.5))
+    ours = run(optimizers.make_train_step(loss_fn, opt), opt, params, batches)
+    want = reference("micro_adam", loss_fn, params, batches, learning_rate=LR / 2)
+    assert_trajectories_close(ours, want, rtol=1e-9)
+    # as_optax: an optimizer reading only "mean" is a drop-in optax optimizer...
+    tx = optimizers.as_optax(optimizers.adam(LR))
+    assert_trajectories_close(run_optax(tx, loss_fn, params, batches), optax_adam_trajectory("seq"))
+    # ...and the others ask for their statistics.
+    wrapped = optimizers.as_optax(optimizers.micro_adam(LR))
+    with pytest.raises(ValueError, match="MicroAdam reads the statistics"):
+        wrapped.update(params, wrapped.init(params), params)
+
+
+# --------------------------------------------------------------------------------------------
+# Edge cases
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batch_of_one_adam_equals_micro_adam(impl: Impl):
+    loss_fn, params, batches = problem("seq", batch_size=1)
+    a, b = optimizers.adam(LR), optimizers.micro_adam(LR)
+    traj_a = run(optimizers.make_train_step(loss_fn, a, impl=impl), a, params, batches)
+    traj_b = run(optimizers.make_train_step(loss_fn, b, impl=impl), b, params, batches)
+    assert_trajectories_close(traj_a, traj_b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["micro_adam_var", "micro_adam_msq"])
+def test_batch_of_one_is_a_clear_error_for_unbiased_estimators(name: str, impl: Impl):
+    loss_fn, params, batches = problem("mlp", batch_size=1)
+    opt = make(name)
+    error = rf"{opt.name} needs at least 2 .* B = 1"
+    stats = {"mean": params, "sq_mean": params, "batch_size": jnp.asarray(1)}
+    with pytest.raises(ValueError, match=error):
+        opt.update(stats, opt.init(params), params)
+    # In a jitted step too, while tracing: pegrad's batch_size is concrete at trace time.
+    step = optimizers.make_train_step(loss_fn, opt, impl=impl)
+    with pytest.raises(ValueError, match=error):
+        step(params, opt.init(params), batches[0])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_gradients_give_no_nan(name: str):
+    _, params, batches = problem("mlp")
+    params = jax.tree.map(jnp.zeros_like, params)
+    batch = jax.tree.map(jnp.zeros_like, batches[0])  # zero input, zero target: zero residual
+    for impl in IMPLS:
+        p, state = params, make(name).init(params)
+        for _ in range(3):
+            p, state, _, stats = train_step(name, "mlp", impl)(p, state, batch)
+        stats.pop("batch_size")
+        assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(stats))
+        for leaf in jax.tree.leaves((p, state)):
+            assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+        assert_trajectories_close([p], [params], rtol=0, atol=0)
+
+
+def _signature(tree: Any) -> list:
+    return [(x.dtype, jax.typeof(x).weak_type, x.shape) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_params_float32_state_stable_dtypes_no_retrace(name: str):
+    traces = []
+
+    def counting_loss(params: dict, example: dict) -> jax.Array:
+        traces.append(1)  # runs only while JAX traces
+        return mlp_loss(params, example)
+
+    # bf16 parameters under x64: the moments must stay float32 (not bf16, not float64 through
+    # a Python float), with no weak types, or step 2 would retrace.
+    _, params, batches = problem("mlp", dtype=jnp.bfloat16)
+    opt = make(name, weight_decay=0.01)
+    step = optimizers.make_train_step(counting_loss, opt, impl="factorized")
+    state = opt.init(params)
+    before = _signature(state), _signature(params)
+    params, state, loss, stats = step(params, state, batches[0])
+    traced_once = len(traces)
+    assert traced_once > 0
+    stats.pop("batch_size")
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(stats))
+    for batch in batches[1:4]:
+        params, state, loss, _ = step(params, state, batch)
+        assert (_signature(state), _signature(params)) == before
+    assert len(traces) == traced_once
+    assert step._cache_size() == 1  # pyright: ignore[reportFunctionMemberAccess]
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    assert state.count.dtype == jnp.int32 and int(state.count) == 4
+    moments = jax.tree.leaves(state[1:])
+    assert moments and all(x.dtype == jnp.float32 for x in moments)
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(params))
+    assert np.isfinite(float(loss))
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="MicroAdam: b1 must lie in"):
+        optimizers.micro_adam(LR, b1=1.0)
+    with pytest.raises(ValueError, match="SignEMA: max_grad_norm must be > 0"):
+        optimizers.sign_ema(LR, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="SignSGD: momentum must lie in"):
+        optimizers.sign_sgd(LR, momentum=-0.1)
+    opt = optimizers.micro_sign_sgd(LR)
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"MicroSignSGD needs the statistics \('sign_mean',\)"):
+        opt.update({"mean": params, "batch_size": jnp.asarray(4)}, opt.init(params), params)
