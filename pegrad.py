@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 from jaxtyping import Array, Float, PyTree
 
@@ -438,7 +439,7 @@ class _LeafPlan:
 
     path: str
     shape: tuple[int, ...]
-    route: str  # "rank-one" | "sequence" | "per-token" | "constant" | "fallback"
+    route: str  # "rank-one" | "sequence" | "per-token" | "rows" | "constant" | "fallback"
     reason: str
     core: Any = None  # the eqn whose output, after `post`, is the per-unit gradient
     post: tuple[_Step, ...] = ()
@@ -569,6 +570,40 @@ class _GradientProgram:
             if any(not isinstance(v, jcore.Literal) and v in self.batched for v in eqn.invars):
                 self.batched.update(eqn.outvars)
         self.outvars = list(jaxpr.outvars)
+        # Static: computable from constants alone, before any input is known.
+        self.static: set[Any] = set(jaxpr.constvars)
+        for eqn in jaxpr.eqns:
+            if not eqn.effects and all(
+                isinstance(v, jcore.Literal) or v in self.static for v in eqn.invars
+            ):
+                self.static.update(eqn.outvars)
+
+    def _static_value(self, var: Any) -> Any:
+        """The concrete value of a static variable (e.g. position indices from iota)."""
+        wanted, eqns = {var}, []
+        for eqn in reversed(self.jaxpr.eqns):
+            if any(v in wanted for v in eqn.outvars):
+                eqns.append(eqn)
+                wanted.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+        with jax.ensure_compile_time_eval():
+            _eval_eqns(eqns[::-1], env)
+        return env[var]
+
+    def _distinct_rows(self, core: Any) -> bool:
+        """A scatter whose indices are static and, after clamping, all different: each
+        example's gradient rows are disjoint, so φ applies row by row."""
+        indices = core.invars[1]
+        if indices not in self.static:
+            return False
+        idx = np.asarray(self._static_value(indices)).reshape(-1, indices.aval.shape[-1])
+        dn = core.params["dimension_numbers"]
+        operand, updates = core.invars[0].aval.shape, core.invars[2].aval.shape
+        window = iter(updates[1:])
+        sizes = [1 if d in dn.inserted_window_dims else next(window) for d in range(len(operand))]
+        limits = [operand[d] - sizes[d] for d in dn.scatter_dims_to_operand_dims]
+        idx = np.clip(idx, 0, np.asarray(limits))
+        return len(np.unique(idx, axis=0)) == len(idx)
 
     def _is_batched(self, var: Any) -> bool:
         return not isinstance(var, jcore.Literal) and var in self.batched
@@ -653,7 +688,11 @@ class _GradientProgram:
             else:
                 plan.reason = "scatter-add that is not one row per position"
         elif name == "scatter-add" and _is_row_scatter(core):
-            plan.reason = "embedding rows: repeated tokens add up before φ"
+            if not self._is_batched(core.invars[0]) and self._distinct_rows(core):
+                plan.route = "rows"
+                plan.reason = "embedding rows at fixed distinct indices (positions): disjoint"
+            else:
+                plan.reason = "embedding rows: repeated tokens add up before φ"
         elif name == "reduce_sum":
             plan.reason = "a sum of small terms (bias, norm scale): exact per example"
         else:
@@ -851,7 +890,7 @@ class _GradientProgram:
             _eval_eqns(plan.tail, local)
             return jnp.asarray(_read(local, plan.out_var), dtype)[None]
         operands = [_read(env, v) for v in core.invars]
-        if plan.route in ("rank-one", "sequence"):
+        if plan.route in ("rank-one", "sequence", "rows"):
             (g,) = _bind(core, operands)
             return self._apply_post(plan, g.astype(dtype), env, None)[None]
         name = core.primitive.name
@@ -1059,7 +1098,8 @@ class _GradientProgram:
             axis = core.params["axes"][0] + 1
             return _sum_except(z * z, (0, axis)) * scale
         updates = _read(env, core.invars[2]).astype(dtype)
-        return _sum_except(updates * updates, (0, 1)) * scale
+        keep = (0, 1) if plan.route == "per-token" else (0,)
+        return _sum_except(updates * updates, keep) * scale
 
     def _gram_norms(self, core: Any, a: Array, b: Array, scale: Array) -> Array | None:
         """‖Σ_t a_t ⊗ b_t‖² = ⟨A Aᵀ, B Bᵀ⟩ per example, when the Grams are the smaller tensors."""
@@ -1108,7 +1148,9 @@ class _GradientProgram:
         else:
             operand, indices, updates = self._scatter_operands(core, env)
             upd = updates.astype(dtype).reshape(-1, *updates.shape[2:])
-            upd = upd * weights.astype(dtype).reshape(-1, *[1] * (upd.ndim - 1))
+            # One weight per row: per token, or per example repeated over its rows.
+            rows = jnp.broadcast_to(weights.reshape(updates.shape[0], -1), updates.shape[:2])
+            upd = upd * rows.reshape(-1, *[1] * (upd.ndim - 1)).astype(dtype)
             g = _scatter_rows(core, operand.shape, indices.reshape(-1, indices.shape[-1]), upd)
         return self._apply_post(plan, g, env, None)
 
@@ -1213,7 +1255,7 @@ class LeafReport:
     path: str
     shape: tuple[int, ...]
     path_taken: str  # "factorized" | "chunked" | "fallback"
-    route: str  # "rank-one" | "sequence" | "per-token" | "constant" | "fallback"
+    route: str  # "rank-one" | "sequence" | "per-token" | "rows" | "constant" | "fallback"
     reason: str
     methods: dict[str, str]  # per ingredient ("mean", "sq_mean", "norms", ...): how computed
 

@@ -98,6 +98,13 @@ def test_explain_names_the_path_of_every_leaf():
     }
     assert tokens["['w']"].path_taken == "factorized" and tokens["['b']"].path_taken == "factorized"
 
+    emb = next(p for p in PIECES if p.name == "embedding")
+    params = emb.init(jax.random.key(0))
+    batch = emb.example(jax.random.key(1), 3)
+    rows = {r.path: r for r in pegrad.explain(emb.loss, params, batch, ("sq_mean",))}
+    assert rows["['pos']"].route == "rows" and rows["['pos']"].path_taken == "factorized"
+    assert rows["['emb']"].path_taken == "fallback"  # a token may repeat within an example
+
 
 def _memory(fn, *args) -> int:
     analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
