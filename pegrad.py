@@ -445,6 +445,7 @@ class _LeafPlan:
     post: tuple[_Step, ...] = ()
     out_var: Any = None
     tail: tuple[Any, ...] = ()  # fallback: the leaf's exclusive gradient tail, in order
+    terms: tuple["_LeafPlan", ...] = ()  # per-token-sum: per-token parts added up
     methods: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -645,6 +646,50 @@ class _GradientProgram:
     def _plan_leaf(self, i: int) -> _LeafPlan:
         out_var = self.outvars[1 + i]
         path, shape = self.paths[i], self.param_shapes[i]
+        plan = self._plan_term(path, shape, out_var)
+        if self.granularity == "token" and plan.route == "fallback":
+            terms = self._token_terms(path, shape, out_var, ())
+            if terms is not None and len(terms) > 1:
+                reason = f"{len(terms)} per-position contributions added (e.g. a tied embedding)"
+                plan = _LeafPlan(path, shape, "per-token-sum", reason, out_var=out_var)
+                plan.terms = tuple(terms)
+        if plan.route == "fallback":
+            if self.granularity == "token":
+                raise ValueError(
+                    f"granularity='token': cannot split the gradient of params{path} "
+                    f"(shape {shape}) into per-position contributions: {plan.reason}. "
+                    "Per-token statistics need every use of a parameter to be position-wise; "
+                    "granularity='example' works for any model"
+                )
+            plan.tail = self._exclusive_tail(out_var)
+            if not plan.tail and plan.core is not None and self._is_batched(out_var):
+                plan.reason = f"per-example gradient is a backward-pass value (B × {plan.size})"
+        return plan
+
+    def _token_terms(
+        self, path: str, shape: tuple, var: Any, outer: tuple[_Step, ...]
+    ) -> list[_LeafPlan] | None:
+        """Split a sum of per-position contributions into its terms (layout and scaling ops
+        after the sum are linear, so each term takes them too), or None."""
+        core_var, post = self._walk_post(var)
+        core = self.producer.get(core_var) if isinstance(core_var, jcore.Var) else None
+        post = (*post, *outer)
+        if core is not None and core.primitive.name == "add_any":
+            terms: list[_LeafPlan] = []
+            for operand in core.invars:
+                sub = self._token_terms(path, shape, operand, post)
+                if sub is None:
+                    return None
+                terms += sub
+            return terms
+        term = self._plan_term(path, shape, var)
+        if term.route != "per-token":
+            return None
+        term.post = (*term.post, *outer)
+        return [term]
+
+    def _plan_term(self, path: str, shape: tuple, out_var: Any) -> _LeafPlan:
+        """Recognize the final operation of a gradient (see the table in the README)."""
         core_var, post = self._walk_post(out_var)
         core = self.producer.get(core_var) if isinstance(core_var, jcore.Var) else None
         plan = _LeafPlan(path, shape, "fallback", "", core=core, post=tuple(post), out_var=out_var)
@@ -697,17 +742,6 @@ class _GradientProgram:
             plan.reason = "a sum of small terms (bias, norm scale): exact per example"
         else:
             plan.reason = f"final operation '{name}' has no factorized rule"
-        if plan.route == "fallback":
-            if self.granularity == "token":
-                raise ValueError(
-                    f"granularity='token': cannot split the gradient of params{path} "
-                    f"(shape {shape}) into per-position contributions: {plan.reason}. "
-                    "Per-token statistics need every parameter applied position-wise (an untied "
-                    "output head); granularity='example' works for any model"
-                )
-            plan.tail = self._exclusive_tail(out_var)
-            if not plan.tail and core is not None and self._is_batched(core_var):
-                plan.reason = f"per-example gradient is a backward-pass value (B × {plan.size})"
         return plan
 
     def _exclusive_tail(self, out_var: Any) -> tuple[Any, ...]:
@@ -737,6 +771,8 @@ class _GradientProgram:
             return plan.tail
         if plan.route == "constant":
             return ()
+        if plan.route == "per-token-sum":
+            return tuple(e for term in plan.terms for e in self._tail_eqns(term))
         return (plan.core, *(s.eqn for s in plan.post))
 
     def _leaf_interface(self, plan: _LeafPlan) -> list[Any]:
@@ -889,6 +925,9 @@ class _GradientProgram:
             local = dict(env)
             _eval_eqns(plan.tail, local)
             return jnp.asarray(_read(local, plan.out_var), dtype)[None]
+        if plan.route == "per-token-sum":
+            parts = [self._per_unit(term, env) for term in plan.terms]
+            return sum(parts[1:], parts[0])
         operands = [_read(env, v) for v in core.invars]
         if plan.route in ("rank-one", "sequence", "rows"):
             (g,) = _bind(core, operands)
@@ -1008,11 +1047,16 @@ class _GradientProgram:
         return operand, indices, updates
 
     def _factors(self, core: Any, env: dict, dtype: Any) -> tuple[Array, Array]:
-        """δ and x of a dense weight's gradient. The barrier keeps XLA from computing φ(x)
-        during the forward pass and holding it until the backward pass needs it: with it,
-        φ(x) and φ(δ) live only around their matmul."""
+        """δ and x of a dense weight's gradient, x made to depend on δ.
+
+        x exists from the forward pass, δ only in the backward pass. Left alone, XLA fuses φ(x)
+        into the forward pass and holds it until the backward pass needs it (an extra
+        activation per layer); adding zero times one entry of δ gives φ(x) a data dependency
+        on δ, so φ(x) and φ(δ) live only around their matmul. (XLA:CPU drops optimization
+        barriers before it schedules.) A non-finite δ poisons the statistic, as it would
+        anyway."""
         a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
-        return jax.lax.optimization_barrier((a, b))
+        return a, b + a.reshape(-1)[0] * 0.0
 
     def _leaf_dtype(self, plan: _LeafPlan) -> Any:
         return stat_dtype(self.param_dtypes[self.paths.index(plan.path)])
@@ -1036,6 +1080,15 @@ class _GradientProgram:
 
         if plan.route == "fallback" or (plan.route == "sequence" and not linear):
             return None
+        if plan.route == "per-token-sum":  # only a linear statistic splits over the terms
+            if not linear:
+                return None
+            total = jnp.zeros(plan.shape, self._leaf_dtype(plan))
+            for term in plan.terms:
+                part = self._factored_mean(term, env, stat, n_units)
+                assert part is not None  # every term is per-token, so linear stats factorize
+                total = total + part
+            return total
         dtype = self._leaf_dtype(plan)
         if plan.route == "constant":  # the same g for every unit
             g = _read(env, plan.out_var).astype(dtype) * float(n_units)  # undo the seed
@@ -1072,7 +1125,7 @@ class _GradientProgram:
 
     def _factored_norms(self, plan: _LeafPlan, env: dict) -> Array | None:
         """Per-unit ‖g_unit‖² of one leaf, shaped [B] or [B, T], or None."""
-        if plan.route == "fallback":
+        if plan.route in ("fallback", "per-token-sum"):
             return None
         dtype = self._leaf_dtype(plan)
         if plan.route == "constant":
@@ -1117,6 +1170,9 @@ class _GradientProgram:
 
     def _factored_clipped(self, plan: _LeafPlan, env: dict, weights: Array) -> Array:
         """Σ_units w_unit g_unit with the unit weights folded into one factor: (w∘Δ)ᵀX."""
+        if plan.route == "per-token-sum":
+            parts = [self._factored_clipped(term, env, weights) for term in plan.terms]
+            return sum(parts[1:], parts[0])
         dtype = self._leaf_dtype(plan)
         if plan.route == "constant":
             g = _read(env, plan.out_var).astype(dtype)
@@ -1165,22 +1221,9 @@ class _GradientProgram:
 
     def _loop_inputs(self, leaves: Sequence[int], batched: dict) -> tuple[list, list]:
         """The batched interface variables the tails of `leaves` read, and their values."""
-        needed: set[Any] = set()
-        for i in leaves:
-            plan = self.plans[i]
-            eqns = self._tail_eqns(plan)
-            produced = {v for e in eqns for v in e.outvars}
-            needed.update(
-                v for e in eqns for v in e.invars if isinstance(v, jcore.Var) and v not in produced
-            )
-            if not eqns:
-                needed.add(plan.out_var)
+        needed = {v for i in leaves for v in self._leaf_interface(self.plans[i])}
         keys = [v for v in batched if v in needed]
         return keys, [batched[v] for v in keys]
-
-    def _per_example(self, i: int, env: dict) -> Array:
-        """One example's gradient of leaf i, computed from its interface values."""
-        return self._per_unit(self.plans[i], env)[0]
 
     def _chunk_loop(
         self,
@@ -1191,10 +1234,11 @@ class _GradientProgram:
         n: int,
         factors: Array | None = None,
     ) -> tuple[dict[int, dict[str, Array]], Array | None]:
-        """Per-example gradients of the `chunked` leaves, `chunk` examples at a time.
+        """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time.
 
-        Returns per leaf the sums it needs, and the per-example squared norms of those leaves
-        (None if none needs them). With `factors`, returns per leaf Σ_i factors_i g_i instead."""
+        Returns per leaf the φ-sums it needs, and the per-unit squared norms of those leaves,
+        shaped [B, units per example] (None if no leaf needs them). With `factors` (one per
+        unit), returns per leaf Σ_u factors_u g_u instead."""
         if factors is None:
             leaves = list(chunked)
         else:
@@ -1203,28 +1247,36 @@ class _GradientProgram:
             return {}, None
         keys, values = self._loop_inputs(leaves, batched)
         with_norms = factors is None and any("norms" in chunked[i] for i in leaves)
+        per_example = self.n_positions if self.granularity == "token" else 1
 
         def per_chunk(xs: tuple[list, Array]) -> tuple[dict, Array]:
             def one(x: list, weight: Array) -> tuple[dict, Array]:
                 env = {**unbatched, **dict(zip(keys, x, strict=True))}
-                grads = {i: self._per_example(i, env) for i in leaves}
-                norms = jnp.zeros((), weight.dtype)
+                grads = {i: self._per_unit(self.plans[i], env) for i in leaves}  # [U, ...]
+                norms = jnp.zeros(weight.shape, weight.dtype)
                 for i, g in grads.items():
                     if "norms" in chunked[i]:
-                        norms = norms + jnp.sum(g * g).astype(weight.dtype)
+                        norms = norms + _sum_except(g * g, (0,)).astype(weight.dtype)
                 if factors is not None:
-                    grads = {i: weight.astype(g.dtype) * g for i, g in grads.items()}
+                    grads = {
+                        i: g * weight.astype(g.dtype).reshape(-1, *[1] * (g.ndim - 1))
+                        for i, g in grads.items()
+                    }
                 return grads, norms
 
             grads, norms = jax.vmap(one)(*xs)
             if factors is not None:
-                return {i: {"clipped": g.sum(0)} for i, g in grads.items()}, norms
+                return {i: {"clipped": g.sum((0, 1))} for i, g in grads.items()}, norms
             sums = {
-                i: {k: _PHI[k](g).sum(0) for k in chunked[i] if k in _PHI} for i, g in grads.items()
+                i: {k: _PHI[k](g).sum((0, 1)) for k in chunked[i] if k in _PHI}
+                for i, g in grads.items()
             }
             return sums, norms
 
-        weights = factors if factors is not None else jnp.ones((n,), _widest(self.param_dtypes))
+        if factors is None:
+            weights = jnp.ones((n, per_example), _widest(self.param_dtypes))
+        else:
+            weights = factors.reshape(n, per_example)
         sums, norms = _chunked_sum(per_chunk, (values, weights), n, chunk)
         return sums, (norms if with_norms else None)
 

@@ -148,6 +148,19 @@ def embedding_loss(p: Any, ex: Any, tokenwise: bool = False) -> jax.Array:
     return jnp.sum((out - ys) ** 2)
 
 
+def tied_lm_loss(p: Any, ex: Any, tokenwise: bool = False) -> jax.Array:
+    """Token embedding tied with the output head: each position uses the table twice."""
+    tokens, targets = ex
+
+    def at(t: int | None, inputs: Any) -> jax.Array:
+        tok, target = inputs
+        table = _at(p["emb"], t)
+        h = jnp.tanh(_at(p["w"], t) @ table[tok])
+        return jax.nn.logsumexp(table @ h) - (table @ h)[target]
+
+    return jnp.mean(_per_position(at, (tokens, targets), tokenwise))
+
+
 def layer_norm_loss(p: Any, ex: Any, tokenwise: bool = False) -> jax.Array:
     xs, ys = ex
 
@@ -278,6 +291,19 @@ PIECES = [
         },
         embedding_loss,
         _tokens_batch,
+        True,
+    ),
+    Piece(
+        "tied_embedding_head",
+        lambda k: {
+            "emb": _normal(k, VOCAB, D_IN),
+            "w": _dense(jax.random.fold_in(k, 1), D_IN, D_IN, bias=False)["w"],
+        },
+        tied_lm_loss,
+        lambda k, b: (
+            jax.random.randint(k, (b, T), 0, VOCAB),
+            jax.random.randint(jax.random.fold_in(k, 1), (b, T), 0, VOCAB),
+        ),
         True,
     ),
     Piece(
