@@ -157,8 +157,12 @@ def _apply_lr(
         return (-jnp.asarray(lr, d.dtype) * d).astype(p.dtype)
 
     if mask is None:
-        mask = jax.tree.map(lambda _: True, params)
-    return jax.tree.map(leaf, direction, params, mask(params) if callable(mask) else mask)
+        mask_tree = jax.tree.map(lambda _: True, params)
+    elif callable(mask) and jax.tree.structure(mask) != jax.tree.structure(params):
+        mask_tree = mask(params)  # a function of params, as in optax
+    else:
+        mask_tree = mask  # a pytree of bools (an Equinox module is callable yet one of these)
+    return jax.tree.map(leaf, direction, params, mask_tree)
 
 
 def _check_options(

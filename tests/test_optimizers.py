@@ -356,3 +356,23 @@ def test_bad_input_is_a_clear_error():
     params = {"w": jnp.ones(3)}
     with pytest.raises(ValueError, match=r"MicroSignSGD needs the statistics \('sign_mean',\)"):
         opt.update({"mean": params, "batch_size": jnp.asarray(4)}, opt.init(params), params)
+
+
+@pytest.mark.parametrize("mask", ["default", "module"])
+def test_equinox_parameters_with_weight_decay(mask: str):
+    """An Equinox module is callable: a mask given as a module must not be called as a function."""
+    import equinox as eqx
+
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=jnp.float64)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    decay_mask = None if mask == "default" else jax.tree.map(lambda _: True, params)
+    opt = optimizers.adam(0.1, weight_decay=0.5, weight_decay_mask=decay_mask)
+    state = opt.init(params)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    stats = {"mean": zero, "batch_size": jnp.asarray(4, jnp.int32)}
+    updates, _ = opt.update(stats, state, params)
+    # Zero gradient: the whole step is weight decay, -lr·λ·p on every leaf.
+    expected = jax.tree.map(lambda p: -0.1 * 0.5 * p, params)
+    for u, e in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(u, e, rtol=1e-12)
+    assert isinstance(eqx.combine(optax.apply_updates(params, updates), static), eqx.nn.Linear)

@@ -1,0 +1,556 @@
+"""train.py: train a model with the per-example-gradient optimizers of pegrad; one script.
+
+    python train.py                      # byte-level transformer LM, MicroAdam, on the English
+                                         # text shipped with CPython: eval loss 5.4 -> 2.1 in
+                                         # under 2 minutes on a 2-core CPU
+    python train.py --optimizer adam --lr 1e-3 --steps 2000 --out runs/adam
+    python train.py --model mlp --optimizer sign_ema --noise 1.0       # teacher-student MLP
+    python train.py --out runs/adam --resume --steps 4000              # continue a run
+    python train.py --help                                             # every knob
+
+Read top to bottom: the config (every knob, each with its help text), the data (random windows
+of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model
+and optimizer, one jitted training step that asks pegrad for the optimizer's statistics plus
+"mean" and "sq_mean" for the gradient diagnostics of SPEC §4, atomic checkpoints, the loop.
+
+Writes into --out (default runs/<timestamp>): config.json (the resolved config), metrics.jsonl
+(one object per logged step: step, loss, lr, grad_norm, frac_snr_gt_1_over_B (the fraction of
+coordinates with μ̂² > σ̂²/B), nu_adam_over_nu_micro (ḡ²/q averaged over coordinates), and
+eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable checkpoint.json.
+"step" counts the optimizer updates applied to the parameters a loss was measured on.
+
+Batches depend only on (seed, step), so `--resume` continues from the last checkpoint to
+bitwise the parameters of an uninterrupted run (--steps may grow on resume; other knobs that
+change the trajectory may not). Data-parallel over all local devices: the batch is sharded
+along the mesh axis "data", parameters and optimizer state are replicated. Bad input and a
+NaN/Inf loss end the run with one line "error: ..." and exit status 1. In-process,
+`main(Config(...))` returns the final metrics: the hook for experiment drivers and tests.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any, Literal, NamedTuple, get_args, get_origin
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+import models
+import optimizers
+import pegrad
+
+AdamFamily = Literal["adam", "micro_adam", "micro_adam_var", "micro_adam_msq"]
+SignFamily = Literal["micro_sign_sgd", "sign_sgd", "sign_ema"]
+
+
+def knob(default: Any, help: str, *, min: float | None = None, resume: bool = False) -> Any:
+    """A config field: its help text (shown by --help), the least value it accepts, and
+    whether it may change when a run is resumed (how a run is watched, how long it runs, and
+    what changes float rounding only; any other change is an error)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, min=min, resume=resume))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # What to train.
+    model: Literal["transformer", "mlp"] = knob("transformer", "model family")
+    size: Literal["tiny", "mini", "small", "paper"] = knob(
+        "mini", "preset: SIZES, MLP_SIZES in train.py"
+    )
+    d_model: int | None = knob(None, "transformer width (None: the preset's)")
+    n_layers: int | None = knob(None, "transformer blocks (None: the preset's)")
+    n_heads: int | None = knob(None, "attention heads (None: the preset's)")
+    d_ff: int | None = knob(None, "transformer MLP width (None: the preset's)")
+    context_length: int | None = knob(None, "transformer context (None: the preset's)")
+    dtype: Literal["float32", "bfloat16", "float64"] = knob("float32", "parameter dtype")
+    # Data.
+    data: str | None = knob(None, "UTF-8 text file (None: CPython's pydoc_data.topics text)")
+    seq_len: int = knob(64, "tokens per training window (transformer)", min=1)
+    noise: float = knob(0.5, "label noise std of the teacher-student regression (mlp)", min=0)
+    # Optimizer and statistics.
+    optimizer: Literal[AdamFamily, SignFamily] = knob("micro_adam", "update rule (optimizers.py)")
+    impl: Literal["vmap", "factorized"] = knob("factorized", "pegrad implementation", resume=True)
+    granularity: Literal["example", "token"] = knob("example", "statistics over examples/tokens")
+    chunk_size: int | None = knob(None, "max per-example gradients at once (pegrad)", resume=True)
+    lr: float = knob(3e-3, "peak learning rate", min=0)
+    schedule: Literal["constant", "cosine"] = knob("cosine", "after warmup: constant or cosine")
+    warmup: int = knob(50, "linear warmup steps", min=0)
+    b1: float = knob(0.9, "Adam family: first-moment decay")
+    b2: float = knob(0.999, "Adam family: second-moment decay")
+    eps: float = knob(1e-8, "Adam family: epsilon outside the square root")
+    momentum: float | None = knob(None, "sign family EMA decay (None: the optimizer's default)")
+    weight_decay: float = knob(0.0, "decoupled weight decay on matrices and embeddings", min=0)
+    max_grad_norm: float | None = knob(None, "clip by the global norm of the mean gradient")
+    # Run.
+    batch_size: int = knob(32, "examples per step, over all devices", min=1)
+    steps: int = knob(600, "updates in the whole run (cosine: over these)", min=1, resume=True)
+    seed: int = knob(0, "seeds the model and every batch (batch of step s: fold_in(key, s))")
+    devices: int | None = knob(None, "data-parallel over N local devices (None: all)", resume=True)
+    eval_interval: int = knob(100, "evaluate every N steps (and at the end)", min=1, resume=True)
+    eval_batches: int = knob(8, "held-out batches per evaluation", min=1, resume=True)
+    log_interval: int = knob(10, "log to metrics.jsonl every N steps", min=1, resume=True)
+    checkpoint_interval: int = knob(200, "checkpoint every N steps", min=1, resume=True)
+    out: str | None = knob(None, "output directory (None: runs/<timestamp>)", resume=True)
+    resume: bool = knob(False, "continue the run in --out from its checkpoint", resume=True)
+
+
+# Transformer presets are models' presets with overrides; the vocabulary is always bytes.
+SIZES: dict[str, Callable[..., models.TransformerConfig]] = {
+    "tiny": models.TransformerConfig.tiny,
+    "mini": lambda **kw: models.TransformerConfig.small(
+        **{"d_model": 64, "n_layers": 2, "d_ff": 256, "context_length": 64, **kw}
+    ),
+    "small": models.TransformerConfig.small,
+    "paper": models.TransformerConfig.paper,
+}
+# MLP presets: (input dim, width, depth, output dim); "paper" is MNIST-shaped, deep and wide
+# (the L < D regime of the overhead experiment, where per-example gradients are costly).
+MLP_SIZES = {
+    "tiny": (8, 16, 2, 4),
+    "mini": (32, 128, 2, 8),
+    "small": (64, 256, 3, 16),
+    "paper": (784, 1024, 4, 10),
+}
+EVAL_FRACTION = 0.1  # the last 10% of the text is held out for evaluation
+
+
+class ConfigError(Exception):
+    """Bad input (SPEC §6): reported as one line and a non-zero exit, not a traceback."""
+
+
+class Diverged(Exception):
+    """The loss became NaN/Inf; the last good checkpoint is kept."""
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: one --flag-name per Config field, typed from its annotation.
+
+
+def parse_config(argv: list[str]) -> Config:
+    parser = argparse.ArgumentParser(
+        description="Train with pegrad's optimizers; see train.py's docstring.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for field in dataclasses.fields(Config):
+        kwargs: dict[str, Any] = {"default": field.default, "help": field.metadata["help"]}
+        args = get_args(field.type)
+        if field.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(field.type) is Literal:
+            kwargs |= {"choices": args, "type": type(args[0])}
+        elif isinstance(field.type, types.UnionType):  # `X | None`: "none" on the CLI is None
+            (kind,) = [a for a in args if a is not type(None)]
+            kwargs["type"] = lambda s, kind=kind: None if s.lower() == "none" else kind(s)
+        else:
+            kwargs["type"] = field.type
+        parser.add_argument("--" + field.name.replace("_", "-"), **kwargs)
+    return Config(**vars(parser.parse_args(argv)))
+
+
+def check(cfg: Config) -> Config:
+    """Reject bad input before any work; resolve the output directory."""
+    for field in dataclasses.fields(Config):
+        value, least = getattr(cfg, field.name), field.metadata["min"]
+        if least is not None and not value >= least:
+            raise ConfigError(f"--{field.name.replace('_', '-')} must be >= {least}, got {value}")
+    if cfg.model == "mlp" and cfg.granularity == "token":
+        raise ConfigError("--granularity token needs sequences: use --model transformer")
+    units = cfg.batch_size * (cfg.seq_len if cfg.granularity == "token" else 1)
+    if cfg.optimizer in ("micro_adam_var", "micro_adam_msq") and units < 2:
+        raise ConfigError(f"{cfg.optimizer} divides by B - 1: needs --batch-size >= 2")
+    if cfg.data is not None and not Path(cfg.data).is_file():
+        raise ConfigError(f"data file not found: {cfg.data}")
+    if cfg.resume and cfg.out is None:
+        raise ConfigError("--resume needs --out DIR, the run to continue")
+    if cfg.out is None:
+        return dataclasses.replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
+    saved = Path(cfg.out) / "config.json"
+    if saved.exists() and not cfg.resume:
+        raise ConfigError(
+            f"{cfg.out} already holds a run (config.json); pass --resume to continue it or "
+            "choose another --out"
+        )
+    if cfg.resume and saved.exists():
+        old = json.loads(saved.read_text())
+        changed = [
+            f.name
+            for f in dataclasses.fields(Config)
+            if not f.metadata["resume"] and old.get(f.name) != getattr(cfg, f.name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"--resume with a different config: {', '.join(changed)} differ from {saved}"
+            )
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Data: a task bundles the model's parameters, the loss of one example, and a sampler that
+# draws one batch from `data` with a key. Batches depend on (seed, step) only.
+
+
+class Task(NamedTuple):
+    params: PyTree  # floating leaves of the model (eqx.partition)
+    loss_fn: Callable[[PyTree, Any], Float[Array, ""]]  # loss of ONE example (SPEC §1)
+    sample: Callable[..., Any]  # sample(data, *, key) -> batch, leaves [batch_size, ...]
+    train_data: PyTree
+    eval_data: PyTree
+    unit: str  # what the throughput counts: "tok" or "ex"
+    units_per_example: int
+
+
+def read_text(path: str | None) -> bytes:
+    if path is None:
+        from pydoc_data.topics import topics  # ~465 KB of English, shipped with CPython
+
+        return "".join(topics[k] for k in sorted(topics)).encode()
+    data = Path(path).read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    return data
+
+
+def sample_windows(
+    tokens: Int[Array, " n"], *, key: PRNGKeyArray, batch_size: int, seq_len: int
+) -> tuple[Int[Array, "b t"], Int[Array, "b t"]]:
+    """`batch_size` random windows of seq_len + 1 bytes: (inputs, next-byte targets)."""
+    starts = jax.random.randint(key, (batch_size,), 0, tokens.shape[0] - seq_len, jnp.int32)
+    windows = tokens[starts[:, None] + jnp.arange(seq_len + 1, dtype=jnp.int32)]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def lm_task(cfg: Config, *, key: PRNGKeyArray) -> Task:
+    names = ("d_model", "n_layers", "n_heads", "d_ff", "context_length")
+    overrides = {k: getattr(cfg, k) for k in names if getattr(cfg, k) is not None}
+    try:
+        config = SIZES[cfg.size](**overrides, vocab_size=256, dtype=cfg.dtype)
+    except ValueError as err:  # e.g. n_heads not dividing d_model
+        raise ConfigError(str(err)) from None
+    if cfg.seq_len > config.context_length:
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} exceeds the model's context length "
+            f"{config.context_length} (--context-length)"
+        )
+    text = np.frombuffer(read_text(cfg.data), np.uint8).astype(np.int32)
+    split = int(len(text) * (1 - EVAL_FRACTION))
+    if min(split, len(text) - split) < cfg.seq_len + 1:
+        raise ConfigError(
+            f"data too short: {len(text)} bytes, and its held-out 10% must hold "
+            f"--seq-len + 1 = {cfg.seq_len + 1}"
+        )
+    params, static = eqx.partition(models.TransformerLM(config, key=key), eqx.is_inexact_array)
+    sample = functools.partial(sample_windows, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    loss_fn = models.make_loss_fn(static, models.lm_loss)
+    train, held_out = jnp.asarray(text[:split]), jnp.asarray(text[split:])
+    return Task(params, loss_fn, sample, train, held_out, "tok", cfg.seq_len)
+
+
+def mlp_task(cfg: Config, *, key: PRNGKeyArray) -> Task:
+    """Regression onto a random teacher MLP, y = teacher(x) + noise·ε: `noise` sets how much of
+    each per-example gradient is noise, i.e. the gradient SNR the optimizers face."""
+    d_in, width, depth, d_out = MLP_SIZES[cfg.size]
+    student_key, teacher_key = jax.random.split(key)
+    student = models.MLP(d_in, d_out, width, depth, dtype=cfg.dtype, key=student_key)
+    teacher = models.MLP(d_in, d_out, width, depth, dtype=cfg.dtype, key=teacher_key)
+    params, static = eqx.partition(student, eqx.is_inexact_array)
+
+    def sample(teacher: models.MLP, *, key: PRNGKeyArray) -> tuple[Array, Array]:
+        x_key, noise_key = jax.random.split(key)
+        x = jax.random.normal(x_key, (cfg.batch_size, d_in), jnp.dtype(cfg.dtype))
+        noise = jax.random.normal(noise_key, (cfg.batch_size, d_out), x.dtype)
+        return x, jax.vmap(teacher)(x) + jnp.asarray(cfg.noise, x.dtype) * noise
+
+    # Train and held-out examples: the same teacher, independent key streams.
+    loss_fn = models.make_loss_fn(static, models.mlp_mse_loss)
+    return Task(params, loss_fn, sample, teacher, teacher, "ex", 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer and the jitted step.
+
+
+def make_schedule(cfg: Config) -> Callable[[Int[Array, ""]], Float[Array, ""]]:
+    """Linear warmup to lr, then constant, or cosine decay to lr/10 at the last step."""
+
+    def schedule(count: Int[Array, ""]) -> Float[Array, ""]:
+        t = jnp.asarray(count, jnp.float32)
+        lr = cfg.lr * jnp.minimum(1.0, (t + 1.0) / (cfg.warmup + 1.0))
+        if cfg.schedule == "cosine":
+            progress = jnp.clip((t - cfg.warmup) / max(1, cfg.steps - cfg.warmup), 0.0, 1.0)
+            lr = lr * (0.1 + 0.45 * (1.0 + jnp.cos(jnp.pi * progress)))
+        return lr
+
+    return schedule
+
+
+def make_optimizer(cfg: Config) -> optimizers.StatsOptimizer:
+    # Decay matrices and embeddings, not biases or norm scales. A function, not a pytree:
+    # optimizers calls a callable mask, and an Equinox module is callable.
+    kwargs: dict[str, Any] = dict(
+        learning_rate=make_schedule(cfg),
+        weight_decay=cfg.weight_decay,
+        weight_decay_mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
+    if cfg.optimizer in get_args(AdamFamily):
+        kwargs |= dict(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, max_grad_norm=cfg.max_grad_norm)
+    else:
+        kwargs |= {} if cfg.momentum is None else {"momentum": cfg.momentum}
+    if cfg.optimizer in ("micro_sign_sgd", "sign_sgd") and cfg.max_grad_norm is not None:
+        raise ConfigError(f"--max-grad-norm: {cfg.optimizer} is invariant to gradient scale")
+    if cfg.optimizer == "sign_ema":
+        kwargs["max_grad_norm"] = cfg.max_grad_norm
+    try:
+        return getattr(optimizers, cfg.optimizer)(**kwargs)
+    except ValueError as err:  # e.g. b1 outside [0, 1)
+        raise ConfigError(str(err)) from None
+
+
+def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
+    """SPEC §4 diagnostics from ḡ ("mean"), q ("sq_mean") and the number of units B, where
+    μ̂² > σ̂²/B  ⇔  (B·ḡ² − q)/(B−1) > (q − ḡ²)/(B−1)  ⇔  (B+1)·ḡ² > 2q."""
+    flat = lambda tree: jnp.concatenate(
+        [x.astype(jnp.float32).ravel() for x in jax.tree.leaves(tree)]
+    )
+    g2, q = flat(stats["mean"]) ** 2, flat(stats["sq_mean"])
+    b = stats["batch_size"].astype(jnp.float32)
+    return {
+        "grad_norm": jnp.sqrt(jnp.sum(g2)),
+        "frac_snr_gt_1_over_B": jnp.mean((b + 1.0) * g2 > 2.0 * q, dtype=jnp.float32),
+        # ḡ² ≤ q always (Jensen); coordinates with q = 0 (no gradient at all) are left out.
+        "nu_adam_over_nu_micro": jnp.sum(jnp.where(q > 0, g2 / jnp.where(q > 0, q, 1.0), 0.0))
+        / jnp.maximum(jnp.sum(q > 0, dtype=jnp.float32), 1.0),
+    }
+
+
+def make_train_step(cfg: Config, task: Task, opt: optimizers.StatsOptimizer, mesh: Mesh) -> Any:
+    """optimizers.make_train_step with the diagnostics' statistics added, and shardings:
+    the batch split along "data", everything else replicated."""
+    stats = tuple(dict.fromkeys((*opt.stats, "mean", "sq_mean")))  # the union, in order
+    stats_fn = pegrad.value_and_grad_stats(
+        task.loss_fn, stats, impl=cfg.impl, chunk_size=cfg.chunk_size, granularity=cfg.granularity
+    )
+
+    def step(params: PyTree, state: Any, batch: Any) -> tuple[PyTree, Any, Array, dict]:
+        loss, st = stats_fn(params, batch)
+        updates, state = opt.update(st, state, params)
+        params = optax.apply_updates(params, updates)
+        # An update can overflow while the loss it came from is finite: flag it at its step.
+        finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
+        return params, state, loss, {**diagnostics(st), "params_finite": finite}
+
+    everywhere, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return jax.jit(step, in_shardings=(everywhere, everywhere, split), out_shardings=everywhere)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints: leaves keyed by their path in an .npz (no pickle), written atomically.
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write a temp file in the same directory, fsync it, rename it over `path`: a crash at
+    any point leaves the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def save_checkpoint(out: Path, step: int, tree: PyTree, cfg: Config) -> None:
+    """checkpoint.npz: every leaf under its key path, plus the metadata, which
+    checkpoint.json repeats for people (the .npz alone is what `load_checkpoint` reads)."""
+    arrays, leaves = {}, {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name, x = jax.tree_util.keystr(path), np.asarray(leaf)
+        leaves[name] = [list(x.shape), str(x.dtype)]
+        # bfloat16 is no NumPy dtype: store its bits, `load_checkpoint` views them back.
+        arrays[name] = x.view(f"u{x.itemsize}") if x.dtype.name == "bfloat16" else x
+    meta = {"step": step, "config": dataclasses.asdict(cfg), "leaves": leaves}
+    arrays["__meta__"] = np.array(json.dumps(meta))
+    atomic_write(out / "checkpoint.npz", lambda f: np.savez(f, allow_pickle=False, **arrays))
+    atomic_write(out / "checkpoint.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+
+def load_checkpoint(out: Path, template: PyTree) -> tuple[PyTree, int]:
+    """(tree, step): leaves matched by path and shape against a freshly initialised template."""
+    path = out / "checkpoint.npz"
+    if not path.exists():
+        raise ConfigError(f"--resume: no checkpoint at {path}")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+    with np.load(path, allow_pickle=False) as saved:
+        leaves = []
+        for key_path, like in flat:
+            name = jax.tree_util.keystr(key_path)
+            x = saved[name] if name in saved.files else None
+            if x is None or x.shape != like.shape:
+                shape = None if x is None else x.shape
+                raise ConfigError(f"{path} does not fit: {name} is {shape}, want {like.shape}")
+            bits = x.dtype.kind == "u" and like.dtype.kind != "u"
+            leaves.append(x.view(like.dtype) if bits else x)
+        step = json.loads(str(saved["__meta__"]))["step"]
+    return jax.tree_util.tree_unflatten(treedef, leaves), step
+
+
+# --------------------------------------------------------------------------------------------
+# Progress: one updating line on a terminal, plain lines otherwise (logs, pipes).
+
+
+class Progress:
+    def __init__(self, cfg: Config, start: int, units_per_step: int, unit: str):
+        self.cfg, self.start, self.units_per_step, self.unit = cfg, start, units_per_step, unit
+        self.tty, self.t0 = sys.stdout.isatty(), 0.0
+
+    def update(self, step: int, loss: float) -> None:
+        if step == self.start:  # the first step compiles: measure the speed from its end
+            self.t0 = time.perf_counter()
+            return
+        rate = (step - self.start) / (time.perf_counter() - self.t0)  # steps per second
+        line = (
+            f"step {step + 1}/{self.cfg.steps}  loss {loss:.4f}  "
+            f"{rate * self.units_per_step:,.0f} {self.unit}/s  "
+            f"ETA {(self.cfg.steps - step - 1) / rate:.0f}s"
+        )
+        if self.tty:
+            print(f"\r{line}\033[K", end="", flush=True)
+        elif (step + 1) % self.cfg.log_interval == 0:
+            print(line, flush=True)
+
+    def note(self, text: str) -> None:
+        print(("\r\033[K" if self.tty else "") + text, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The run.
+
+
+def main(cfg: Config) -> dict[str, Any]:
+    """Train per `cfg` and return the final metrics: {"out", "steps", "loss", "eval_loss",
+    "first_eval_loss", "seconds"}. Raises ConfigError on bad input, Diverged on NaN/Inf."""
+    if cfg.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)  # float64 parameters need 64-bit JAX
+    cfg = check(cfg)
+    devices = jax.local_devices()
+    if cfg.devices is not None and not 1 <= cfg.devices <= len(devices):
+        raise ConfigError(f"--devices {cfg.devices}: {len(devices)} local device(s) available")
+    devices = devices[: cfg.devices]
+    if cfg.batch_size % len(devices):
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is not divisible by the {len(devices)} devices"
+        )
+    mesh = Mesh(np.array(devices), ("data",))
+    everywhere, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    model_key, train_key, eval_key = jax.random.split(jax.random.key(cfg.seed), 3)
+    task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
+    opt = make_optimizer(cfg)
+    tree = {"params": task.params, "opt_state": opt.init(task.params)}
+    out, start = Path(str(cfg.out)), 0
+    if cfg.resume:
+        tree, start = load_checkpoint(out, tree)
+    out.mkdir(parents=True, exist_ok=True)
+    config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
+    atomic_write(out / "config.json", lambda f: f.write(config_json))
+    print("config:", "  ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
+    print(
+        f"{models.count_params(task.params):,} parameters, {len(devices)} x "
+        f"{devices[0].platform} device(s), steps {start} -> {cfg.steps}"
+    )
+
+    tree = jax.device_put(tree, everywhere)
+    train_data, eval_data = jax.device_put((task.train_data, task.eval_data), everywhere)
+    train_step = make_train_step(cfg, task, opt, mesh)
+    sample = jax.jit(task.sample, out_shardings=split)
+    eval_sets = [
+        sample(eval_data, key=jax.random.fold_in(eval_key, i)) for i in range(cfg.eval_batches)
+    ]
+    eval_loss = jax.jit(lambda p, b: jnp.mean(jax.vmap(task.loss_fn, (None, 0))(p, b)))
+    schedule = make_schedule(cfg)
+
+    # A resumed run keeps the metrics of the steps before its checkpoint and redoes the rest.
+    metrics_path = out / "metrics.jsonl"
+    old = metrics_path.read_text().splitlines() if cfg.resume and metrics_path.exists() else []
+    earlier = "".join(line + "\n" for line in old if json.loads(line)["step"] < start)
+    atomic_write(metrics_path, lambda f: f.write(earlier.encode()))
+    progress = Progress(cfg, start, cfg.batch_size * task.units_per_example, task.unit)
+    result: dict[str, Any] = {"out": str(out), "steps": cfg.steps}
+
+    last_saved = start if cfg.resume else None
+
+    def kept() -> str:  # for the NaN/Inf messages
+        if last_saved is None:
+            return "no checkpoint was written yet"
+        return f"kept the last good checkpoint, {out / 'checkpoint.npz'} (step {last_saved})"
+
+    def evaluate(step: int) -> float:
+        value = float(np.mean([float(eval_loss(tree["params"], b)) for b in eval_sets]))
+        if not math.isfinite(value):
+            raise Diverged(f"eval loss is {value} after {step} steps; {kept()}")
+        progress.note(f"step {step}: eval loss {value:.4f}")
+        result.setdefault("first_eval_loss", value)
+        result["eval_loss"] = value
+        return value
+
+    t_start = time.perf_counter()
+    with open(metrics_path, "a") as metrics:
+        for step in range(start, cfg.steps):
+            record: dict[str, Any] = {"step": step}
+            if step % cfg.eval_interval == 0:
+                record["eval_loss"] = evaluate(step)
+            batch = sample(train_data, key=jax.random.fold_in(train_key, step))
+            params, opt_state, loss, diag = train_step(tree["params"], tree["opt_state"], batch)
+            loss = result["loss"] = float(loss)  # waits for the step: NaN stops at its step
+            if not math.isfinite(loss):
+                raise Diverged(f"loss is {loss} at step {step}; stopped, {kept()}")
+            if not diag.pop("params_finite"):
+                raise Diverged(f"the update of step {step} made parameters NaN/Inf; {kept()}")
+            tree = {"params": params, "opt_state": opt_state}
+            if step % cfg.log_interval == 0 or "eval_loss" in record or step + 1 == cfg.steps:
+                record |= {"loss": loss, "lr": float(schedule(jnp.asarray(step, jnp.int32)))}
+                record |= {k: float(v) for k, v in diag.items()}
+                record["seconds"] = round(time.perf_counter() - t_start, 3)
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.steps:
+                save_checkpoint(out, step + 1, jax.device_get(tree), cfg)
+                last_saved = step + 1
+            progress.update(step, loss)
+        metrics.write(json.dumps({"step": cfg.steps, "eval_loss": evaluate(cfg.steps)}) + "\n")
+    result["seconds"] = time.perf_counter() - t_start
+    first = result.get("first_eval_loss", float("nan"))
+    print(
+        f"done: {cfg.steps} steps in {result['seconds']:.0f}s, eval loss {first:.4f} -> "
+        f"{result['eval_loss']:.4f}; wrote {out}"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_config(sys.argv[1:]))
+    except (ConfigError, Diverged) as err:
+        sys.exit(f"error: {err}")
