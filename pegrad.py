@@ -25,19 +25,24 @@ Two implementations, proven equal:
   gradient g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
   Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖² (Goodfellow), and the clipped
   sum is (c∘Δ)ᵀX. A weight applied at T positions (g_i = Δ_iᵀX_i) gets the contraction for
-  linear statistics, the Gram identity for norms, and bounded chunks for the rest. Anything
-  else (tied weights, unknown final operations) takes the exact fallback for that parameter
-  alone: its exclusive gradient tail evaluated per example, in chunks. The result is always
-  the reference result; only speed and memory differ. `explain` says which path each leaf took.
+  linear statistics, the Gram identity for norms, and bounded chunks for the rest. Scatters
+  into fixed distinct rows (position embeddings) factorize row by row; gradients that do not
+  depend on the example are exact constants. Anything else (tied weights, convolutions, scans,
+  unknown final operations) takes the exact fallback for that parameter alone: its exclusive
+  gradient tail evaluated per example, in chunks. The result is always the reference result;
+  only speed and memory differ. `explain` says which path each leaf took.
 
 Granularity "token" treats every position of every example as a unit: the per-token
 contribution of a weight applied at position t is δ_t ⊗ x_t (the term of the sum over positions
-in its gradient). That is a different quantity from the per-example statistics.
+in its gradient; for a weight used at several places per position, e.g. a tied embedding and
+output head, the sum of its terms at t). That is a different quantity from the per-example
+statistics; a parameter not used position-wise is a clear error at this granularity.
 
 Exact references: `_reference_stats` (materialize, reduce). Tests proving the factorized path
 equal to it and to a naive per-example Python loop, at float64: tests/test_pegrad.py.
 
-This file depends on jax, jaxtyping and the standard library only: copy it into your project.
+This file depends on jax (with numpy), jaxtyping and the standard library only: copy it into
+your project.
 """
 
 import dataclasses
