@@ -7,6 +7,7 @@
     python train.py --model mlp --optimizer sign_ema --noise 1.0       # teacher-student MLP
     python train.py --out runs/adam --resume --steps 4000              # continue a run
     python train.py --help                                             # every knob
+    python train.py --experiment sign --scale tiny --out runs/sign     # a study of the paper
 
 Read top to bottom: the config (every knob, each with its help text), the data (random windows
 of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model
@@ -53,6 +54,7 @@ import models
 import optimizers
 import pegrad
 
+EXPERIMENTS = ("sign", "precond", "batch-scaling", "overhead", "all")  # see experiments.py
 AdamFamily = Literal["adam", "micro_adam", "micro_adam_var", "micro_adam_msq"]
 SignFamily = Literal["micro_sign_sgd", "sign_sgd", "sign_ema"]
 
@@ -144,6 +146,8 @@ def parse_config(argv: list[str]) -> Config:
     parser = argparse.ArgumentParser(
         description="Train with pegrad's optimizers; see train.py's docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"--experiment {{{','.join(EXPERIMENTS)}}} [--scale {{smoke,tiny,small,paper}}] "
+        "[--out DIR] [--seed N] runs one of the paper's studies instead (experiments.py).",
     )
     for field in dataclasses.fields(Config):
         kwargs: dict[str, Any] = {"default": field.default, "help": field.metadata["help"]}
@@ -550,7 +554,17 @@ def main(cfg: Config) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # `--experiment NAME [--scale S --out DIR --seed N]` runs one of the paper's studies
+    # (experiments.py, which imports this file) instead of a single training run.
+    chooser = argparse.ArgumentParser(add_help=False)
+    chooser.add_argument("--experiment", choices=EXPERIMENTS)
+    chosen, rest = chooser.parse_known_args(sys.argv[1:])
     try:
-        main(parse_config(sys.argv[1:]))
+        if chosen.experiment:
+            import experiments
+
+            experiments.main([chosen.experiment, *rest])
+        else:
+            main(parse_config(rest))
     except (ConfigError, Diverged) as err:
         sys.exit(f"error: {err}")
