@@ -200,8 +200,7 @@ def _check_inputs(
             "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
             f"batch of {n_examples * n_positions} unit(s); use B ≥ 2"
         )
-    example = jax.tree.map(lambda x: x[0], batch)
-    loss_shape = jax.eval_shape(loss_fn, params, example)
+    loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
             "loss_fn(params, example) must return a scalar loss for ONE example; it returned "
@@ -242,6 +241,17 @@ def _chunked_sum(fn: Callable, xs: PyTree, n: int, chunk_size: int | None) -> tu
         sums = jax.tree.map(jnp.add, sums, rest_sums)
         per_unit = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), per_unit, rest_per_unit)
     return sums, per_unit
+
+
+def _one_example(batch: PyTree) -> PyTree:
+    """The shape of one example (tracing needs no values; batches may be ShapeDtypeStructs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), batch)
+
+
+def _sum0(x: Array) -> Array:
+    """Σ over the leading axis as a dot with ones: XLA:CPU reduces a [B, big] tensor over B
+    several times slower than it multiplies it by a vector."""
+    return jnp.tensordot(jnp.ones(x.shape[:1], x.dtype), x, axes=1)
 
 
 def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
@@ -319,7 +329,7 @@ def _reference_stats(
 
     def first_pass(chunk: PyTree) -> tuple[dict[str, Any], dict[str, Array]]:
         losses, grads = per_unit_grads(chunk)
-        sums = {name: jax.tree.map(lambda g, phi=_PHI[name]: phi(g).sum(0), grads) for name in need}
+        sums = {name: jax.tree.map(lambda g, phi=_PHI[name]: _sum0(phi(g)), grads) for name in need}
         sums["loss"] = losses.sum()
         leaves = jax.tree.leaves(grads)
         dtype = _widest([g.dtype for g in leaves])
@@ -518,7 +528,7 @@ class _GradientProgram:
     ):
         self.granularity = granularity
         self.n_positions = n_positions
-        example = jax.tree.map(lambda x: x[0], batch)
+        example = _one_example(batch)
         leaves, self.param_tree = jax.tree.flatten(params)
         self.paths = [
             jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
@@ -1012,7 +1022,7 @@ class _GradientProgram:
         }
         norm_parts = [results["norms", i] for i in range(self.n_params) if ("norms", i) in results]
 
-        chunk = self._chunk(chunk_size, chunked, n_examples)
+        chunk = self._chunk(chunk_size, chunked, n_examples, batched)
         loop_sums, loop_norms = self._chunk_loop(chunked, batched, unbatched, chunk, n_examples)
         for i, parts in loop_sums.items():
             for name, value in parts.items():
@@ -1051,7 +1061,7 @@ class _GradientProgram:
             indices = jnp.broadcast_to(indices, (updates.shape[0], *indices.shape))
         return operand, indices, updates
 
-    def _factors(self, core: Any, env: dict, dtype: Any) -> tuple[Array, Array]:
+    def _factors(self, core: Any, env: dict, dtype: Any, tie: bool = True) -> tuple[Array, Array]:
         """δ and x of a dense weight's gradient, x made to depend on δ.
 
         x exists from the forward pass, δ only in the backward pass. Left alone, XLA fuses φ(x)
@@ -1059,9 +1069,10 @@ class _GradientProgram:
         activation per layer); adding zero times one entry of δ gives φ(x) a data dependency
         on δ, so φ(x) and φ(δ) live only around their matmul. (XLA:CPU drops optimization
         barriers before it schedules.) A non-finite δ poisons the statistic, as it would
-        anyway."""
+        anyway. Norms and the clipped mean keep every layer's factors until all norms are
+        known, so there the tie would only add copies: `tie=False`."""
         a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
-        return a, b + a.reshape(-1)[0] * 0.0
+        return (a, b + a.reshape(-1)[0] * 0.0) if tie else (a, b)
 
     def _leaf_dtype(self, plan: _LeafPlan) -> Any:
         return stat_dtype(self.param_dtypes[self.paths.index(plan.path)])
@@ -1142,7 +1153,7 @@ class _GradientProgram:
         core = plan.core
         name = core.primitive.name
         if name == "dot_general":
-            a, b = self._factors(core, env, dtype)
+            a, b = self._factors(core, env, dtype, tie=False)
             lc, rc, lb, rb = _dot_parts(core)
             if plan.route == "sequence":
                 return self._gram_norms(core, a, b, scale)
@@ -1186,7 +1197,7 @@ class _GradientProgram:
         name = core.primitive.name
         n_examples = self.n_examples
         if name == "dot_general":
-            a, b = self._factors(core, env, dtype)
+            a, b = self._factors(core, env, dtype, tie=False)
             lc, _, _, _ = _dot_parts(core)
             weights = weights.astype(dtype)
             if plan.route == "per-token":
@@ -1217,12 +1228,18 @@ class _GradientProgram:
 
     # -- the chunk loop: exact per-example gradients of the leaves that need them -------------
 
-    def _chunk(self, chunk_size: int | None, chunked: dict[int, set[str]], n: int) -> int:
+    def _chunk(
+        self, chunk_size: int | None, chunked: dict[int, set[str]], n: int, batched: dict
+    ) -> int:
+        """Examples per chunk: the largest number whose materialized per-example gradients
+        hold no more numbers than the parameters or the batched head values (activations and
+        their gradients), whichever is larger — memory the step needs anyway."""
         if chunk_size is not None:
             return min(chunk_size, n)
-        total = sum(p.size for p in self.plans)
+        parameters = sum(p.size for p in self.plans)
+        activations = sum(math.prod(jnp.shape(x)) for x in batched.values())
         materialized = sum(self.plans[i].size for i in chunked) or 1
-        return max(1, min(n, total // materialized))
+        return max(1, min(n, max(parameters, activations) // materialized))
 
     def _loop_inputs(self, leaves: Sequence[int], batched: dict) -> tuple[list, list]:
         """The batched interface variables the tails of `leaves` read, and their values."""
@@ -1271,9 +1288,9 @@ class _GradientProgram:
 
             grads, norms = jax.vmap(one)(*xs)
             if factors is not None:
-                return {i: {"clipped": g.sum((0, 1))} for i, g in grads.items()}, norms
+                return {i: {"clipped": _sum0(_merge01(g))} for i, g in grads.items()}, norms
             sums = {
-                i: {k: _PHI[k](g).sum((0, 1)) for k in chunked[i] if k in _PHI}
+                i: {k: _sum0(_PHI[k](_merge01(g))) for k in chunked[i] if k in _PHI}
                 for i, g in grads.items()
             }
             return sums, norms
@@ -1284,6 +1301,11 @@ class _GradientProgram:
             weights = factors.reshape(n, per_example)
         sums, norms = _chunked_sum(per_chunk, (values, weights), n, chunk)
         return sums, (norms if with_norms else None)
+
+
+def _merge01(x: Array) -> Array:
+    """[chunk, units, ...] -> [chunk·units, ...]."""
+    return x.reshape(-1, *x.shape[2:])
 
 
 def _sum_except(x: Array, keep: tuple[int, ...]) -> Array:
