@@ -322,10 +322,10 @@ def write_summary(out: Path, rows: Sequence[dict[str, Any]], extra: dict[str, An
 def pyplot() -> Any:
     """matplotlib.pyplot (headless), or None with a one-line note."""
     try:
-        import matplotlib
+        import matplotlib  # pyright: ignore[reportMissingImports]  (the optional "plots" extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
     except ImportError:
         print(PLOTS_NOTE)
         return None
@@ -349,7 +349,7 @@ def curve(run: str, key: str = "loss") -> tuple[list[int], list[float]]:
 def plot_lr_sweep(ax: Any, rows: Sequence[dict[str, Any]], methods: Sequence[str], title: str):
     """Final loss against lr, log-x; diverged (NaN/Inf) runs as x and blown-up runs (final loss
     above the initial one) as ^ at the top of the axes."""
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import NullFormatter  # pyright: ignore[reportMissingImports]
 
     finite = [r["final_loss"] for r in rows if r["status"] == "ok"]
     top = max(finite) if finite else 1.0
