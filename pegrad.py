@@ -564,7 +564,6 @@ class _GradientProgram:
         )
         self.jaxpr: jcore.Jaxpr = flat.jaxpr
         self.consts = flat.consts
-        self.example_tree = jax.tree.structure(example)
         self._index_graph()
         self.plans = [self._plan_leaf(i) for i in range(self.n_params)]
 
