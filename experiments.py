@@ -60,6 +60,7 @@ import pegrad
 import train
 
 EXPERIMENTS = ("sign", "precond", "batch-scaling", "overhead")
+TASK_NAMES = {"mlp": "MLP teacher-student", "lm": "byte-level LM"}  # in figure titles
 SIGN_METHODS = ("micro_sign_sgd", "sign_sgd", "sign_ema")
 ADAM_METHODS = ("adam", "micro_adam", "micro_adam_var", "micro_adam_msq")
 LABELS = {
@@ -550,7 +551,7 @@ def run_sign(scale: Scale, out: Path, seed: int, tasks: Sequence[str] | None) ->
             len(task_list), 4, figsize=(20, 4.3 * len(task_list)), squeeze=False
         )
         for row_axes, task in zip(axes, task_list, strict=True):
-            name = "MLP teacher-student" if task == "mlp" else "byte-level LM"
+            name = TASK_NAMES[task]
             mine = [r for r in rows if r["task"] == task]
             plot_lr_sweep(row_axes[0], mine, SIGN_METHODS, f"{name}: final loss vs lr")
             chosen = {LABELS[m]: best[f"{task}/{m}"] for m in SIGN_METHODS if f"{task}/{m}" in best}
@@ -651,7 +652,7 @@ def run_precond(scale: Scale, out: Path, seed: int, tasks: Sequence[str] | None)
             len(task_list), 4, figsize=(20, 4.3 * len(task_list)), squeeze=False
         )
         for row_axes, task in zip(axes, task_list, strict=True):
-            name = "MLP teacher-student" if task == "mlp" else "byte-level LM"
+            name = TASK_NAMES[task]
             for ax, clip in zip(row_axes[:2], scale.precond_clips, strict=False):
                 mine = [r for r in rows if r["task"] == task and r["max_grad_norm"] == clip]
                 title = "no clipping" if clip is None else f"clipped at ‖ḡ‖ ≤ {clip:g}"
@@ -855,7 +856,7 @@ def run_batch_scaling(
         ax.set_title(f"Final loss after {scale.batch_examples} examples")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        name = "MLP teacher-student" if task == "mlp" else "byte-level LM"
+        name = TASK_NAMES[task]
         fig.suptitle(
             f"Batch-size scaling on the {name}: do curves collapse against examples "
             f"seen? (seed {seed})"
