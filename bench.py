@@ -299,26 +299,21 @@ def paper_workload(config: Config) -> Workload:
 
 
 def explain_paths(workload: Workload, program: Program, clip_norm: float) -> str:
-    """How many parameter leaves each path of the factorized rewrite took, e.g. "8 factorized"."""
+    """How many parameter leaves each route of the factorized rewrite took, and how, e.g.
+    "6 outer-product (factorized), 2 fallback"."""
     names = tuple(program.stats.split("+"))
-    reports: list[pegrad.LeafReport] = []
-
-    def collect(params: PyTree, batch: PyTree) -> Array:  # under eval_shape: shapes suffice
-        reports.extend(
-            pegrad.explain(
-                workload.loss_fn,
-                params,
-                batch,
-                names,
-                granularity="token" if program.granularity == "token" else "example",
-                clip_norm=clip_norm if "clipped_mean" in names else None,
-            )
-        )
-        return jnp.zeros(())
-
-    jax.eval_shape(collect, workload.params, workload.batch)
-    counts = Counter(r.path_taken for r in reports)
-    return ", ".join(f"{n} {path}" for path, n in sorted(counts.items()))
+    plans = pegrad.explain(
+        workload.loss_fn,
+        workload.params,
+        workload.batch,
+        names,
+        granularity="token" if program.granularity == "token" else "example",
+        clip_norm=clip_norm if "clipped_mean" in names else None,
+    )
+    counts = Counter(
+        p.route if p.status == "fallback" else f"{p.route} ({p.status})" for p in plans
+    )
+    return ", ".join(f"{n} {route}" for route, n in sorted(counts.items()))
 
 
 def _seconds_per_call(exe: Any, args: tuple[PyTree, PyTree], n: int) -> float:

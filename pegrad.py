@@ -1,54 +1,47 @@
-"""Per-example gradient statistics in JAX: an exact vmap reference and a factorized graph rewrite.
+"""Per-example gradient statistics in JAX: an exact reference and a factorized graph rewrite.
 
-One entry point, `value_and_grad_stats(loss_fn, stats, impl=...)`, returns the mean loss and any
-subset of the statistics of the per-example gradients g_i = grad loss_fn(params, example_i):
+`value_and_grad_stats(loss_fn, stats, impl=...)` returns the mean loss and statistics of the
+per-example gradients g_i = ∇ loss_fn(params, example_i). The loss contract (SPEC §1):
+`loss_fn(params, example)` is the loss of ONE example, every batch leaf has the leading axis B,
+and the batch loss is the mean. The statistics, elementwise over parameters:
 
-    mean          (1/B) Σ_i g_i                        (= jax.grad of the mean loss)
-    sq_mean       (1/B) Σ_i g_i²
-    sign_mean     (1/B) Σ_i sign(g_i)                  (sign(0) = 0)
-    var           1/(B-1) Σ_i (g_i - mean)²            (unbiased; B = 1 is an error)
-    sq_norms      ‖g_i‖² over all parameters            (shape [B])
-    clipped_mean  (1/B) Σ_i g_i · min(1, C/‖g_i‖)      (flat clipping; pass clip_norm=C)
+    mean          (1/B) Σ_i g_i                  sq_norms      ‖g_i‖² over all parameters, [B]
+    sq_mean       (1/B) Σ_i g_i²                 clipped_mean  (1/B) Σ_i g_i·min(1, C/‖g_i‖)
+    sign_mean     (1/B) Σ_i sign(g_i)            var           1/(B−1) Σ_i (g_i − mean)²
 
-and always "batch_size", the number of units the statistics were taken over (B, or B·T at
-token granularity) so that consumers can form unbiased estimators.
+and "batch_size", the number N of units they were taken over: B, or B·T with
+granularity="token", where each position t of each example is a unit and its gradient is the
+position's contribution to the example's gradient (δ_t ⊗ x_t for a dense weight) — a different,
+equally exact quantity.
 
-Two implementations, proven equal:
+Two implementations, equal by contract:
 
-* impl="vmap" (the exact reference, the executable definition): materialize
-  vmap(grad(loss_fn)) and reduce; `chunk_size` bounds how many per-example gradients exist at
-  once (lax.scan over chunks) without changing the result.
-* impl="factorized" (the efficient one): trace grad(loss_fn) for ONE example to a jaxpr, inline
-  every call (jit, custom_jvp/vjp, remat), and cut it in two. The head (forward and backward
-  down to the inputs of each parameter's last gradient operation) runs batched under vmap; the
-  per-parameter tails are rewritten. A dense weight used once per example has the rank-one
-  gradient g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
-  Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖² (Goodfellow), and the clipped
-  sum is (c∘Δ)ᵀX. A weight applied at T positions (g_i = Δ_iᵀX_i) gets the contraction for
-  linear statistics, the Gram identity for norms, and bounded chunks for the rest. Scatters
-  into fixed distinct rows (position embeddings) factorize row by row; gradients that do not
-  depend on the example are exact constants. Anything else (tied weights, convolutions, scans,
-  unknown final operations) takes the exact fallback for that parameter alone: its exclusive
-  gradient tail evaluated per example, in chunks. The result is always the reference result;
-  only speed and memory differ. `explain` says which path each leaf took.
+* impl="vmap" is the exact reference, the executable definition: materialize vmap(grad) in
+  chunks of `chunk_size`, apply φ, reduce; the variance in two passes. At token granularity every
+  position gets its own copy of the parameters ("untying"), so the gradient with respect to copy
+  t is position t's contribution: a construction that shares nothing with the rewrite.
+* impl="factorized" rewrites the graph: it traces grad(loss_fn) for ONE example to a flat jaxpr,
+  runs it batched down to the inputs of each parameter's last gradient operation, and gives each
+  leaf the cheapest route whose preconditions are proven on the jaxpr. A dense weight used once
+  per example has the rank-one gradient g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
+  Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖², and the clipped sum is (c∘Δ)ᵀX.
+  A leaf no route proves takes the exact fallback: its own gradient computation per example,
+  in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
+  the other routes refused — without running anything; the executor reads the same plan.
 
-Granularity "token" treats every position of every example as a unit: the per-token
-contribution of a weight applied at position t is δ_t ⊗ x_t (the term of the sum over positions
-in its gradient; for a weight used at several places per position, e.g. a tied embedding and
-output head, the sum of its terms at t). That is a different quantity from the per-example
-statistics; a parameter not used position-wise is a clear error at this granularity.
+Sections: §1 public API · §2 statistics · §3 input checks · §4 the exact reference · §5 the
+graph (the flat jaxpr and what is proven about its values) · §6 routes (one class each, ROUTES in
+precedence order) · §7 planner · §8 executor.
 
-Exact references: `_reference_stats` (materialize, reduce). Tests proving the factorized path
-equal to it and to a naive per-example Python loop, at float64: tests/test_pegrad.py.
-
-This file depends on jax (with numpy), jaxtyping and the standard library only: copy it into
-your project.
+Proof of equality (float64; every statistic × implementation × granularity × batch size against
+a naive per-example loop; one test per precondition, broken): tests/test_pegrad.py and
+tests/test_zoo.py. Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
 """
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -61,23 +54,8 @@ Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
 Stats = dict[str, Any]
 
-# Statistics that are (1/units) Σ_units φ(g_unit) for an elementwise φ, and that φ.
-_PHI: dict[str, Callable[[Array], Array]] = {
-    "mean": lambda x: x,
-    "sq_mean": jnp.square,
-    "sign_mean": jnp.sign,
-}
-
-
-def stat_dtype(dtype: Any) -> jnp.dtype:
-    """Statistics are accumulated in float32 or wider, even for bf16 parameters."""
-    dtype = jnp.dtype(dtype)
-    return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-
-
-def _widest(dtypes: Sequence[Any]) -> jnp.dtype:
-    """The widest statistic dtype: per-example norms add up every leaf in it."""
-    return max((stat_dtype(d) for d in dtypes), key=lambda d: d.itemsize)
+# ============================================================================================
+# §1 Public API
 
 
 def value_and_grad_stats(
@@ -89,40 +67,155 @@ def value_and_grad_stats(
     granularity: Granularity = "example",
     clip_norm: float | None = None,
 ) -> Callable[[PyTree, PyTree], tuple[Float[Array, ""], Stats]]:
-    """Build `fn(params, batch) -> (mean_loss, {name: statistic, ..., "batch_size": B})`.
+    """Build `fn(params, batch) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
 
     Args:
         loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example.
         stats: any subset of `STATISTICS`, computed in one pass.
-        impl: "vmap" (exact reference) or "factorized" (graph rewrite, same result).
-        chunk_size: at most this many per-example gradients exist at once. None: the reference
-            materializes the whole batch; the factorized path picks the largest chunk whose
-            materialized per-example gradients hold no more elements than the parameters.
-        granularity: "example", or "token" (units are the positions of each example; every
-            batch leaf must be shaped [B, T, ...]).
+        impl: "vmap" (the exact reference) or "factorized" (the rewrite; the same numbers).
+        chunk_size: at most this many examples' per-example gradients exist at once. None: the
+            reference materializes the whole batch; the rewrite bounds what it materializes by
+            the parameters' or the activations' size, whichever is larger.
+        granularity: "example", or "token" (units are positions; batch leaves are [B, T, ...]).
         clip_norm: C for "clipped_mean".
 
-    Statistics have the dtype `stat_dtype(param dtype)`; "sq_norms" has shape [units] where
-    units is B, or B·T at token granularity (row-major: unit i·T + t).
+    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
+    [N] with unit i·T + t at token granularity.
     """
     stats = _check_options(stats, impl, granularity, chunk_size, clip_norm)
 
     def fn(params: PyTree, batch: PyTree) -> tuple[Float[Array, ""], Stats]:
-        n_examples, n_positions = _check_inputs(loss_fn, params, batch, stats, granularity)
-        if impl == "vmap" and granularity == "example":
-            return _reference_stats(loss_fn, stats, chunk_size, clip_norm, params, batch)
-        program = _GradientProgram(loss_fn, params, batch, granularity, n_positions)
+        per_example = _check_inputs(loss_fn, params, batch, stats, granularity)
         if impl == "vmap":
-            return _reference_stats(
-                loss_fn, stats, chunk_size, clip_norm, params, batch, units=program.per_token
-            )
-        return program.factorized_stats(stats, chunk_size, clip_norm, params, batch, n_examples)
+            return _reference(loss_fn, stats, chunk_size, clip_norm, params, batch, per_example)
+        graph = Graph.build(loss_fn, params, batch, per_example)
+        return _execute(graph, plan(graph, stats), stats, chunk_size, clip_norm, params, batch)
 
     return fn
 
 
-# --------------------------------------------------------------------------------------------
-# Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
+def explain(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    params: PyTree,
+    batch: PyTree,
+    stats: Sequence[str] = ("mean",),
+    *,
+    granularity: Granularity = "example",
+    clip_norm: float | None = None,
+) -> tuple["LeafPlan", ...]:
+    """The plan impl="factorized" follows for these statistics: one `LeafPlan` per parameter
+    leaf (route, what its match proved, per-ingredient method, cost estimate, refusals). Traces
+    `loss_fn` abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s."""
+    stats = tuple(stats)
+    if "clipped_mean" in stats and clip_norm is None:
+        clip_norm = 1.0  # the plan does not depend on C
+    stats = _check_options(stats, "factorized", granularity, None, clip_norm)
+    per_example = _check_inputs(loss_fn, params, batch, stats, granularity)
+    return plan(Graph.build(loss_fn, params, batch, per_example), stats)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeafPlan:
+    """How impl="factorized" computes one parameter leaf's statistics (pure data).
+
+    `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
+    route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
+    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized",
+    "chunked", or "fallback" (no route proved anything; exact, slowest).
+    """
+
+    leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
+    shape: tuple[int, ...]
+    route: str  # the route taken: a name in ROUTES
+    reason: str  # what the route's match proved
+    methods: Mapping[str, str]
+    cost: "Cost"
+    refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
+    match: "Match" = dataclasses.field(repr=False)
+    index: int = dataclasses.field(repr=False, default=0)
+
+    @property
+    def status(self) -> str:
+        if self.route == "fallback":
+            return "fallback"
+        return "chunked" if "chunked" in self.methods.values() else "factorized"
+
+    def __str__(self) -> str:
+        methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
+        return (
+            f"{self.leaf:36s} {str(self.shape):16s} {self.route:14s} {self.status:10s} "
+            f"{self.reason} [{methods}] ~{self.cost.flops:.2g} flop"
+        )
+
+
+# ============================================================================================
+# §2 Statistics: what routes compute per leaf ("ingredients") and how statistics are made.
+#
+#   "sum"   (1/N) Σ_u g_u          "sq"     (1/N) Σ_u g_u²        "sign"  (1/N) Σ_u sign(g_u)
+#   "var"   Σ_u (g_u − ḡ)²/(N−1)   "norms"  ‖g_u‖² per unit       "clipped" (1/N) Σ_u c_u g_u
+#
+# φ ∈ {identity, square, sign} is multiplicative: φ(m·x) = φ(m)·φ(x) and φ(x/m) = φ(x)/φ(m),
+# which is what lets a scaling by a batch-independent m move out of a sum over units.
+
+_PHI: dict[str, Callable[[Array], Array]] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
+_INGREDIENTS = {
+    "mean": ("sum",),
+    "sq_mean": ("sq",),
+    "sign_mean": ("sign",),
+    "var": ("var",),
+    "sq_norms": ("norms",),
+    "clipped_mean": ("norms", "clipped"),
+}
+
+
+def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(i for s in stats for i in _INGREDIENTS[s]))
+
+
+def stat_dtype(dtype: Any) -> jnp.dtype:
+    """Statistics are accumulated in float32 or wider, even for bf16/fp16 parameters."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+
+
+def _widest(dtypes: Sequence[Any]) -> jnp.dtype:
+    """Per-unit norms add up every leaf: in the widest statistic dtype."""
+    return max((stat_dtype(d) for d in dtypes), key=lambda d: d.itemsize)
+
+
+def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
+    """min(1, C/‖g‖); a zero gradient keeps factor 1."""
+    return jnp.minimum(1.0, clip_norm / jnp.sqrt(sq_norms)).astype(sq_norms.dtype)
+
+
+def _publish(
+    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: int
+) -> Stats:
+    """The statistics dict from the ingredients (already divided by N, or N − 1 for var)."""
+    names = {"mean": "sum", "sq_mean": "sq", "sign_mean": "sign", "var": "var"}
+    out: Stats = {s: means[names[s]] for s in stats if s in names}
+    if "clipped_mean" in stats:
+        out["clipped_mean"] = means["clipped"]
+    if "sq_norms" in stats:
+        out["sq_norms"] = sq_norms
+    with jax.ensure_compile_time_eval():  # concrete under jit: consumers check B at trace time
+        out["batch_size"] = jnp.asarray(n_units, jnp.int32)
+    return out
+
+
+def _sum0(x: Array) -> Array:
+    """Σ over the leading axis as a dot with ones: XLA:CPU reduces a [B, big] tensor over B
+    several times slower than it multiplies it by a vector."""
+    return jnp.tensordot(jnp.ones(x.shape[:1], x.dtype), x, axes=1)
+
+
+def _merge01(x: Array) -> Array:
+    """[B, U, ...] -> [B·U, ...]."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+# ============================================================================================
+# §3 Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
 
 
 def _check_options(
@@ -152,7 +245,8 @@ def _check_options(
 
 def _check_inputs(
     loss_fn: Callable, params: PyTree, batch: PyTree, stats: tuple[str, ...], granularity: str
-) -> tuple[int, int]:
+) -> int:
+    """Validate params and batch; return the units per example (T at token granularity)."""
     param_leaves = jax.tree_util.tree_leaves_with_path(params)
     if not param_leaves:
         raise ValueError("params has no array leaves")
@@ -180,7 +274,7 @@ def _check_inputs(
             )
     if n_examples == 0:
         raise ValueError("the batch is empty (B = 0)")
-    n_positions = 1
+    per_example = 1
     if granularity == "token":
         for name, shape in shapes.items():
             if len(shape) < 2:
@@ -188,17 +282,19 @@ def _check_inputs(
                     f"granularity='token' needs every batch leaf shaped [B, T, ...]; "
                     f"batch{name} has shape {shape}"
                 )
-        n_positions = first_shape[1]
+        per_example = first_shape[1]
         for name, shape in shapes.items():
-            if shape[1] != n_positions:
+            if shape[1] != per_example:
                 raise ValueError(
-                    f"granularity='token': batch{first_name} has T = {n_positions} but "
+                    f"granularity='token': batch{first_name} has T = {per_example} but "
                     f"batch{name} has shape {shape}"
                 )
-    if "var" in stats and n_examples * n_positions < 2:
+        if per_example == 0:
+            raise ValueError("granularity='token' with T = 0 positions: no units")
+    if "var" in stats and n_examples * per_example < 2:
         raise ValueError(
             "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
-            f"batch of {n_examples * n_positions} unit(s); use B ≥ 2"
+            f"batch of {n_examples * per_example} unit(s); use B ≥ 2"
         )
     loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
@@ -208,39 +304,8 @@ def _check_inputs(
         )
     if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
         raise TypeError(f"loss_fn must return a floating scalar, got dtype {loss_shape.dtype}")
-    return n_examples, n_positions
-
-
-# --------------------------------------------------------------------------------------------
-# Shared reductions.
-
-
-def _chunked_sum(fn: Callable, xs: PyTree, n: int, chunk_size: int | None) -> tuple[Any, Any]:
-    """Run `fn(chunk) -> (sums, per_unit)` over chunks of the leading axis of `xs`.
-
-    Returns the added-up `sums` and the concatenated `per_unit` outputs; at most `chunk_size`
-    rows of `xs` are processed at once (lax.scan over full chunks, then the remainder).
-    """
-    if chunk_size is None or chunk_size >= n:
-        return fn(xs)
-    n_full, remainder = divmod(n, chunk_size)
-    full = jax.tree.map(
-        lambda x: x[: n_full * chunk_size].reshape(n_full, chunk_size, *x.shape[1:]), xs
-    )
-
-    def body(acc: Any, chunk: Any) -> tuple[Any, Any]:
-        sums, per_unit = fn(chunk)
-        return jax.tree.map(jnp.add, acc, sums), per_unit
-
-    first = jax.tree.map(lambda x: x[0], full)
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, first)[0])
-    sums, per_unit = jax.lax.scan(body, init, full)
-    per_unit = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), per_unit)
-    if remainder:
-        rest_sums, rest_per_unit = fn(jax.tree.map(lambda x: x[n_full * chunk_size :], xs))
-        sums = jax.tree.map(jnp.add, sums, rest_sums)
-        per_unit = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), per_unit, rest_per_unit)
-    return sums, per_unit
+    # One position is one example: both granularities are then the same quantity.
+    return per_example
 
 
 def _one_example(batch: PyTree) -> PyTree:
@@ -248,143 +313,112 @@ def _one_example(batch: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), batch)
 
 
-def _sum0(x: Array) -> Array:
-    """Σ over the leading axis as a dot with ones: XLA:CPU reduces a [B, big] tensor over B
-    several times slower than it multiplies it by a vector."""
-    return jnp.tensordot(jnp.ones(x.shape[:1], x.dtype), x, axes=1)
+# ============================================================================================
+# §4 The exact reference: materialize per-unit gradients, apply φ, reduce.
 
 
-def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
-    """min(1, C/‖g‖); a zero gradient is left as it is (factor 1)."""
-    return jnp.minimum(1.0, clip_norm / jnp.sqrt(sq_norms)).astype(sq_norms.dtype)
+def _chunked(
+    fn: Callable, xs: PyTree, n: int, chunk: int | None, combine: Callable = jnp.add
+) -> tuple[Any, Any]:
+    """Run `fn(rows) -> (partial, per_row)` over chunks of the leading axis of `xs`.
+
+    Partials are merged with `combine` (a pytree-leaf function, or one over whole partials when
+    `combine` is not jnp.add); per-row outputs are concatenated. At most `chunk` rows are
+    processed at once: lax.scan over full chunks, then the remainder."""
+    merge = (lambda a, b: jax.tree.map(jnp.add, a, b)) if combine is jnp.add else combine
+    if chunk is None or chunk >= n:
+        return fn(xs)
+    n_full, remainder = divmod(n, chunk)
+    full = jax.tree.map(lambda x: x[: n_full * chunk].reshape(n_full, chunk, *x.shape[1:]), xs)
+
+    def body(acc: Any, rows: Any) -> tuple[Any, Any]:
+        part, per_row = fn(rows)
+        return merge(acc, part), per_row
+
+    first = jax.tree.map(lambda x: x[0], full)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, first)[0])
+    acc, per_row = jax.lax.scan(body, init, full)
+    per_row = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), per_row)
+    if remainder:
+        part, rest = fn(jax.tree.map(lambda x: x[n_full * chunk :], xs))
+        acc = merge(acc, part)
+        per_row = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), per_row, rest)
+    return acc, per_row
 
 
-def _finish(
-    stats: tuple[str, ...], means: dict[str, Any], sq_norms: Array | None, n_units: int
-) -> Stats:
-    """Publish the requested statistics from averages over units (keys of `_PHI`, and
-    "clipped_mean"; "var" too where it was computed in two passes)."""
-    out: Stats = {name: means[name] for name in stats if name in _PHI or name == "clipped_mean"}
-    if "var" in stats:
-        out["var"] = means.get("var")
-        if out["var"] is None:
-            # B/(B-1)·(q - ḡ²); rounding can dip below zero, the variance cannot.
-            out["var"] = jax.tree.map(
-                lambda m, q: jnp.maximum(q - m * m, 0.0) * (n_units / (n_units - 1)),
-                means["mean"],
-                means["sq_mean"],
-            )
-    if "sq_norms" in stats:
-        out["sq_norms"] = sq_norms
-    with jax.ensure_compile_time_eval():  # concrete under jit: consumers can check B at trace time
-        out["batch_size"] = jnp.asarray(n_units, jnp.int32)
-    return out
-
-
-def _unseed(stat: str, n_units: int) -> float:
-    """What turns Σ_u φ(g_u / units) into (1/units) Σ_u φ(g_u): 1/(units·φ(1/units))."""
-    phi_of_seed = {"mean": 1.0 / n_units, "sq_mean": 1.0 / n_units**2, "sign_mean": 1.0}[stat]
-    return 1.0 / (n_units * phi_of_seed)
-
-
-def _needed_means(stats: tuple[str, ...]) -> set[str]:
-    """The φ-averages that `stats` are made of."""
-    need = {name for name in stats if name in _PHI}
-    if "var" in stats:
-        need |= {"mean", "sq_mean"}
-    return need
-
-
-# --------------------------------------------------------------------------------------------
-# The exact reference: materialize per-unit gradients, apply φ, reduce.
-
-
-def _reference_stats(
+def _reference(
     loss_fn: Callable,
     stats: tuple[str, ...],
     chunk_size: int | None,
     clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
-    units: Callable | None = None,
+    per_example: int,
 ) -> tuple[Float[Array, ""], Stats]:
-    """vmap(grad) materialized chunk by chunk. `units(params, example) -> (loss, grads [U, ...])`
-    splits one example into U units (default: the example itself, U = 1)."""
+    """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients."""
+    untie = None if per_example == 1 else Untie.build(loss_fn, params, batch)
 
-    def example_units(example: PyTree) -> tuple[Array, PyTree]:
-        if units is not None:
-            return units(params, example)
+    def unit_grads(example: PyTree) -> tuple[Array, PyTree]:
+        if untie is not None:
+            return untie.value_and_grad(params, example)
         loss, grads = jax.value_and_grad(loss_fn)(params, example)
         return loss, jax.tree.map(lambda g: g[None], grads)
 
-    def per_unit_grads(chunk: PyTree) -> tuple[Array, PyTree]:
-        losses, grads = jax.vmap(example_units)(chunk)
-        grads = jax.tree.map(
-            lambda g: g.reshape(-1, *g.shape[2:]).astype(stat_dtype(g.dtype)), grads
-        )
-        return losses, grads
+    def per_unit(rows: PyTree) -> tuple[Array, PyTree]:
+        losses, grads = jax.vmap(unit_grads)(rows)
+        return losses, jax.tree.map(lambda g: _merge01(g).astype(stat_dtype(g.dtype)), grads)
 
     n_examples = jax.tree.leaves(batch)[0].shape[0]
-    need = _needed_means(stats) | {"mean"}
+    n_units = n_examples * per_example
+    need = _ingredients(stats)
+    sums_of = [w for w in ("sum", "sq", "sign") if w in need or (w == "sum" and "var" in need)]
 
-    def first_pass(chunk: PyTree) -> tuple[dict[str, Any], dict[str, Array]]:
-        losses, grads = per_unit_grads(chunk)
-        sums = {name: jax.tree.map(lambda g, phi=_PHI[name]: _sum0(phi(g)), grads) for name in need}
+    def first_pass(rows: PyTree) -> tuple[dict[str, Any], Array]:
+        losses, grads = per_unit(rows)
+        sums: dict[str, Any] = {
+            w: jax.tree.map(lambda g, w=w: _sum0(_PHI[w](g)), grads) for w in sums_of
+        }
         sums["loss"] = losses.sum()
         leaves = jax.tree.leaves(grads)
         dtype = _widest([g.dtype for g in leaves])
-        sq_norms = jnp.zeros(leaves[0].shape[:1], dtype)
-        for g in leaves:
-            sq_norms = sq_norms + jnp.sum(g**2, axis=tuple(range(1, g.ndim))).astype(dtype)
-        if "clipped_mean" in stats:
+        sq_norms = sum(
+            (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in leaves),
+            jnp.zeros(leaves[0].shape[:1], dtype),
+        )
+        if "clipped" in need:
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
-            sums["clipped_mean"] = jax.tree.map(
+            sums["clipped"] = jax.tree.map(
                 lambda g: jnp.tensordot(factors.astype(g.dtype), g, axes=1), grads
             )
-        return sums, {"sq_norms": sq_norms}
+        return sums, sq_norms
 
-    sums, per_unit = _chunked_sum(first_pass, batch, n_examples, chunk_size)
-    n_units = per_unit["sq_norms"].shape[0]
+    sums, sq_norms = _chunked(first_pass, batch, n_examples, chunk_size)
     loss_sum = sums.pop("loss")
     loss = (loss_sum / n_examples).astype(stat_dtype(loss_sum.dtype))
-    means = {name: jax.tree.map(lambda s: s / n_units, value) for name, value in sums.items()}
-    if "var" in stats:
-        # The definition, two passes: Σ_i (g_i - ḡ)² with ḡ from the first pass.
-        def second_pass(chunk: PyTree) -> tuple[PyTree, None]:
-            _, grads = per_unit_grads(chunk)
-            centered = jax.tree.map(
-                lambda g, m: jnp.sum((g - m) ** 2, axis=0), grads, means["mean"]
-            )
-            return centered, None
+    means = {w: jax.tree.map(lambda s: s / n_units, v) for w, v in sums.items()}
+    if "var" in need:
+        # The definition, two passes: Σ_u (g_u − ḡ)² with ḡ from the first pass.
+        def second_pass(rows: PyTree) -> tuple[PyTree, None]:
+            _, grads = per_unit(rows)
+            return jax.tree.map(lambda g, m: jnp.sum((g - m) ** 2, 0), grads, means["sum"]), None
 
-        centered, _ = _chunked_sum(second_pass, batch, n_examples, chunk_size)
+        centered, _ = _chunked(second_pass, batch, n_examples, chunk_size)
         means["var"] = jax.tree.map(lambda s: s / (n_units - 1), centered)
-    return loss, _finish(stats, means, per_unit["sq_norms"], n_units)
+    return loss, _publish(stats, means, sq_norms, n_units)
 
 
-# --------------------------------------------------------------------------------------------
-# The jaxpr of grad(loss_fn) for one example, flattened.
+# ============================================================================================
+# §5 The graph.
 
-# Call-like primitives whose body is evaluated in place so that the rewrite sees one flat graph.
-_INLINED_CALLS = {
-    "pjit",
-    "jit",
-    "closed_call",
-    "core_call",
-    "remat",
-    "remat2",
-    "checkpoint",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "custom_lin",
-}
+# Call-like primitives whose body is evaluated in place, so that the rewrite sees one graph.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"})
+# Custom-derivative calls: inlined in the gradient's jaxpr (their rules have run by then), kept
+# whole in the forward jaxpr the token reference unties (so that their rules still apply).
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
 
 
 def _inner_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
-    if eqn.primitive.name not in _INLINED_CALLS:
-        return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
         if isinstance(inner, jcore.ClosedJaxpr):
@@ -394,7 +428,7 @@ def _inner_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
     return None
 
 
-def _read(env: dict, var: Any) -> Any:
+def _read(env: Mapping, var: Any) -> Any:
     return var.val if isinstance(var, jcore.Literal) else env[var]
 
 
@@ -407,147 +441,500 @@ def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _eval_eqns(eqns: Sequence[Any], env: dict) -> None:
-    """Evaluate `eqns` in order, reading and writing variables in `env`."""
+def _evaluate(eqns: Sequence[Any], env: dict, inline: frozenset[str] = frozenset()) -> None:
+    """Evaluate `eqns` in order in `env`, evaluating the bodies of `inline` calls in place."""
     for eqn in eqns:
-        outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, jcore.DropVar):
-                env[var] = val
-
-
-def _eval_inlined(jaxpr: jcore.Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
-    env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        inner = _inner_jaxpr(eqn)
+        inner = _inner_jaxpr(eqn) if eqn.primitive.name in inline else None
         if inner is None:
             outs = _bind(eqn, invals)
         else:
-            outs = _eval_inlined(inner.jaxpr, inner.consts, *invals)
+            local = dict(zip(inner.jaxpr.constvars, inner.consts, strict=True))
+            local.update(zip(inner.jaxpr.invars, invals, strict=True))
+            _evaluate(inner.jaxpr.eqns, local, inline)
+            outs = [_read(local, v) for v in inner.jaxpr.outvars]
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
                 env[var] = val
-    return [_read(env, v) for v in jaxpr.outvars]
 
 
-# --------------------------------------------------------------------------------------------
-# Reading one parameter's gradient tail: layout ops back to its "core" operation.
+def _flat_jaxpr(fn: Callable, args: Sequence[Any], inline: frozenset[str]) -> jcore.ClosedJaxpr:
+    """The jaxpr of `fn(*args)` with the `inline` calls evaluated in place (recursively)."""
+    nested = jax.make_jaxpr(fn)(*args)
 
-_LAYOUT = {"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
+    def flat(*values: Any) -> list[Any]:
+        env = dict(zip(nested.jaxpr.constvars, nested.consts, strict=True))
+        env.update(zip(nested.jaxpr.invars, values, strict=True))
+        _evaluate(nested.jaxpr.eqns, env, inline)
+        return [_read(env, v) for v in nested.jaxpr.outvars]
+
+    return jax.make_jaxpr(flat)(*args)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One op after the core: layout (same per unit), or a scaling by an unbatched `factor`."""
+def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
+    """Variables that depend on any of `sources` (forward closure)."""
+    found = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jcore.Var) and v in found for v in eqn.invars):
+            found.update(eqn.outvars)
+    return found
+
+
+# -- Position axes: which axes of a value index positions 0..T−1, traced from the example. --------
+#
+# Every example leaf's axis 0 is positional (granularity="token" says so). A label survives an
+# operation only where the operation maps index t of that axis to index t of an output axis:
+# elementwise ops, permutations, reshapes that keep the axis whole, dot_general batch and free
+# dims, full-size slices, gathers' index dims. Anything else drops it — never recognised by length.
+
+_ELEMENTWISE = frozenset(
+    [
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "add_any",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "convert_element_type",
+        "copy",
+        "cos",
+        "cosh",
+        "digamma",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "igamma",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "polygamma",
+        "pow",
+        "real",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+    ]
+)
+_REDUCTIONS = frozenset(
+    [
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "argmax",
+        "argmin",
+    ]
+)
+_CUMULATIVE = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
+Axes = frozenset[int]
+_NONE: Axes = frozenset()
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -> Axes:
+    """Axes of `before` that survive a reshape whole, at their place in `after`."""
+    out = set()
+    for k in axes:
+        prefix = math.prod(before[:k])
+        for j in range(len(after)):
+            if after[j] == before[k] and math.prod(after[:j]) == prefix:
+                out.add(j)
+                break
+    return frozenset(out)
+
+
+def _gather_axes(eqn: Any, operand: Axes, indices: Axes) -> Axes:
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    out_rank = len(_shape(eqn.outvars[0]))
+    offset = tuple(dn.offset_dims)
+    batch_out = [d for d in range(out_rank) if d not in offset]
+    index_dims = range(len(_shape(eqn.invars[1])) - 1)  # the last is the index vector
+    found = {d for d, k in zip(batch_out, index_dims, strict=True) if k in indices}
+    window = [
+        d
+        for d in range(len(_shape(eqn.invars[0])))
+        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
+    ]
+    op_shape = _shape(eqn.invars[0])
+    fill = str(eqn.params["mode"]).endswith("FILL_OR_DROP")
+    for out_d, op_d in zip(offset, window, strict=True):
+        # A full-size window starts at 0 (clamped), so index t stays t; filling could move it.
+        full = sizes[op_d] == op_shape[op_d] and (not fill or op_d not in dn.start_index_map)
+        if op_d in operand and full:
+            found.add(out_d)
+    return frozenset(found)
+
+
+def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes:
+    """A scatter's output is its operand: an axis stays positional where the scatter keeps
+    slice t at t — a batching dim paired with a traced index dim, or an axis the windows cover
+    whole from 0 (not scattered into)."""
+    dn = eqn.params["dimension_numbers"]
+    found = {
+        int(d)
+        for d, k in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims, strict=True)
+        if d in operand or k in indices
+    }
+    op_shape, upd_shape = _shape(eqn.invars[0]), _shape(eqn.invars[2])
+    window = [
+        d
+        for d in range(len(op_shape))
+        if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+    ]
+    for upd_d, op_d in zip(dn.update_window_dims, window, strict=True):
+        whole = upd_shape[upd_d] == op_shape[op_d] and op_d not in dn.scatter_dims_to_operand_dims
+        if whole and (op_d in operand or upd_d in updates):
+            found.add(op_d)
+    return frozenset(found)
+
+
+def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
+    """Output position axes of one equation from its inputs' (see the comment above)."""
+    name, params = eqn.primitive.name, eqn.params
+    outs = eqn.outvars
+    if name in _ELEMENTWISE:
+        shape = _shape(outs[0])
+        found = {a for v, ax in zip(eqn.invars, ins, strict=True) if _shape(v) == shape for a in ax}
+        return [frozenset(found)] * len(outs)
+    if name == "optimization_barrier":
+        return list(ins)
+    if name in ("transpose",):
+        perm = [int(k) for k in params["permutation"]]
+        return [frozenset(j for j, k in enumerate(perm) if k in ins[0])]
+    if name == "broadcast_in_dim":
+        src, dst = _shape(eqn.invars[0]), _shape(outs[0])
+        dims = params["broadcast_dimensions"]
+        return [frozenset(int(dims[k]) for k in ins[0] if src[k] == dst[dims[k]])]
+    if name == "reshape":
+        return [_reshape_axes(_shape(eqn.invars[0]), _shape(outs[0]), ins[0])]
+    if name == "squeeze":
+        gone = {int(d) for d in params["dimensions"]}
+        kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in gone]
+        return [frozenset(j for j, k in enumerate(kept) if k in ins[0])]
+    if name in _REDUCTIONS:
+        gone = {int(a) for a in params["axes"]}
+        kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in gone]
+        return [frozenset(j for j, k in enumerate(kept) if k in ins[0])] * len(outs)
+    if name in _CUMULATIVE:
+        return [ins[0]]
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+        batch = [
+            j for j, (a, b) in enumerate(zip(lb, rb, strict=True)) if a in ins[0] or b in ins[1]
+        ]
+        lfree = [k for k in range(lhs_rank) if k not in lc and k not in lb]
+        rfree = [k for k in range(rhs_rank) if k not in rc and k not in rb]
+        found = set(batch)
+        found |= {len(lb) + j for j, k in enumerate(lfree) if k in ins[0]}
+        found |= {len(lb) + len(lfree) + j for j, k in enumerate(rfree) if k in ins[1]}
+        return [frozenset(found)]
+    if name == "slice":
+        shape = _shape(eqn.invars[0])
+        strides = params["strides"] or (1,) * len(shape)
+        whole = [
+            s == 0 and e == n and st == 1
+            for s, e, n, st in zip(
+                params["start_indices"], params["limit_indices"], shape, strides, strict=True
+            )
+        ]
+        return [frozenset(k for k in ins[0] if whole[k])]
+    if name == "dynamic_slice":
+        shape = _shape(eqn.invars[0])
+        return [frozenset(k for k in ins[0] if params["slice_sizes"][k] == shape[k])]
+    if name == "pad":
+        config = params["padding_config"]
+        return [frozenset(k for k in ins[0] if tuple(config[k]) == (0, 0, 0))]
+    if name == "concatenate":
+        dim = int(params["dimension"])
+        return [frozenset(k for axes in ins for k in axes if k != dim)]
+    if name == "gather":
+        return [_gather_axes(eqn, ins[0], ins[1])]
+    if name in ("scatter", "scatter-add"):
+        return [_scatter_axes(eqn, *ins[:3])]
+    if name == "dynamic_update_slice":
+        operand, update = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+        return [frozenset(k for k in ins[0] | ins[1] if update[k] == operand[k])]
+    inner = _inner_jaxpr(eqn) if name in _CALLS | _CUSTOM else None
+    if inner is not None and len(inner.jaxpr.invars) == len(ins):
+        labels = _propagate_positions(inner.jaxpr, ins)
+        return [
+            labels.get(v, _NONE) if isinstance(v, jcore.Var) else _NONE for v in inner.jaxpr.outvars
+        ]
+    return [_NONE] * len(outs)
+
+
+def _propagate_positions(jaxpr: jcore.Jaxpr, in_axes: Sequence[Axes]) -> dict[Any, Axes]:
+    positions: dict[Any, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [positions.get(v, _NONE) if isinstance(v, jcore.Var) else _NONE for v in eqn.invars]
+        for var, axes in zip(eqn.outvars, _position_rule(eqn, ins, positions), strict=True):
+            positions[var] = axes
+    return positions
+
+
+# -- The token reference: untie the parameters, one copy per position. ---------------------------
+
+
+def _diagonal(stacked: Array, axis: int) -> Array:
+    """out[..., t (at `axis`), ...] = stacked[t, ..., t, ...]: slice t computed with copy t."""
+    return jnp.moveaxis(jnp.diagonal(stacked, axis1=0, axis2=axis + 1), -1, axis)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Untie:
+    """granularity="token" made explicit: position t uses its own copy of every parameter.
+
+    Where a parameter meets the example (a "boundary": an operation with an example-dependent
+    input and a parameter-dependent one), output slice t is computed with copy t. That is
+    defined only for operations that compute slice t of their output from slice t of their
+    example-dependent inputs (elementwise ops, dot_general along a batch or free dim, gathers
+    along their index dims, concatenation off the position axis); any other boundary is an error
+    naming the parameter. The gradient with respect to copy t is position t's contribution."""
+
+    jaxpr: jcore.Jaxpr
+    consts: tuple[Any, ...]
+    n_params: int
+    n_positions: int
+    batched: frozenset[Any]
+    param_deps: Mapping[Any, frozenset[int]]  # unbatched variables -> parameter leaves they use
+    boundary_axis: Mapping[int, tuple[int, ...]]  # id(eqn) -> position axis of each output
+
+    @staticmethod
+    def build(loss_fn: Callable, params: PyTree, batch: PyTree) -> "Untie":
+        example = _one_example(batch)
+        leaves, treedef = jax.tree.flatten(params)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        example_leaves, example_def = jax.tree.flatten(example)
+        n_params = len(leaves)
+
+        def flat_loss(*flat: Any) -> Array:
+            p = jax.tree.unflatten(treedef, flat[:n_params])
+            return loss_fn(p, jax.tree.unflatten(example_def, flat[n_params:]))
+
+        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
+        closed = _flat_jaxpr(flat_loss, [*shapes, *example_leaves], _CALLS)
+        jaxpr = closed.jaxpr
+        batched = frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:])))
+        deps: dict[Any, frozenset[int]] = {
+            v: frozenset({i}) for i, v in enumerate(jaxpr.invars[:n_params])
+        }
+        positions = _propagate_positions(
+            jaxpr, [_NONE] * n_params + [frozenset({0})] * len(example_leaves)
+        )
+        boundary_axis: dict[int, tuple[int, ...]] = {}
+        for eqn in jaxpr.eqns:
+            used = frozenset().union(
+                *(deps.get(v, _NONE) for v in eqn.invars if isinstance(v, jcore.Var))
+            )
+            meets = any(isinstance(v, jcore.Var) and v in batched for v in eqn.invars)
+            for v in eqn.outvars:
+                if v not in batched and used:
+                    deps[v] = used
+            if not (meets and used):
+                continue
+            axes = _boundary_axes(eqn, positions)
+            if isinstance(axes, str):
+                names = ", ".join(f"params{paths[i]}" for i in sorted(used))
+                raise ValueError(
+                    f"granularity='token': {names} meets the example at '{eqn.primitive.name}' "
+                    f"{axes}. Per-token statistics need every use of a parameter to be "
+                    "position-wise (output position t from input position t); "
+                    "granularity='example' works for any model"
+                )
+            boundary_axis[id(eqn)] = axes
+        n_positions = example_leaves[0].shape[0]
+        return Untie(
+            jaxpr, tuple(closed.consts), n_params, n_positions, batched, deps, boundary_axis
+        )
+
+    def value_and_grad(
+        self, params: PyTree, example: PyTree, untied: frozenset[int] | None = None
+    ) -> tuple[Array, PyTree]:
+        """Loss of one example and, per parameter leaf, its per-position gradients [T, ...]
+        (leaves not in `untied` come back as None)."""
+        leaves, treedef = jax.tree.flatten(params)
+        untied = frozenset(range(self.n_params)) if untied is None else untied
+        copied = {v for v, d in self.param_deps.items() if d & untied}
+
+        def loss_of(copies: dict[int, Array]) -> Array:
+            env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+            inputs = [copies.get(i, x) for i, x in enumerate(leaves)] + jax.tree.leaves(example)
+            env.update(zip(self.jaxpr.invars, inputs, strict=True))
+            for eqn in self.jaxpr.eqns:
+                invals = [_read(env, v) for v in eqn.invars]
+                axes = [0 if isinstance(v, jcore.Var) and v in copied else None for v in eqn.invars]
+                if all(a is None for a in axes):
+                    outs = _bind(eqn, invals)
+                else:
+                    outs = jax.vmap(lambda *xs, eqn=eqn: _bind(eqn, xs), in_axes=axes)(*invals)
+                    if id(eqn) in self.boundary_axis:
+                        axes_out = self.boundary_axis[id(eqn)]
+                        outs = [_diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
+                for var, val in zip(eqn.outvars, outs, strict=True):
+                    if not isinstance(var, jcore.DropVar):
+                        env[var] = val
+            return _read(env, self.jaxpr.outvars[0])
+
+        copies = {
+            i: jnp.broadcast_to(leaves[i], (self.n_positions, *jnp.shape(leaves[i])))
+            for i in sorted(untied)
+        }
+        loss, grads = jax.value_and_grad(loss_of)(copies)
+        return loss, jax.tree.unflatten(treedef, [grads.get(i) for i in range(self.n_params)])
+
+
+def _boundary_axes(eqn: Any, positions: Mapping[Any, Axes]) -> tuple[int, ...] | str:
+    """The position axis of each output of a boundary equation, or why there is none."""
+    name = eqn.primitive.name
+    if name not in _ELEMENTWISE and name not in ("dot_general", "gather", "concatenate"):
+        return "(an operation that is not position-wise, or opaque to pegrad)"
+    if name == "gather" and any(
+        v in positions and positions[v] for v in eqn.invars[:1] if isinstance(v, jcore.Var)
+    ):
+        return "(a gather from an example-dependent array)"
+    axes = []
+    for var in eqn.outvars:
+        found = positions.get(var, _NONE)
+        if len(found) != 1:
+            return f"whose output has {len(found)} position axes, not one"
+        axes.append(next(iter(found)))
+    return tuple(axes)
+
+
+# -- The gradient graph. ------------------------------------------------------------------------
+
+_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Post:
+    """One operation between a gradient's core and the gradient: layout (the same per unit), or
+    a scaling by a batch-independent `factor` (a variable, a literal, or −1 for neg)."""
 
     eqn: Any
-    factor: Any = None  # the unbatched multiplier variable, for mul/div/neg
-    divide: bool = False  # x / factor rather than x * factor
-    scalar: bool = True  # the multiplier is a scalar (norms scale by its square)
+    factor: Any = None
+    divide: bool = False  # x / factor, not x * factor
+
+    @property
+    def scalar(self) -> bool:
+        return self.factor is None or not _shape_of(self.factor)
 
 
-@dataclasses.dataclass
-class _LeafPlan:
-    """How the factorized path computes one parameter leaf's statistics."""
+def _shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(getattr(x, "aval", None), "shape", ())) if not isinstance(x, float) else ()
 
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Leaf:
+    index: int
     path: str
     shape: tuple[int, ...]
-    route: str  # "rank-one" | "sequence" | "per-token" | "rows" | "constant" | "fallback"
-    reason: str
-    core: Any = None  # the eqn whose output, after `post`, is the per-unit gradient
-    post: tuple[_Step, ...] = ()
-    out_var: Any = None
-    tail: tuple[Any, ...] = ()  # fallback: the leaf's exclusive gradient tail, in order
-    terms: tuple["_LeafPlan", ...] = ()  # per-token-sum: per-token parts added up
-    methods: dict[str, str] = dataclasses.field(default_factory=dict)
+    dtype: Any
+    grad: Any  # the variable (or literal) holding this leaf's gradient in the graph
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
-
-def _is_unit_reduce(eqn: Any) -> bool:
-    """reduce_sum over axes of size 1 only moves data; it sums nothing."""
-    shape = eqn.invars[0].aval.shape
-    return all(shape[a] == 1 for a in eqn.params["axes"])
+    @property
+    def stat_dtype(self) -> jnp.dtype:
+        return stat_dtype(self.dtype)
 
 
-def _is_layout(eqn: Any) -> bool:
-    name = eqn.primitive.name
-    if name in _LAYOUT:
-        return True
-    if name == "convert_element_type":
-        return jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
-    if name == "broadcast_in_dim":
-        return math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape)
-    if name == "reduce_sum":
-        return _is_unit_reduce(eqn)
-    return False
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+    """grad(loss_fn) for ONE example as a flat jaxpr, and what is known about its values.
 
+    Inputs are (param leaves, example leaves, seed); outputs (loss, gradient leaves). The
+    backward pass starts from `seed` (1 at run time) so that `seeded` marks the cotangent side.
+    `batched`: depends on the example. `static`: computable from constants alone.
+    `positions`: at token granularity, each value's position axes (see _propagate_positions).
+    """
 
-def _dot_parts(eqn: Any) -> tuple[tuple[int, ...], ...]:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    return tuple(lc), tuple(rc), tuple(lb), tuple(rb)
+    jaxpr: jcore.Jaxpr
+    consts: tuple[Any, ...]
+    leaves: tuple[Leaf, ...]
+    n_examples: int
+    per_example: int  # units per example: T at token granularity, else 1
+    producer: Mapping[Any, Any]
+    users: Mapping[Any, tuple[Any, ...]]
+    batched: frozenset[Any]
+    seeded: frozenset[Any]
+    static: frozenset[Any]
+    positions: Mapping[Any, Axes]
+    untie: Untie | None
+    param_tree: Any
 
+    @property
+    def token(self) -> bool:
+        return self.per_example > 1
 
-def _is_row_scatter(eqn: Any) -> bool:
-    """scatter-add(zeros, idx[T, k], upd[T, ...]) writing one window per row of `upd`: the
-    backward pass of a gather such as an embedding lookup `table[tokens]`."""
-    if eqn.primitive.name != "scatter-add":
-        return False
-    dn = eqn.params["dimension_numbers"]
-    _, indices, updates = (v.aval for v in eqn.invars)
-    return (
-        tuple(dn.update_window_dims) == tuple(range(1, updates.ndim))
-        and not tuple(dn.operand_batching_dims)
-        and indices.ndim == 2
-        # Out-of-range rows are clamped, never dropped, so a row's norm is its update's norm.
-        and str(eqn.params["mode"]).endswith(("CLIP", "PROMISE_IN_BOUNDS"))
-    )
+    @property
+    def n_units(self) -> int:
+        return self.n_examples * self.per_example
 
-
-def _scatter_rows(core: Any, operand_shape: tuple, indices: Array, updates: Array) -> Array:
-    """Σ over rows of their scattered updates, into zeros shaped like the core's operand."""
-    zeros = jnp.zeros(operand_shape, updates.dtype)
-    dn = core.params["dimension_numbers"]
-    return jax.lax.scatter_add(zeros, indices, updates, dn, mode=core.params["mode"])
-
-
-class _GradientProgram:
-    """grad(loss_fn) for one example as a flat jaxpr, cut into a batched head and per-leaf tails."""
-
-    def __init__(
-        self,
-        loss_fn: Callable,
-        params: PyTree,
-        batch: PyTree,
-        granularity: str,
-        n_positions: int,
-    ):
-        self.granularity = granularity
-        self.n_positions = n_positions
+    @staticmethod
+    def build(loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int) -> "Graph":
         example = _one_example(batch)
-        leaves, self.param_tree = jax.tree.flatten(params)
-        self.paths = [
-            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
-        ]
-        example_leaves = jax.tree.leaves(example)
-        self.n_params = len(leaves)
-        self.n_examples = jax.tree.leaves(batch)[0].shape[0]
-        self.param_dtypes = [x.dtype for x in leaves]
-        self.param_shapes = [tuple(x.shape) for x in leaves]
-
-        self.n_example = len(example_leaves)
+        leaves, param_tree = jax.tree.flatten(params)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        example_leaves, example_def = jax.tree.flatten(example)
+        n_params, n_example = len(leaves), len(example_leaves)
 
         def flat_value_and_grad(*inputs: Any) -> list[Any]:
-            # The backward pass starts from `seed` instead of 1: the factorized path seeds it
-            # with 1/units, as the gradient of a mean loss does, so the mean needs no rescaling
-            # (a pass over a batch-sized factor or a weight-sized result) afterwards.
             *flat, seed = inputs
-            p = jax.tree.unflatten(self.param_tree, flat[: self.n_params])
-            e = jax.tree.unflatten(jax.tree.structure(example), flat[self.n_params :])
+            p = jax.tree.unflatten(param_tree, flat[:n_params])
+            e = jax.tree.unflatten(example_def, flat[n_params:])
 
             def seeded(p: PyTree) -> tuple[Array, Array]:
                 loss = loss_fn(p, e)
@@ -556,45 +943,65 @@ class _GradientProgram:
             (_, loss), grads = jax.value_and_grad(seeded, has_aux=True)(p)
             return [loss, *jax.tree.leaves(grads)]
 
-        self.seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
-        seed = jnp.ones((), self.seed_dtype)
-        nested = jax.make_jaxpr(flat_value_and_grad)(*leaves, *example_leaves, seed)
-        flat = jax.make_jaxpr(lambda *a: _eval_inlined(nested.jaxpr, nested.consts, *a))(
-            *leaves, *example_leaves, seed
-        )
-        self.jaxpr: jcore.Jaxpr = flat.jaxpr
-        self.consts = flat.consts
-        self._index_graph()
-        self.plans = [self._plan_leaf(i) for i in range(self.n_params)]
-
-    # -- graph bookkeeping ------------------------------------------------------------------
-
-    def _index_graph(self) -> None:
-        jaxpr = self.jaxpr
-        self.producer: dict[Any, Any] = {}
-        self.users: dict[Any, list[Any]] = {}
+        seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
+        args = [*shapes, *example_leaves, jax.ShapeDtypeStruct((), seed_dtype)]
+        closed = _flat_jaxpr(flat_value_and_grad, args, _CALLS | _CUSTOM)
+        jaxpr = closed.jaxpr
+        producer, users = {}, {}
         for eqn in jaxpr.eqns:
             for v in eqn.outvars:
-                self.producer[v] = eqn
+                producer[v] = eqn
             for v in eqn.invars:
-                if not isinstance(v, jcore.Literal):
-                    self.users.setdefault(v, []).append(eqn)
-        # A variable is batched when it depends on the example.
-        self.batched: set[Any] = set(jaxpr.invars[self.n_params : self.n_params + self.n_example])
-        for eqn in jaxpr.eqns:
-            if any(not isinstance(v, jcore.Literal) and v in self.batched for v in eqn.invars):
-                self.batched.update(eqn.outvars)
-        self.outvars = list(jaxpr.outvars)
-        # Static: computable from constants alone, before any input is known.
-        self.static: set[Any] = set(jaxpr.constvars)
+                if isinstance(v, jcore.Var):
+                    users.setdefault(v, []).append(eqn)
+        static: set[Any] = set(jaxpr.constvars)
         for eqn in jaxpr.eqns:
             if not eqn.effects and all(
-                isinstance(v, jcore.Literal) or v in self.static for v in eqn.invars
+                isinstance(v, jcore.Literal) or v in static for v in eqn.invars
             ):
-                self.static.update(eqn.outvars)
+                static.update(eqn.outvars)
+        positions: Mapping[Any, Axes] = {}
+        untie = None
+        if per_example > 1:
+            untie = Untie.build(loss_fn, params, batch)  # raises for a leaf not position-wise
+            positions = _propagate_positions(
+                jaxpr, [_NONE] * n_params + [frozenset({0})] * n_example + [_NONE]
+            )
+        grads = jaxpr.outvars[1:]
+        return Graph(
+            jaxpr=jaxpr,
+            consts=tuple(closed.consts),
+            leaves=tuple(
+                Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, grads[i])
+                for i, x in enumerate(leaves)
+            ),
+            n_examples=jax.tree.leaves(batch)[0].shape[0],
+            per_example=per_example,
+            producer=producer,
+            users={v: tuple(u) for v, u in users.items()},
+            batched=frozenset(
+                _depends_on(jaxpr, set(jaxpr.invars[n_params : n_params + n_example]))
+            ),
+            seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
+            static=frozenset(static),
+            positions=positions,
+            untie=untie,
+            param_tree=param_tree,
+        )
 
-    def _static_value(self, var: Any) -> Any:
+    # -- queries --------------------------------------------------------------------------
+
+    def is_batched(self, var: Any) -> bool:
+        return isinstance(var, jcore.Var) and var in self.batched
+
+    def is_static(self, var: Any) -> bool:
+        return isinstance(var, jcore.Literal) or var in self.static
+
+    def static_value(self, var: Any) -> Any:
         """The concrete value of a static variable (e.g. position indices from iota)."""
+        if isinstance(var, jcore.Literal):
+            return np.asarray(var.val)
         wanted, eqns = {var}, []
         for eqn in reversed(self.jaxpr.eqns):
             if any(v in wanted for v in eqn.outvars):
@@ -602,794 +1009,1189 @@ class _GradientProgram:
                 wanted.update(v for v in eqn.invars if isinstance(v, jcore.Var))
         env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
         with jax.ensure_compile_time_eval():
-            _eval_eqns(eqns[::-1], env)
-        return env[var]
+            _evaluate(eqns[::-1], env)
+        return np.asarray(env[var])
 
-    def _distinct_rows(self, core: Any) -> bool:
-        """A scatter whose indices are static and, after clamping, all different: each
-        example's gradient rows are disjoint, so φ applies row by row."""
-        indices = core.invars[1]
-        if indices not in self.static:
-            return False
-        idx = np.asarray(self._static_value(indices)).reshape(-1, indices.aval.shape[-1])
-        dn = core.params["dimension_numbers"]
-        operand, updates = core.invars[0].aval.shape, core.invars[2].aval.shape
-        window = iter(updates[1:])
-        sizes = [1 if d in dn.inserted_window_dims else next(window) for d in range(len(operand))]
-        limits = [operand[d] - sizes[d] for d in dn.scatter_dims_to_operand_dims]
-        idx = np.clip(idx, 0, np.asarray(limits))
-        return len(np.unique(idx, axis=0)) == len(idx)
+    def is_zero(self, var: Any) -> bool:
+        """Proven zero: static, and every entry 0."""
+        return self.is_static(var) and not np.any(self.static_value(var))
 
-    def _is_batched(self, var: Any) -> bool:
-        return not isinstance(var, jcore.Literal) and var in self.batched
+    def position_axes(self, var: Any) -> Axes:
+        return self.positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
 
-    def _used_only_by(self, var: Any, eqns: set[int]) -> bool:
-        if isinstance(var, jcore.Literal) or var in self.jaxpr.invars:
-            return False
-        if sum(1 for v in self.outvars if v is var) > 0:
-            return False
-        return all(id(u) in eqns for u in self.users.get(var, []))
-
-    # -- planning ---------------------------------------------------------------------------
-
-    def _walk_post(self, var: Any) -> tuple[Any, list[_Step]]:
-        """Follow layout ops and unbatched scalings back from a leaf's gradient to its core."""
-        steps: list[_Step] = []
+    def core(self, var: Any) -> tuple[Any, tuple[Post, ...]]:
+        """Follow a gradient back through layout ops and batch-independent scalings to the
+        operation that makes it (its core): (core equation or None, the ops after it)."""
+        steps: list[Post] = []
         while isinstance(var, jcore.Var) and var in self.producer:
             eqn = self.producer[var]
             name = eqn.primitive.name
             if _is_layout(eqn):
-                steps.append(_Step(eqn))
+                steps.append(Post(eqn))
                 var = eqn.invars[0]
             elif name == "neg":
-                steps.append(_Step(eqn, factor=-1.0))
+                steps.append(Post(eqn, factor=-1.0))
                 var = eqn.invars[0]
             elif name in ("mul", "div"):
-                a, b = eqn.invars
-                if name == "mul" and self._is_batched(b) and not self._is_batched(a):
-                    a, b = b, a
-                if not self._is_batched(a) or self._is_batched(b):
+                x, m = eqn.invars
+                if name == "mul" and self.is_batched(m) and not self.is_batched(x):
+                    x, m = m, x
+                if not self.is_batched(x) or self.is_batched(m):
                     break
-                scalar = math.prod(getattr(b.aval, "shape", ())) == 1
-                steps.append(_Step(eqn, factor=b, divide=name == "div", scalar=scalar))
-                var = a
+                if _shape_of(m) not in ((), _shape_of(x)):
+                    break
+                steps.append(Post(eqn, factor=m, divide=name == "div"))
+                var = x
             else:
                 break
-        return var, steps[::-1]
+        return (self.producer.get(var) if isinstance(var, jcore.Var) else None), tuple(steps[::-1])
 
-    def _plan_leaf(self, i: int) -> _LeafPlan:
-        out_var = self.outvars[1 + i]
-        path, shape = self.paths[i], self.param_shapes[i]
-        plan = self._plan_term(path, shape, out_var)
-        if self.granularity == "token" and plan.route == "fallback":
-            terms = self._token_terms(path, shape, out_var, ())
-            if terms is not None and len(terms) > 1:
-                reason = f"{len(terms)} per-position contributions added (e.g. a tied embedding)"
-                plan = _LeafPlan(path, shape, "per-token-sum", reason, out_var=out_var)
-                plan.terms = tuple(terms)
-        if plan.route == "fallback":
-            if self.granularity == "token":
-                raise ValueError(
-                    f"granularity='token': cannot split the gradient of params{path} "
-                    f"(shape {shape}) into per-position contributions: {plan.reason}. "
-                    "Per-token statistics need every use of a parameter to be position-wise; "
-                    "granularity='example' works for any model"
-                )
-            plan.tail = self._exclusive_tail(out_var)
-            if not plan.tail and plan.core is not None and self._is_batched(out_var):
-                plan.reason = f"per-example gradient is a backward-pass value (B × {plan.size})"
-        return plan
-
-    def _token_terms(
-        self, path: str, shape: tuple, var: Any, outer: tuple[_Step, ...]
-    ) -> list[_LeafPlan] | None:
-        """Split a sum of per-position contributions into its terms (layout and scaling ops
-        after the sum are linear, so each term takes them too), or None."""
-        core_var, post = self._walk_post(var)
-        core = self.producer.get(core_var) if isinstance(core_var, jcore.Var) else None
-        post = (*post, *outer)
-        if core is not None and core.primitive.name == "add_any":
-            terms: list[_LeafPlan] = []
-            for operand in core.invars:
-                sub = self._token_terms(path, shape, operand, post)
-                if sub is None:
-                    return None
-                terms += sub
-            return terms
-        term = self._plan_term(path, shape, var)
-        if term.route != "per-token":
-            return None
-        term.post = (*term.post, *outer)
-        return [term]
-
-    def _plan_term(self, path: str, shape: tuple, out_var: Any) -> _LeafPlan:
-        """Recognize the final operation of a gradient (see the table in the README)."""
-        core_var, post = self._walk_post(out_var)
-        core = self.producer.get(core_var) if isinstance(core_var, jcore.Var) else None
-        plan = _LeafPlan(path, shape, "fallback", "", core=core, post=tuple(post), out_var=out_var)
-        name = core.primitive.name if core is not None else None
-        if not self._is_batched(out_var):
-            plan.reason = "gradient does not depend on the example (every g_i is the same)"
-            if self.granularity == "example":
-                plan.route = "constant"
-        elif core is None:
-            plan.reason = "gradient is an input"
-        elif name == "add_any":
-            plan.reason = "a sum of contributions before φ (e.g. a weight used twice)"
-        elif name == "dot_general" and all(self._is_batched(v) for v in core.invars):
-            lc, rc, _, _ = _dot_parts(core)
-            if not lc and self.granularity == "token":
-                plan.reason = "used once per example, not at every position"
-            elif not lc:
-                plan.route, plan.reason = "rank-one", "dense weight used once: δ ⊗ x"
-            elif self.granularity == "token":
-                if len(lc) == 1 and core.invars[0].aval.shape[lc[0]] == self.n_positions:
-                    plan.route, plan.reason = "per-token", "dense weight over positions: δ_t ⊗ x_t"
-                else:
-                    plan.reason = f"contracts axes {lc} that are not one position axis"
-            else:
-                n_terms = math.prod(core.invars[0].aval.shape[a] for a in lc)
-                plan.route = "sequence"
-                plan.reason = f"dense weight applied at {n_terms} positions: Σ_t δ_t ⊗ x_t"
-        elif name == "dot_general":
-            plan.reason = "gradient is linear in a single batched factor (no rank-one split)"
-        elif self.granularity == "token" and name == "reduce_sum":
-            axes = tuple(core.params["axes"])
-            operand = core.invars[0].aval.shape
-            if len(axes) == 1 and operand[axes[0]] == self.n_positions:
-                plan.route, plan.reason = "per-token", "sum over positions of small terms"
-            else:
-                plan.reason = f"reduce_sum over axes {axes} is not one position axis"
-        elif self.granularity == "token" and name == "scatter-add" and _is_row_scatter(core):
-            operand, _, updates = core.invars
-            if not self._is_batched(operand) and updates.aval.shape[0] == self.n_positions:
-                plan.route, plan.reason = "per-token", "embedding rows: onehot(token_t) ⊗ δ_t"
-            else:
-                plan.reason = "scatter-add that is not one row per position"
-        elif name == "scatter-add" and _is_row_scatter(core):
-            if not self._is_batched(core.invars[0]) and self._distinct_rows(core):
-                plan.route = "rows"
-                plan.reason = "embedding rows at fixed distinct indices (positions): disjoint"
-            else:
-                plan.reason = "embedding rows: repeated tokens add up before φ"
-        elif name == "reduce_sum":
-            plan.reason = "a sum of small terms (bias, norm scale): exact per example"
-        else:
-            plan.reason = f"final operation '{name}' has no factorized rule"
-        return plan
-
-    def _exclusive_tail(self, out_var: Any) -> tuple[Any, ...]:
-        """The ops that only this leaf's gradient needs: evaluated per example in the fallback,
-        so that no large per-example intermediate is ever materialized for the whole batch."""
-        if out_var not in self.producer or self.users.get(out_var):
+    def exclusive_tail(self, var: Any) -> tuple[Any, ...]:
+        """The equations only this gradient needs, in order (evaluated per example by the
+        fallback, so that no large intermediate of it exists for the whole batch)."""
+        if not isinstance(var, jcore.Var) or var not in self.producer or self.users.get(var):
             return ()  # the head computes this value anyway: read it
-        members: dict[int, Any] = {id(self.producer[out_var]): self.producer[out_var]}
+        outvars = {v for v in self.jaxpr.outvars if isinstance(v, jcore.Var)}
+        members = {id(self.producer[var]): self.producer[var]}
+
+        def exclusive(v: Any) -> bool:
+            if v in outvars or v in self.jaxpr.invars:
+                return False
+            return all(id(u) in members for u in self.users.get(v, ()))
+
         changed = True
         while changed:
             changed = False
             for eqn in list(members.values()):
                 for v in eqn.invars:
-                    if isinstance(v, jcore.Var) and v in self.producer:
-                        src = self.producer[v]
-                        if id(src) in members:
-                            continue
-                        if all(self._used_only_by(o, set(members)) for o in src.outvars):
-                            members[id(src)] = src
-                            changed = True
+                    src = self.producer.get(v) if isinstance(v, jcore.Var) else None
+                    if (
+                        src is not None
+                        and id(src) not in members
+                        and all(map(exclusive, src.outvars))
+                    ):
+                        members[id(src)] = src
+                        changed = True
         return tuple(e for e in self.jaxpr.eqns if id(e) in members)
 
-    # -- the head: everything up to the tails' inputs, batched ------------------------------
 
-    def _tail_eqns(self, plan: _LeafPlan) -> tuple[Any, ...]:
-        if plan.route == "fallback":
-            return plan.tail
-        if plan.route == "constant":
-            return ()
-        if plan.route == "per-token-sum":
-            return tuple(e for term in plan.terms for e in self._tail_eqns(term))
-        return (plan.core, *(s.eqn for s in plan.post))
+def _is_layout(eqn: Any) -> bool:
+    """Operations that move or relabel a gradient's entries one to one (norm-preserving)."""
+    name = eqn.primitive.name
+    if name in _LAYOUT:
+        return True
+    if name == "convert_element_type":
+        return jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) and jnp.issubdtype(
+            eqn.outvars[0].aval.dtype, jnp.floating
+        )
+    if name == "broadcast_in_dim":
+        return math.prod(_shape(eqn.invars[0])) == math.prod(_shape(eqn.outvars[0]))
+    if name == "reduce_sum":  # over axes of size 1 only: sums nothing
+        shape = _shape(eqn.invars[0])
+        return all(shape[a] == 1 for a in eqn.params["axes"])
+    return False
 
-    def _leaf_interface(self, plan: _LeafPlan) -> list[Any]:
-        """Variables the leaf's tail reads that the head must provide."""
-        eqns = self._tail_eqns(plan)
-        produced = {v for e in eqns for v in e.outvars}
-        found = {
-            v: None
-            for e in eqns
-            for v in e.invars
-            if isinstance(v, jcore.Var) and v not in produced
-        }
-        if not eqns and isinstance(plan.out_var, jcore.Var):
-            found[plan.out_var] = None
-        return list(found)
 
-    def _run_head(
-        self,
-        params: PyTree,
-        batch: PyTree,
-        seed: float,
-        on_ready: Callable[[list[int], dict], dict] | None = None,
-    ) -> tuple[Array, dict, dict, dict]:
-        """Losses [B] and the interface variables: batched ones with a leading B, others once.
+def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Callable[[Array], Array]) -> Array:
+    """The ops after the core, applied to `x` (a sum over units of φ(core) or one unit's core):
+    layout as it is, a scaling by m as a scaling by φ(m) (by φ(1/m) for a division)."""
+    for step in post:
+        eqn = step.eqn
+        if step.factor is None:
+            name = eqn.primitive.name
+            if name == "reduce_sum":
+                x = jnp.sum(x, axis=tuple(eqn.params["axes"]))
+            elif name != "convert_element_type":  # statistics keep their own dtype
+                (x,) = _bind(eqn, [x])
+            continue
+        m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
+        m = jnp.asarray(m).astype(x.dtype)
+        x = x * phi(1.0 / m if step.divide else m)
+    return x
 
-        Every gradient-side value is that of the loss scaled by `seed`. With `on_ready`, the head
-        runs in segments and `on_ready(leaves, values) -> results` is called as soon as those
-        leaves' inputs exist; an optimization barrier then makes the rest of the backward pass
-        wait for `results`, so that each leaf's statistics are computed where plain grad computes
-        its gradient and the activations they read die as early as they do there. Returns the
-        losses, the interface values and all results."""
-        interfaces = [self._leaf_interface(plan) for plan in self.plans]
-        interface = list(dict.fromkeys(v for vs in interfaces for v in vs))
-        needed: set[Any] = {v for v in [self.outvars[0], *interface] if isinstance(v, jcore.Var)}
-        head: list[Any] = []
-        for eqn in reversed(self.jaxpr.eqns):
-            if any(v in needed for v in eqn.outvars):
-                head.append(eqn)
-                needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-        head.reverse()
 
-        position = {id(eqn): k for k, eqn in enumerate(head)}
-        ready_at = [
-            max((position[id(self.producer[v])] for v in vs if v in self.producer), default=-1)
-            for vs in interfaces
-        ]
-        cuts = sorted(set(ready_at)) if on_ready is not None else []
-        last_use: dict[Any, int] = {v: len(head) for v in [self.outvars[0], *interface]}
-        for k, eqn in enumerate(head):
-            for v in eqn.invars:
-                if isinstance(v, jcore.Var):
-                    last_use[v] = max(last_use.get(v, -1), k)
+def _scale_sq(post: Sequence[Post], env: Mapping, dtype: Any) -> Array:
+    """Π φ(m)² over the scalings after the core (all scalar: the caller checked)."""
+    scale = jnp.ones((), dtype)
+    for step in post:
+        if step.factor is not None:
+            m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
+            m = jnp.asarray(m).astype(dtype).reshape(())
+            scale = scale * (1.0 / m if step.divide else m) ** 2
+    return scale
 
-        values: dict = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-        inputs = [
-            *jax.tree.leaves(params),
-            *jax.tree.leaves(batch),
-            jnp.asarray(seed, self.seed_dtype),
-        ]
-        values.update(zip(self.jaxpr.invars, inputs, strict=True))
-        start = 0
-        results: dict = {}
-        for cut in sorted({*cuts, len(head) - 1}):
-            segment = head[start : cut + 1]
-            if segment:
-                self._run_segment(segment, values, cut, last_use)
-            start = max(start, cut + 1)
-            ready = [i for i, r in enumerate(ready_at) if r == cut]
-            if on_ready is not None and ready:
-                new = on_ready(ready, values)
-                live = [v for v in values if last_use.get(v, -1) > cut]
-                new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
-                values.update(zip(live, kept, strict=True))
-                results.update(new)
-        return (
-            values[self.outvars[0]],
-            {v: values[v] for v in interface if v in self.batched},
-            {v: _read(values, v) for v in interface if v not in self.batched},
-            results,
+
+def _factor_vars(post: Sequence[Post]) -> list[Any]:
+    return [s.factor for s in post if isinstance(s.factor, jcore.Var)]
+
+
+# ============================================================================================
+# §6 Routes. A route computes a leaf's ingredients (§2) from values the batched head provides,
+# and is taken only where its `match` proved the mathematics it uses. Each reads the head's
+# values for all B examples at once ("env": a leading axis B on batched values); `per_unit`
+# gives one example's per-unit gradients [U, *leaf shape] for the chunk loop.
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Match:
+    """What a route proved about a leaf's gradient: the core operation and the ops after it,
+    the axes of the core's operands that index units besides the example (token granularity),
+    the terms of a sum, or the exclusive tail the fallback evaluates."""
+
+    reason: str
+    grad: Any = None  # the gradient variable this match is about
+    core: Any = None
+    post: tuple[Post, ...] = ()
+    units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    terms: tuple[tuple["Route", "Match"], ...] = ()
+    tail: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """A rough estimate from shapes: floating-point operations and bytes moved or held."""
+
+    flops: float | int = 0.0
+    bytes: float | int = 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+    @property
+    def seconds(self) -> float:  # the planner's ranking; only ratios matter
+        return self.flops / 2e10 + self.bytes / 1e10
+
+
+class Route:
+    """One way to compute a leaf's statistics; subclasses document their identities."""
+
+    name: ClassVar[str]
+    needs_example: ClassVar[bool] = False  # per_unit reads the raw example, not head values
+
+    def match(self, graph: Graph, leaf: Leaf, var: Any = None) -> Match | Refusal:
+        raise NotImplementedError
+
+    def methods(self, graph: Graph, leaf: Leaf, m: Match, need: tuple[str, ...]) -> dict[str, str]:
+        return {w: "factorized" for w in need}
+
+    def cost(self, graph: Graph, leaf: Leaf, m: Match, methods: Mapping[str, str]) -> Cost:
+        """Factorized ingredients each at their own cost; chunked ones share one
+        materialization of every unit's gradient (written once, read per ingredient)."""
+        total = Cost()
+        for what, how in methods.items():
+            if how == "factorized":
+                total = total + self.factored_cost(graph, leaf, m, what)
+        chunked = sum(1 for how in methods.values() if how == "chunked")
+        if chunked:
+            n, p = graph.n_units, leaf.size
+            unit = graph.n_examples * self.unit_flops(graph, leaf, m)
+            total = total + Cost(unit + n * p * chunked, 4.0 * n * p * (1 + chunked))
+        return total
+
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: Match, what: str) -> Cost:
+        return Cost(2.0 * graph.n_units * leaf.size, 4.0 * leaf.size)
+
+    def unit_flops(self, graph: Graph, leaf: Leaf, m: Match) -> float:
+        """Operations to form one example's per-unit gradients."""
+        return 2.0 * graph.per_example * leaf.size
+
+    def reads(self, graph: Graph, m: Match) -> list[Any]:
+        """The head's values this route reads."""
+        return [v for v in (*m.core.invars, *_factor_vars(m.post)) if isinstance(v, jcore.Var)]
+
+    def compute(self, graph: Graph, leaf: Leaf, m: Match, env: Mapping, what: str) -> Array:
+        """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
+        raise NotImplementedError
+
+    def clipped(self, graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array) -> Array:
+        """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
+        raise NotImplementedError
+
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: Match, env: Mapping, example: Any, params: Any
+    ) -> Array:
+        """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
+        raise NotImplementedError
+
+
+def _dot_dims(core: Any) -> tuple[tuple[int, ...], ...]:
+    (lc, rc), (lb, rb) = core.params["dimension_numbers"]
+    return tuple(tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+
+
+def _shift(axes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(a + 1 for a in axes)
+
+
+def _operands(core: Any, env: Mapping, dtype: Any, tie: bool) -> tuple[Array, Array]:
+    """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
+    first. x exists from the forward pass, δ only in the backward pass: left alone, XLA fuses
+    φ(x) into the forward pass and holds it until the backward pass needs it (an extra
+    activation per layer); adding zero times one entry of δ gives φ(x) a data dependency on δ,
+    so that φ(x) and φ(δ) live only around their matmul. (XLA:CPU drops optimization barriers
+    before it schedules.) Norms and clipping keep every layer's factors until all norms are
+    known, so there the tie would only add copies."""
+    a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
+    if tie and a.size:
+        b = b + a.reshape(-1)[0] * 0.0
+    return a, b
+
+
+def _units_layout(x: Array, batch: Sequence[int], units: Sequence[int]) -> Array:
+    """[B, ...] -> [B, U, nb, f]: units, batch dims (in order), free dims (in order)."""
+    batch1, units1 = _shift(batch), _shift(units)
+    free1 = tuple(d for d in range(1, x.ndim) if d not in batch1 + units1)
+    x = jnp.transpose(x, (0, *units1, *batch1, *free1))
+    nu = math.prod(x.shape[1 : 1 + len(units1)])
+    nb = math.prod(x.shape[1 + len(units1) : 1 + len(units1) + len(batch1)])
+    return x.reshape(x.shape[0], nu, nb, -1)
+
+
+def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
+    """[B, U] unit weights broadcastable against a [B, ...] factor whose unit axes are given."""
+    shape = [weights.shape[0]] + [1] * (ndim - 1)
+    for k in unit_axes:
+        shape[k + 1] = weights.shape[1]
+    return weights.reshape(shape)
+
+
+class Empty(Route):
+    """A leaf with no entries: every statistic is an empty array."""
+
+    name = "empty"
+
+    def match(self, graph, leaf, var=None):
+        return Match("no entries") if leaf.size == 0 else Refusal("the leaf has entries")
+
+    def reads(self, graph, m):
+        return []
+
+    def cost(self, graph, leaf, m, methods):
+        return Cost()
+
+    def compute(self, graph, leaf, m, env, what):
+        if what == "norms":
+            return jnp.zeros((graph.n_examples, graph.per_example), leaf.stat_dtype)
+        return jnp.zeros(leaf.shape, leaf.stat_dtype)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        return jnp.zeros(leaf.shape, leaf.stat_dtype)
+
+
+class Constant(Route):
+    """The gradient does not depend on the example: g_u = g for every unit, so every mean is
+    φ(g), the variance is 0 and each unit's norm is ‖g‖². At token granularity only a proven
+    zero gradient (an unused parameter) splits over positions."""
+
+    name = "constant"
+
+    def match(self, graph, leaf, var=None):
+        var = leaf.grad if var is None else var
+        if graph.is_batched(var):
+            return Refusal("the gradient depends on the example")
+        if graph.token and not graph.is_zero(var):
+            return Refusal("an example-independent gradient has no per-position split")
+        reason = (
+            "unused: the gradient is 0"
+            if graph.token
+            else "the gradient does not depend on the example"
+        )
+        return Match(reason, grad=var)
+
+    def reads(self, graph, m):
+        return [m.grad] if isinstance(m.grad, jcore.Var) else []
+
+    def factored_cost(self, graph, leaf, m, what):
+        return Cost(leaf.size, 4.0 * leaf.size)
+
+    def _g(self, leaf: Leaf, m: Match, env: Mapping) -> Array:
+        return jnp.broadcast_to(jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype), leaf.shape)
+
+    def compute(self, graph, leaf, m, env, what):
+        g = self._g(leaf, m, env)
+        if what == "norms":
+            return jnp.full((graph.n_examples, graph.per_example), jnp.sum(g * g))
+        return jnp.zeros_like(g) if what == "var" else _PHI[what](g)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        return self._g(leaf, m, env) * (jnp.sum(weights) / graph.n_units).astype(leaf.stat_dtype)
+
+
+class OuterProduct(Route):
+    """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
+    contracts nothing but the unit axes — no axis at example granularity (a dense weight used
+    once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
+    used at every position: g_t = δ_t ⊗ x_t). With u over units (and each batch-dim slice):
+
+        Σ_u φ(a_u ⊗ b_u) = φ(A)ᵀφ(B)            (φ multiplicative; one contraction over units)
+        ‖a_u ⊗ b_u‖²     = ‖a_u‖²‖b_u‖²          (Goodfellow)
+        Σ_u c_u a_u ⊗ b_u = (c∘A)ᵀB
+        Σ_u (a_u ⊗ b_u − ḡ)² from centred factors A = ā + Ã, B = b̄ + B̃ (no cancellation):
+            ā²⊗ΣB̃² + ΣÃ²⊗b̄² + Ã²ᵀB̃² + 2(ā⊗b̄)∘K + 2ā∘(ÃᵀB̃²) + 2b̄∘(Ã²ᵀB̃) − K²/N,  K = ÃᵀB̃.
+    """
+
+    name = "outer-product"
+
+    def match(self, graph, leaf, var=None):
+        var = leaf.grad if var is None else var
+        core, post = graph.core(var)
+        if core is None or core.primitive.name != "dot_general":
+            return Refusal("the gradient's last operation is not a dot_general")
+        a, b = core.invars
+        if not (graph.is_batched(a) and graph.is_batched(b)):
+            return Refusal("a factor of the dot_general does not depend on the example")
+        lc, rc, _, _ = _dot_dims(core)
+        if not graph.token:
+            if lc:
+                return Refusal(f"the dot_general sums {len(lc)} axes per example (not rank one)")
+            return Match("dense weight used once per example: g_i = δ_i ⊗ x_i", var, core, post)
+        if len(lc) != 1:
+            return Refusal(f"contracts {len(lc)} axes; a per-token term contracts one (positions)")
+        if lc[0] not in graph.position_axes(a) or rc[0] not in graph.position_axes(b):
+            return Refusal("the contracted axes are not both traced to the example's positions")
+        reason = "weight at every position: g_t = δ_t ⊗ x_t over the traced position axis"
+        return Match(reason, var, core, post, units=((lc[0],), (rc[0],)))
+
+    def methods(self, graph, leaf, m, need):
+        scalar = all(s.scalar for s in m.post)
+        return {w: "chunked" if w == "norms" and not scalar else "factorized" for w in need}
+
+    def factored_cost(self, graph, leaf, m, what):
+        n, p = graph.n_units, leaf.size
+        factors = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars)
+        if what == "norms":
+            return Cost(2.0 * factors, 4.0 * factors)
+        matmuls = 4 if what == "var" else 1
+        return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
+
+    def _dims(self, m: Match) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+        _, _, lb, rb = _dot_dims(m.core)
+        ua, ub = m.units
+        dn = (((0, *_shift(ua)), (0, *_shift(ub))), (_shift(lb), _shift(rb)))
+        return dn, lb, rb
+
+    def compute(self, graph, leaf, m, env, what):
+        dtype, n = leaf.stat_dtype, graph.n_units
+        dn, lb, rb = self._dims(m)
+        if what in _PHI:
+            a, b = _operands(m.core, env, dtype, tie=True)
+            phi = _PHI[what]
+            g = jax.lax.dot_general(phi(a) * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
+            return _replay(m.post, g, env, phi)
+        a, b = _operands(m.core, env, dtype, tie=False)
+        ua, ub = m.units
+        A, B = _units_layout(a, lb, ua), _units_layout(b, rb, ub)  # [B, U, nb, f]
+        if what == "norms":
+            norms = jnp.sum(jnp.sum(A * A, -1) * jnp.sum(B * B, -1), -1)  # [B, U]
+            return norms * _scale_sq(m.post, env, dtype)
+        A, B = _merge01(A), _merge01(B)  # [N, nb, f]
+        abar, bbar = jnp.mean(A, 0), jnp.mean(B, 0)
+        Ac, Bc = A - abar, B - bbar
+
+        def outer(x: Array, y: Array) -> Array:
+            return jnp.einsum("unf,ung->nfg", x, y, preferred_element_type=dtype)
+
+        K = outer(Ac, Bc)
+        Ac2, Bc2 = Ac * Ac, Bc * Bc
+        a_, b_ = abar[:, :, None], bbar[:, None, :]
+        total = (
+            a_ * a_ * jnp.sum(Bc2, 0)[:, None, :]
+            + jnp.sum(Ac2, 0)[:, :, None] * b_ * b_
+            + outer(Ac2, Bc2)
+            + 2.0 * a_ * b_ * K
+            + 2.0 * a_ * outer(Ac, Bc2)
+            + 2.0 * b_ * outer(Ac2, Bc)
+            - K * K / n
+        )
+        var = jnp.maximum(total, 0.0) / (n - 1)
+        return _replay(m.post, var.reshape(_shape(m.core.outvars[0])), env, jnp.square)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        dtype = leaf.stat_dtype
+        dn, _, _ = self._dims(m)
+        a, b = _operands(m.core, env, dtype, tie=False)
+        a = a * _unit_weights(weights.astype(dtype), a.ndim, m.units[0])
+        g = jax.lax.dot_general(a * (1.0 / graph.n_units), b, dn, preferred_element_type=dtype)
+        return _replay(m.post, g, env, _PHI["sum"])
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        dtype = leaf.stat_dtype
+        a, b = (_read(env, v).astype(dtype) for v in m.core.invars[:2])
+        lc, rc, lb, rb = _dot_dims(m.core)
+        if m.units == ((), ()):
+            g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)))[None]
+        else:  # the unit axis becomes a batch axis: one outer product per position
+            (ua,), (ub,) = m.units
+            g = jax.lax.dot_general(a, b, (((), ()), ((ua, *lb), (ub, *rb))))
+        return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
+
+
+class Contraction(Route):
+    """A dense weight applied at several places per example (example granularity): the core
+    contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
+    Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
+    ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)).
+    Non-linear φ has no such identity: per-example gradients in bounded chunks."""
+
+    name = "contraction"
+
+    def match(self, graph, leaf, var=None):
+        var = leaf.grad if var is None else var
+        core, post = graph.core(var)
+        if core is None or core.primitive.name != "dot_general":
+            return Refusal("the gradient's last operation is not a dot_general")
+        if graph.token:
+            return Refusal("per-token terms are rank one (outer-product) or not split")
+        a, b = core.invars
+        if not (graph.is_batched(a) and graph.is_batched(b)):
+            return Refusal("a factor of the dot_general does not depend on the example")
+        lc, _, _, _ = _dot_dims(core)
+        if not lc:
+            return Refusal("the dot_general sums nothing (rank one: outer-product)")
+        terms = math.prod(_shape(a)[k] for k in lc)
+        return Match(f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k", var, core, post)
+
+    def _gram_pays(self, m: Match) -> bool:
+        lc, rc, lb, rb = _dot_dims(m.core)
+        a, b = (_shape(v) for v in m.core.invars)
+        terms = math.prod(a[k] for k in lc)
+        free_a = math.prod(a) // (terms * math.prod(a[k] for k in lb))
+        free_b = math.prod(b) // (terms * math.prod(b[k] for k in rb))
+        return 2 * terms * terms < free_a * free_b
+
+    def methods(self, graph, leaf, m, need):
+        gram = self._gram_pays(m) and all(s.scalar for s in m.post)
+        factored = {"sum", "clipped"} | ({"norms"} if gram else set())
+        methods = {w: "factorized" if w in factored else "chunked" for w in need}
+        if "sum" in methods and list(methods.values()).count("chunked"):
+            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
+        return methods
+
+    def factored_cost(self, graph, leaf, m, what):
+        lc, _, lb, _ = _dot_dims(m.core)
+        a, b = (_shape(v) for v in m.core.invars)
+        terms, slices = math.prod(a[k] for k in lc), math.prod(a[k] for k in lb)
+        factors = graph.n_examples * (math.prod(a) + math.prod(b))
+        if what == "norms":  # two Grams and their inner product
+            grams = graph.n_examples * slices * terms * terms
+            return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
+        return Cost(2.0 * graph.n_examples * terms * leaf.size, 4.0 * (factors + leaf.size))
+
+    def unit_flops(self, graph, leaf, m):
+        lc, _, _, _ = _dot_dims(m.core)
+        return 2.0 * leaf.size * math.prod(_shape(m.core.invars[0])[k] for k in lc)
+
+    def compute(self, graph, leaf, m, env, what):
+        dtype = leaf.stat_dtype
+        lc, rc, lb, rb = _dot_dims(m.core)
+        if what == "sum":
+            a, b = _operands(m.core, env, dtype, tie=True)
+            dn = (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
+            g = jax.lax.dot_general(a * (1.0 / graph.n_units), b, dn, preferred_element_type=dtype)
+            return _replay(m.post, g, env, _PHI["sum"])
+        assert what == "norms"
+        a, b = _operands(m.core, env, dtype, tie=False)
+        ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
+        gb = _units_layout(b, rb, rc)
+        gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
+        gram_b = jnp.einsum("bsnf,btnf->bnst", gb, gb)
+        norms = jnp.sum(gram_a * gram_b, axis=(1, 2, 3))[:, None]
+        return norms * _scale_sq(m.post, env, dtype)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        dtype = leaf.stat_dtype
+        lc, rc, lb, rb = _dot_dims(m.core)
+        a, b = _operands(m.core, env, dtype, tie=False)
+        a = a * _unit_weights(weights.astype(dtype), a.ndim, ())
+        dn = (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
+        g = jax.lax.dot_general(a * (1.0 / graph.n_units), b, dn, preferred_element_type=dtype)
+        return _replay(m.post, g, env, _PHI["sum"])
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        a, b = (_read(env, v).astype(leaf.stat_dtype) for v in m.core.invars[:2])
+        lc, rc, lb, rb = _dot_dims(m.core)
+        g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)))
+        return _replay(m.post, g, env, _PHI["sum"])[None]
+
+
+class UnitSum(Route):
+    """Token granularity: the core sums an example-dependent value z over axes that include
+    exactly one traced position axis (a bias, a norm layer's scale): unit t's gradient is z at
+    t summed over the other axes — small (N × leaf), so it is formed and reduced directly."""
+
+    name = "unit-sum"
+
+    def match(self, graph, leaf, var=None):
+        var = leaf.grad if var is None else var
+        if not graph.token:
+            return Refusal("example granularity: a sum over positions is one example's term")
+        core, post = graph.core(var)
+        if core is None or core.primitive.name != "reduce_sum":
+            return Refusal("the gradient's last operation is not a reduce_sum")
+        z = core.invars[0]
+        found = graph.position_axes(z) & set(core.params["axes"])
+        if not graph.is_batched(z) or len(found) != 1:
+            return Refusal(f"the sum runs over {len(found)} traced position axes, not one")
+        return Match(
+            "a sum over positions (bias, scale): g_t = z_t",
+            var,
+            core,
+            post,
+            units=((next(iter(found)),), ()),
         )
 
-    def _run_segment(self, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
-        """Evaluate head equations batched (vmap over the example axis), adding to `values`
-        every result used after position `end`."""
-        produced = {v for e in segment for v in e.outvars}
-        reads = list(
+    def methods(self, graph, leaf, m, need):
+        scalar = all(s.scalar for s in m.post)
+        return {w: "chunked" if w == "norms" and not scalar else "factorized" for w in need}
+
+    def factored_cost(self, graph, leaf, m, what):
+        z = graph.n_examples * math.prod(_shape(m.core.invars[0]))
+        return Cost(z + 2.0 * graph.n_units * leaf.size, 4.0 * (z + graph.n_units * leaf.size))
+
+    def _per_unit(self, m: Match, z: Array) -> Array:
+        """[B, ...] -> [B, T, *core output]: each unit's own sum."""
+        (p,) = m.units[0]
+        rest = tuple(a + 1 for a in m.core.params["axes"] if a != p)
+        z = jnp.sum(z, axis=rest, keepdims=True)
+        z = jnp.moveaxis(z, p + 1, 1)
+        return z.reshape(z.shape[0], z.shape[1], *_shape(m.core.outvars[0]))
+
+    def compute(self, graph, leaf, m, env, what):
+        dtype, n = leaf.stat_dtype, graph.n_units
+        g = self._per_unit(m, _read(env, m.core.invars[0]).astype(dtype))
+        if what == "norms":
+            return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(m.post, env, dtype)
+        g = _merge01(g)
+        if what == "var":
+            centered = g - jnp.mean(g, 0)
+            return _replay(m.post, jnp.sum(centered * centered, 0) / (n - 1), env, jnp.square)
+        phi = _PHI[what]
+        return _replay(m.post, _sum0(phi(g)) * (1.0 / n), env, phi)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        dtype = leaf.stat_dtype
+        g = _merge01(self._per_unit(m, _read(env, m.core.invars[0]).astype(dtype)))
+        total = jnp.tensordot(weights.reshape(-1).astype(dtype), g, axes=1) / graph.n_units
+        return _replay(m.post, total, env, _PHI["sum"])
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        z = _read(env, m.core.invars[0]).astype(leaf.stat_dtype)
+        g = self._per_unit(m, z[None])[0]
+        return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
+
+
+class RowScatter(Route):
+    """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
+    core is scatter-add(0, idx, upd) with one window per row of `upd`. Example granularity:
+    the indices are static and the windows — start and size, after the mode's clamping — are
+    pairwise disjoint (position embeddings), so each entry of g_i is one update entry or 0 and
+    Σ_i φ(g_i) = scatter(Σ_i φ(upd_i)), ‖g_i‖² = ‖upd_i‖². Token granularity: the row axis is
+    the traced position axis, one row per unit, the same identities per unit. Out-of-bounds
+    rows are dropped by the scatter's mode (and left out of the norms) as they are in g."""
+
+    name = "row-scatter"
+
+    def match(self, graph, leaf, var=None):
+        var = leaf.grad if var is None else var
+        core, post = graph.core(var)
+        if core is None or core.primitive.name != "scatter-add":
+            return Refusal("the gradient's last operation is not a scatter-add")
+        operand, indices, updates = core.invars
+        dn = core.params["dimension_numbers"]
+        if not graph.is_zero(operand):
+            return Refusal("the scatter adds into a table not proven zero")
+        if not graph.is_batched(updates):
+            return Refusal("the scattered rows do not depend on the example")
+        rows = tuple(dn.update_window_dims) == tuple(range(1, len(_shape(updates))))
+        if not rows or dn.operand_batching_dims or len(_shape(indices)) != 2:
+            return Refusal("not one window per row of the updates")
+        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
+        if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
+            return Refusal(f"scatter mode {mode}")
+        if graph.token:
+            if 0 not in graph.position_axes(updates):
+                return Refusal("the row axis is not traced to the example's positions")
+            return Match(
+                "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions",
+                var,
+                core,
+                post,
+            )
+        if not graph.is_static(indices):
+            return Refusal("rows depend on the example (repeated rows add up before φ)")
+        overlap = _windows_overlap(core, graph.static_value(indices), mode)
+        if overlap:
+            return Refusal(overlap)
+        return Match("rows at static, pairwise disjoint windows (e.g. positions)", var, core, post)
+
+    def methods(self, graph, leaf, m, need):
+        scalar = all(s.scalar for s in m.post)
+        return {w: "chunked" if w == "norms" and not scalar else "factorized" for w in need}
+
+    def factored_cost(self, graph, leaf, m, what):
+        rows = graph.n_examples * math.prod(_shape(m.core.invars[2]))
+        return Cost(3.0 * rows, 4.0 * (rows + leaf.size))
+
+    def _rows(self, graph: Graph, m: Match, env: Mapping, dtype: Any) -> tuple[Array, Array]:
+        """Indices [B·R, k] (broadcast when static) and updates [B·R, *window]."""
+        _, indices, updates = m.core.invars
+        idx, upd = _read(env, indices), _read(env, updates).astype(dtype)
+        if not graph.is_batched(indices):
+            idx = jnp.broadcast_to(idx, (upd.shape[0], *jnp.shape(idx)))
+        return idx.reshape(-1, idx.shape[-1]), upd.reshape(-1, *upd.shape[2:])
+
+    def _scatter(self, m: Match, idx: Array, upd: Array) -> Array:
+        zeros = jnp.zeros(_shape(m.core.outvars[0]), upd.dtype)
+        dn, mode = m.core.params["dimension_numbers"], m.core.params["mode"]
+        return jax.lax.scatter_add(zeros, idx, upd, dn, mode=mode)
+
+    def _in_bounds(self, m: Match, idx: Array) -> Array:
+        """[rows] bool: the row's window is written (always, after clamping, in CLIP mode)."""
+        if str(m.core.params["mode"]).endswith("CLIP"):
+            return jnp.ones(idx.shape[:1], bool)
+        dims = m.core.params["dimension_numbers"].scatter_dims_to_operand_dims
+        sizes = _window_sizes(m.core)
+        limit = jnp.asarray([_shape(m.core.outvars[0])[d] - sizes[d] for d in dims], idx.dtype)
+        return jnp.all((idx >= 0) & (idx <= limit), axis=-1)
+
+    def compute(self, graph, leaf, m, env, what):
+        dtype, n = leaf.stat_dtype, graph.n_units
+        idx, upd = self._rows(graph, m, env, dtype)
+        if what in _PHI:
+            phi = _PHI[what]
+            return _replay(m.post, self._scatter(m, idx, phi(upd) * (1.0 / n)), env, phi)
+        if what == "norms":
+            ok = self._in_bounds(m, idx).astype(dtype)
+            rows = jnp.sum(upd * upd, axis=tuple(range(1, upd.ndim))) * ok
+            rows = rows.reshape(graph.n_examples, -1)
+            if not graph.token:
+                rows = jnp.sum(rows, 1, keepdims=True)
+            return rows * _scale_sq(m.post, env, dtype)
+        # Σ_u (g_u − ḡ)²: units writing an entry contribute (upd − ḡ)², the others ḡ².
+        mean = self._scatter(m, idx, upd) / n
+        dn = m.core.params["dimension_numbers"]
+        gather_dn = jax.lax.GatherDimensionNumbers(
+            offset_dims=tuple(dn.update_window_dims),
+            collapsed_slice_dims=tuple(dn.inserted_window_dims),
+            start_index_map=tuple(dn.scatter_dims_to_operand_dims),
+        )
+        at_rows = jax.lax.gather(
+            mean, idx, gather_dn, _window_sizes(m.core), mode=jax.lax.GatherScatterMode.CLIP
+        )
+        spread = self._scatter(m, idx, (upd - at_rows) ** 2)
+        writers = self._scatter(m, idx, jnp.ones_like(upd))
+        var = (spread + (n - writers) * mean * mean) / (n - 1)
+        return _replay(m.post, var, env, jnp.square)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        dtype = leaf.stat_dtype
+        idx, upd = self._rows(graph, m, env, dtype)
+        rows = upd.shape[0] // graph.n_examples
+        w = jnp.broadcast_to(
+            weights.astype(dtype).reshape(graph.n_examples, -1), (graph.n_examples, rows)
+        )
+        upd = upd * w.reshape(-1, *[1] * (upd.ndim - 1)) / graph.n_units
+        return _replay(m.post, self._scatter(m, idx, upd), env, _PHI["sum"])
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        _, indices, updates = m.core.invars
+        idx, upd = _read(env, indices), _read(env, updates).astype(leaf.stat_dtype)
+        if graph.token:
+            g = jax.vmap(lambda i, u: self._scatter(m, i[None], u[None]))(idx, upd)
+        else:
+            g = self._scatter(m, idx, upd)[None]
+        return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
+
+
+def _window_sizes(core: Any) -> tuple[int, ...]:
+    dn = core.params["dimension_numbers"]
+    operand, updates = _shape(core.outvars[0]), _shape(core.invars[2])
+    window = iter(updates[1:])
+    return tuple(1 if d in dn.inserted_window_dims else next(window) for d in range(len(operand)))
+
+
+def _windows_overlap(core: Any, indices: np.ndarray, mode: str) -> str:
+    """Why the static windows of a row scatter are not pairwise disjoint and in bounds, or ""."""
+    dn = core.params["dimension_numbers"]
+    operand, sizes = _shape(core.outvars[0]), _window_sizes(core)
+    dims = list(dn.scatter_dims_to_operand_dims)
+    starts = np.asarray(indices).reshape(-1, len(dims)).astype(np.int64)
+    limits = np.asarray([operand[d] - sizes[d] for d in dims])
+    if mode == "CLIP":
+        starts = np.clip(starts, 0, limits)
+    elif np.any((starts < 0) | (starts > limits)):
+        return "a window is out of bounds"
+    if len(starts) > 4096:
+        return f"{len(starts)} windows: too many to check for overlap"
+    width = np.asarray([sizes[d] for d in dims])
+    apart = np.abs(starts[:, None, :] - starts[None, :, :]) >= width  # [R, R, k]
+    clash = ~np.any(apart, axis=-1) & ~np.eye(len(starts), dtype=bool)
+    if np.any(clash):
+        i, j = np.argwhere(clash)[0]
+        where = f"starts {starts[i].tolist()} and {starts[j].tolist()}, sizes {width.tolist()}"
+        return f"windows overlap ({where})"
+    return ""
+
+
+_UNIT_ROUTES: tuple[Route, ...] = ()  # filled below: the routes a per-token term may take
+
+
+class Terms(Route):
+    """Token granularity: several per-position contributions added (a tied embedding and
+    output head, W + Wᵀ): unit t's gradient is the sum of its terms at t, each proven by a
+    per-token route; linear ingredients add up term by term, the others are chunked."""
+
+    name = "terms"
+
+    def match(self, graph, leaf, var=None):
+        if not graph.token:
+            return Refusal("contributions added before φ (a weight used twice per example)")
+        terms = _split_terms(graph, leaf, leaf.grad if var is None else var, ())
+        if isinstance(terms, Refusal):
+            return terms
+        if len(terms) < 2:
+            return Refusal("not a sum of contributions")
+        return Match(f"{len(terms)} per-position contributions added", terms=tuple(terms))
+
+    def methods(self, graph, leaf, m, need):
+        return {w: "factorized" if w in ("sum", "clipped") else "chunked" for w in need}
+
+    def reads(self, graph, m):
+        return list(dict.fromkeys(v for route, t in m.terms for v in route.reads(graph, t)))
+
+    def factored_cost(self, graph, leaf, m, what):
+        return sum((r.factored_cost(graph, leaf, t, what) for r, t in m.terms), Cost())
+
+    def unit_flops(self, graph, leaf, m):
+        return sum(r.unit_flops(graph, leaf, t) for r, t in m.terms)
+
+    def compute(self, graph, leaf, m, env, what):
+        parts = [route.compute(graph, leaf, t, env, what) for route, t in m.terms]
+        return sum(parts[1:], parts[0])
+
+    def clipped(self, graph, leaf, m, env, weights):
+        parts = [route.clipped(graph, leaf, t, env, weights) for route, t in m.terms]
+        return sum(parts[1:], parts[0])
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        parts = [route.per_unit(graph, leaf, t, env, example, params) for route, t in m.terms]
+        return sum(parts[1:], parts[0])
+
+
+def _split_terms(
+    graph: Graph, leaf: Leaf, var: Any, outer: tuple[Post, ...]
+) -> list[tuple[Route, Match]] | Refusal:
+    """Split a sum of contributions into per-token terms (the layout and scaling ops after the
+    sum are linear, so each term takes them too)."""
+    core, post = graph.core(var)
+    post = (*post, *outer)
+    if core is not None and core.primitive.name == "add_any":
+        terms: list[tuple[Route, Match]] = []
+        for operand in core.invars:
+            sub = _split_terms(graph, leaf, operand, post)
+            if isinstance(sub, Refusal):
+                return sub
+            terms += sub
+        return terms
+    refusals = []
+    for route in _UNIT_ROUTES:
+        m = route.match(graph, leaf, var)
+        if isinstance(m, Match):
+            return [(route, dataclasses.replace(m, post=(*m.post, *outer)))]
+        refusals.append(m.reason)
+    return Refusal(f"a term no per-token route proves ({refusals[0]})")
+
+
+class Fallback(Route):
+    """Exact for any leaf. Example granularity: the leaf's exclusive gradient tail (the ops
+    only its gradient needs) evaluated per example, a bounded chunk of examples at a time.
+    Token granularity: the untied reference (§4) for this leaf, per example, in chunks."""
+
+    name = "fallback"
+
+    @property
+    def needs_example(self) -> bool:  # type: ignore[override]
+        return False
+
+    def match(self, graph, leaf, var=None):
+        if graph.token:
+            return Match("exact: this leaf untied per position, per example", grad=leaf.grad)
+        tail = graph.exclusive_tail(leaf.grad)
+        if tail:
+            reason = f"exact: its own gradient ops ({len(tail)}) per example"
+        else:
+            reason = "exact: its per-example gradient is a value of the backward pass"
+        return Match(reason, grad=leaf.grad, tail=tail)
+
+    def methods(self, graph, leaf, m, need):
+        return {w: "chunked" for w in need}
+
+    def unit_flops(self, graph, leaf, m):
+        if graph.token:  # the untied forward and backward: T copies at every boundary
+            return 4.0 * graph.per_example * sum(_flops(e) for e in graph.jaxpr.eqns)
+        return sum(_flops(e) for e in m.tail) + leaf.size
+
+    def reads(self, graph, m):
+        if graph.token:
+            return []
+        if not m.tail:
+            return [m.grad] if isinstance(m.grad, jcore.Var) else []
+        produced = {v for e in m.tail for v in e.outvars}
+        return list(
             dict.fromkeys(
                 v
-                for e in segment
+                for e in m.tail
                 for v in e.invars
                 if isinstance(v, jcore.Var) and v not in produced
             )
         )
-        reads_b = [v for v in reads if v in self.batched]
-        reads_u = [v for v in reads if v not in self.batched]
-        outs = [v for v in produced if last_use.get(v, -1) > end]
-        outs_b = [v for v in outs if v in self.batched]
-        outs_u = [v for v in outs if v not in self.batched]
 
-        if not reads_b:  # nothing here depends on the example
-            env = {v: values[v] for v in reads_u}
-            _eval_eqns(segment, env)
-            values.update((v, env[v]) for v in outs)
-            return
+    def per_unit(self, graph, leaf, m, env, example, params):
+        if graph.token:
+            assert graph.untie is not None
+            _, grads = graph.untie.value_and_grad(params, example, frozenset({leaf.index}))
+            return jax.tree.leaves(grads)[0].astype(leaf.stat_dtype)
+        local = dict(env)
+        _evaluate(m.tail, local)
+        return jnp.asarray(_read(local, m.grad)).astype(leaf.stat_dtype)[None]
 
-        def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list]:
-            env = dict(zip(reads_b, batched_in, strict=True))
-            env.update(zip(reads_u, unbatched_in, strict=True))
-            _eval_eqns(segment, env)
-            return [env[v] for v in outs_b], [env[v] for v in outs_u]
 
-        got_b, got_u = jax.vmap(one_example, in_axes=(0, None), out_axes=(0, None))(
-            [values[v] for v in reads_b], [values[v] for v in reads_u]
-        )
-        values.update(zip(outs_b, got_b, strict=True))
-        values.update(zip(outs_u, got_u, strict=True))
+def _flops(eqn: Any) -> float:
+    out = sum(math.prod(_shape(v)) for v in eqn.outvars)
+    if eqn.primitive.name == "dot_general":
+        lc, _, _, _ = _dot_dims(eqn)
+        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in lc)
+    if eqn.primitive.name == "conv_general_dilated":
+        return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
+    return float(out)
 
-    # -- per-unit gradients of one leaf (the token reference, the chunked fallbacks) -----------
 
-    def _apply_post(self, plan: _LeafPlan, x: Array, env: dict, phi: Callable | None) -> Array:
-        """Replay the layout/scaling ops after the core on `x` (one unit's gradient).
+_UNIT_ROUTES = (OuterProduct(), UnitSum(), RowScatter())
+# Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
+ROUTES: tuple[Route, ...] = (
+    Empty(),
+    Constant(),
+    _UNIT_ROUTES[0],
+    Contraction(),
+    _UNIT_ROUTES[1],
+    _UNIT_ROUTES[2],
+    Terms(),
+    Fallback(),
+)
+_ROUTE = {route.name: route for route in ROUTES}
 
-        With `phi`, a scaling by m becomes a scaling by phi(m): for multiplicative phi
-        Σ_u phi(m·g_u) = phi(m)·Σ_u phi(g_u)."""
-        for step in plan.post:
-            eqn = step.eqn
-            if step.factor is None:
-                if eqn.primitive.name != "convert_element_type":
-                    params = dict(eqn.params)
-                    if eqn.primitive.name == "reduce_sum":
-                        params.pop("out_sharding", None)
-                        x = jnp.sum(x, axis=tuple(params["axes"]))
-                        continue
-                    (x,) = _bind(eqn, [x])
+
+# ============================================================================================
+# §7 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
+
+# False: take the first matching route in precedence order instead. The tests do, so that
+# every route runs on models small enough for materializing per-example gradients to be as
+# cheap (and the cost model does not hide a route from them).
+CHEAPEST_ROUTE = True
+
+
+def plan(graph: Graph, stats: Sequence[str]) -> tuple[LeafPlan, ...]:
+    need = _ingredients(stats)
+    plans = []
+    for leaf in graph.leaves:
+        refused: list[tuple[str, str]] = []
+        best: tuple[float, Route, Match, dict[str, str], Cost] | None = None
+        for route in ROUTES:
+            m = route.match(graph, leaf)
+            if isinstance(m, Refusal):
+                refused.append((route.name, m.reason))
                 continue
-            m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
-            m = jnp.asarray(m, x.dtype)
-            if step.divide:
-                m = 1.0 / m
-            if phi is not None:
-                m = phi(m)
-            x = x * m
-        return x
-
-    def _per_unit(self, plan: _LeafPlan, env: dict) -> Array:
-        """One example's per-unit gradients of a leaf, [U, *shape], from its interface values."""
-        core = plan.core
-        dtype = stat_dtype(self.param_dtypes[self.paths.index(plan.path)])
-        if plan.route == "fallback":
-            local = dict(env)
-            _eval_eqns(plan.tail, local)
-            return jnp.asarray(_read(local, plan.out_var), dtype)[None]
-        if plan.route == "per-token-sum":
-            parts = [self._per_unit(term, env) for term in plan.terms]
-            return sum(parts[1:], parts[0])
-        operands = [_read(env, v) for v in core.invars]
-        if plan.route in ("rank-one", "sequence", "rows"):
-            (g,) = _bind(core, operands)
-            return self._apply_post(plan, g.astype(dtype), env, None)[None]
-        name = core.primitive.name
-        if name == "dot_general":
-            a, b = operands
-            lc, rc, lb, rb = _dot_parts(core)
-            dn = (((), ()), ((*lb, lc[0]), (*rb, rc[0])))
-            g = jax.lax.dot_general(a.astype(dtype), b.astype(dtype), dn)
-            g = jnp.moveaxis(g, len(lb), 0)
-        elif name == "reduce_sum":
-            g = jnp.moveaxis(operands[0].astype(dtype), core.params["axes"][0], 0)
-        else:  # one embedding row per position
-            operand, indices, updates = operands
-            g = jax.vmap(lambda i, u: _scatter_rows(core, operand.shape, i[None], u[None]))(
-                indices, updates.astype(dtype)
+            methods = route.methods(graph, leaf, m, need)
+            cost = route.cost(graph, leaf, m, methods)
+            if best is None or (CHEAPEST_ROUTE and cost.seconds < best[0]):
+                best = (cost.seconds, route, m, methods, cost)
+        assert best is not None  # the fallback always matches
+        _, route, m, methods, cost = best
+        plans.append(
+            LeafPlan(
+                leaf.path,
+                leaf.shape,
+                route.name,
+                m.reason,
+                methods,
+                cost,
+                tuple(refused),
+                m,
+                leaf.index,
             )
-        return jax.vmap(lambda u: self._apply_post(plan, u, env, None))(g)
-
-    def per_token(self, params: PyTree, example: PyTree) -> tuple[Array, PyTree]:
-        """Token-granularity reference for one example: loss and per-position contributions."""
-        batch = jax.tree.map(lambda x: x[None], example)
-        losses, batched, unbatched, _ = self._run_head(params, batch, 1.0)
-        env = {**{v: x[0] for v, x in batched.items()}, **unbatched}
-        grads = [self._per_unit(plan, env) for plan in self.plans]
-        return losses[0], jax.tree.unflatten(self.param_tree, grads)
-
-    # -- the factorized statistics ------------------------------------------------------------
-
-    def factorized_stats(
-        self,
-        stats: tuple[str, ...],
-        chunk_size: int | None,
-        clip_norm: float | None,
-        params: PyTree,
-        batch: PyTree,
-        n_examples: int,
-    ) -> tuple[Float[Array, ""], Stats]:
-        token = self.granularity == "token"
-        n_units = n_examples * (self.n_positions if token else 1)
-        mean_names = _needed_means(stats)
-        need_norms = "sq_norms" in stats or "clipped_mean" in stats
-        chunked: dict[int, set[str]] = {}  # leaf -> what the chunk loop must compute for it
-
-        def on_ready(leaves: list[int], env: dict) -> dict:
-            results = {}
-            for i in leaves:
-                plan = self.plans[i]
-                plan.methods = {}
-                for name in mean_names:
-                    value = self._factored_mean(plan, env, name, n_units)
-                    if value is None:
-                        chunked.setdefault(i, set()).add(name)
-                    else:
-                        results[name, i] = value
-                    plan.methods[name] = "chunked" if value is None else "factorized"
-                if need_norms:
-                    norms = self._factored_norms(plan, env)
-                    if norms is None:
-                        chunked.setdefault(i, set()).add("norms")
-                    else:
-                        results["norms", i] = norms
-                    plan.methods["norms"] = "chunked" if norms is None else "factorized"
-                if "clipped_mean" in stats:
-                    linear = plan.route != "fallback"
-                    plan.methods["clipped"] = "factorized" if linear else "chunked"
-                    if not linear:
-                        chunked.setdefault(i, set()).add("clipped")
-            return results
-
-        # Everything below sees g_u / units, the per-unit gradients of the mean loss.
-        losses, batched, unbatched, results = self._run_head(params, batch, 1.0 / n_units, on_ready)
-        env = {**batched, **unbatched}
-        means: dict[str, list[Any]] = {
-            k: [results.get((k, i)) for i in range(self.n_params)] for k in mean_names
-        }
-        norm_parts = [results["norms", i] for i in range(self.n_params) if ("norms", i) in results]
-
-        chunk = self._chunk(chunk_size, chunked, n_examples, batched)
-        loop_sums, loop_norms = self._chunk_loop(chunked, batched, unbatched, chunk, n_examples)
-        for i, parts in loop_sums.items():
-            for name, value in parts.items():
-                means[name][i] = value * _unseed(name, n_units)
-        if loop_norms is not None:
-            norm_parts.append(loop_norms)
-        sq_norms = None
-        if need_norms:
-            dtype = _widest(self.param_dtypes)
-            sq_norms = jnp.zeros((n_units,), dtype)
-            for part in norm_parts:
-                sq_norms = sq_norms + part.reshape(n_units).astype(dtype)
-            sq_norms = sq_norms * float(n_units) ** 2
-        out: dict[str, Any] = {k: jax.tree.unflatten(self.param_tree, v) for k, v in means.items()}
-        if "clipped_mean" in stats:
-            assert clip_norm is not None and sq_norms is not None
-            weights = _clip_factors(sq_norms, clip_norm)  # the 1/units is in the seed
-            clipped: list[Any] = [None] * self.n_params
-            for i, plan in enumerate(self.plans):
-                if plan.route != "fallback":
-                    clipped[i] = self._factored_clipped(plan, env, weights)
-            weighted, _ = self._chunk_loop(
-                chunked, batched, unbatched, chunk, n_examples, factors=weights
-            )
-            for i, value in weighted.items():
-                clipped[i] = value["clipped"]
-            out["clipped_mean"] = jax.tree.unflatten(self.param_tree, clipped)
-        loss = losses.mean().astype(stat_dtype(losses.dtype))
-        return loss, _finish(stats, out, sq_norms, n_units)
-
-    def _scatter_operands(self, core: Any, env: dict) -> tuple[Any, Array, Array]:
-        """Operand, indices and updates of a row scatter, indices broadcast over the batch when
-        they do not depend on the example (positions)."""
-        operand, indices, updates = (_read(env, v) for v in core.invars)
-        if not self._is_batched(core.invars[1]):
-            indices = jnp.broadcast_to(indices, (updates.shape[0], *indices.shape))
-        return operand, indices, updates
-
-    def _factors(self, core: Any, env: dict, dtype: Any, tie: bool = True) -> tuple[Array, Array]:
-        """δ and x of a dense weight's gradient, x made to depend on δ.
-
-        x exists from the forward pass, δ only in the backward pass. Left alone, XLA fuses φ(x)
-        into the forward pass and holds it until the backward pass needs it (an extra
-        activation per layer); adding zero times one entry of δ gives φ(x) a data dependency
-        on δ, so φ(x) and φ(δ) live only around their matmul. (XLA:CPU drops optimization
-        barriers before it schedules.) A non-finite δ poisons the statistic, as it would
-        anyway. Norms and the clipped mean keep every layer's factors until all norms are
-        known, so there the tie would only add copies: `tie=False`."""
-        a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
-        return (a, b + a.reshape(-1)[0] * 0.0) if tie else (a, b)
-
-    def _leaf_dtype(self, plan: _LeafPlan) -> Any:
-        return stat_dtype(self.param_dtypes[self.paths.index(plan.path)])
-
-    def _units_axes(self, plan: _LeafPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Axes of the batched core operands that index units (B, and T per token)."""
-        lc, rc, _, _ = _dot_parts(plan.core)
-        if plan.route == "rank-one":
-            return (0,), (0,)
-        return (0, *(a + 1 for a in lc)), (0, *(a + 1 for a in rc))
-
-    def _factored_mean(self, plan: _LeafPlan, env: dict, stat: str, n_units: int) -> Array | None:
-        """(1/units) Σ_units phi(g_unit) without materializing per-unit gradients, or None.
-
-        The factors carry the seed 1/units; the correction phi needs for it scales a factor
-        that phi already rewrites (so it fuses), never the weight-sized result."""
-        phi, scale, linear = _PHI[stat], _unseed(stat, n_units), stat == "mean"
-
-        def phi_scaled(x: Array) -> Array:
-            return phi(x) if scale == 1.0 else phi(x) * scale
-
-        if plan.route == "fallback" or (plan.route == "sequence" and not linear):
-            return None
-        if plan.route == "per-token-sum":  # only a linear statistic splits over the terms
-            if not linear:
-                return None
-            total = jnp.zeros(plan.shape, self._leaf_dtype(plan))
-            for term in plan.terms:
-                part = self._factored_mean(term, env, stat, n_units)
-                assert part is not None  # every term is per-token, so linear stats factorize
-                total = total + part
-            return total
-        dtype = self._leaf_dtype(plan)
-        if plan.route == "constant":  # the same g for every unit
-            g = _read(env, plan.out_var).astype(dtype) * float(n_units)  # undo the seed
-            return jnp.broadcast_to(phi(g), plan.shape)
-        core = plan.core
-        name = core.primitive.name
-        if name == "dot_general":
-            a, b = self._factors(core, env, dtype)
-            ua, ub = self._units_axes(plan)
-            _, _, lb, rb = _dot_parts(core)
-            dn = ((ua, ub), (tuple(d + 1 for d in lb), tuple(d + 1 for d in rb)))
-            g = jax.lax.dot_general(phi_scaled(a), phi(b), dn, preferred_element_type=dtype)
-        elif name == "reduce_sum":
-            z = _read(env, core.invars[0]).astype(dtype)
-            g = jnp.sum(phi_scaled(z), axis=(0, core.params["axes"][0] + 1))
-        else:
-            operand, indices, updates = self._scatter_operands(core, env)
-            rows = indices.reshape(-1, indices.shape[-1])
-            upd = phi_scaled(updates.astype(dtype)).reshape(-1, *updates.shape[2:])
-            g = _scatter_rows(core, operand.shape, rows, upd)
-        return self._apply_post(plan, g, env, phi)
-
-    def _post_scale_sq(self, plan: _LeafPlan, env: dict, dtype: Any) -> Array | None:
-        """Π m² of the scalings after the core, or None when one is not a scalar."""
-        scale = jnp.ones((), dtype)
-        for step in plan.post:
-            if step.factor is None:
-                continue
-            if not step.scalar:
-                return None
-            m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
-            scale = scale * jnp.asarray(m, dtype).reshape(()) ** 2
-        return scale
-
-    def _factored_norms(self, plan: _LeafPlan, env: dict) -> Array | None:
-        """Per-unit ‖g_unit‖² of one leaf, shaped [B] or [B, T], or None."""
-        if plan.route in ("fallback", "per-token-sum"):
-            return None
-        dtype = self._leaf_dtype(plan)
-        if plan.route == "constant":
-            g = _read(env, plan.out_var).astype(dtype)
-            return jnp.full((self.n_examples,), jnp.sum(jnp.broadcast_to(g, plan.shape) ** 2))
-        scale = self._post_scale_sq(plan, env, dtype)
-        if scale is None:
-            return None
-        core = plan.core
-        name = core.primitive.name
-        if name == "dot_general":
-            a, b = self._factors(core, env, dtype, tie=False)
-            lc, rc, lb, rb = _dot_parts(core)
-            if plan.route == "sequence":
-                return self._gram_norms(core, a, b, scale)
-            # Per unit, ‖δ ⊗ x‖² = ‖δ‖²‖x‖² for every batch-dim slice (Goodfellow); at token
-            # granularity the single contracted axis indexes the units.
-            na = jnp.sum(_group_axes(a * a, lb, lc), axis=3)  # [B, batch, terms]
-            nb = jnp.sum(_group_axes(b * b, rb, rc), axis=3)
-            return jnp.sum(na * nb, axis=1) * scale  # [B, 1] or [B, T]
-        if name == "reduce_sum":
-            z = _read(env, core.invars[0]).astype(dtype)
-            axis = core.params["axes"][0] + 1
-            return _sum_except(z * z, (0, axis)) * scale
-        updates = _read(env, core.invars[2]).astype(dtype)
-        keep = (0, 1) if plan.route == "per-token" else (0,)
-        return _sum_except(updates * updates, keep) * scale
-
-    def _gram_norms(self, core: Any, a: Array, b: Array, scale: Array) -> Array | None:
-        """‖Σ_t a_t ⊗ b_t‖² = ⟨A Aᵀ, B Bᵀ⟩ per example, when the Grams are the smaller tensors."""
-        lc, rc, lb, rb = _dot_parts(core)
-        n_terms = math.prod(a.shape[d + 1] for d in lc)
-        free_a = math.prod(a.shape[1:]) // (n_terms * math.prod(a.shape[d + 1] for d in lb))
-        free_b = math.prod(b.shape[1:]) // (n_terms * math.prod(b.shape[d + 1] for d in rb))
-        if 2 * n_terms * n_terms >= free_a * free_b:
-            return None
-        a2 = _group_axes(a, lb, lc)  # [B, batch, terms, free]
-        b2 = _group_axes(b, rb, rc)
-        gram_a = jnp.einsum("znsf,zntf->znst", a2, a2)
-        gram_b = jnp.einsum("znsf,zntf->znst", b2, b2)
-        return jnp.sum(gram_a * gram_b, axis=(1, 2, 3)) * scale
-
-    def _factored_clipped(self, plan: _LeafPlan, env: dict, weights: Array) -> Array:
-        """Σ_units w_unit g_unit with the unit weights folded into one factor: (w∘Δ)ᵀX."""
-        if plan.route == "per-token-sum":
-            parts = [self._factored_clipped(term, env, weights) for term in plan.terms]
-            return sum(parts[1:], parts[0])
-        dtype = self._leaf_dtype(plan)
-        if plan.route == "constant":
-            g = _read(env, plan.out_var).astype(dtype)
-            return jnp.broadcast_to(g * jnp.sum(weights).astype(dtype), plan.shape)
-        core = plan.core
-        name = core.primitive.name
-        n_examples = self.n_examples
-        if name == "dot_general":
-            a, b = self._factors(core, env, dtype, tie=False)
-            lc, _, _, _ = _dot_parts(core)
-            weights = weights.astype(dtype)
-            if plan.route == "per-token":
-                weights = weights.reshape(n_examples, self.n_positions)
-                shape = [1] * a.ndim
-                shape[0], shape[lc[0] + 1] = a.shape[0], a.shape[lc[0] + 1]
-            else:
-                shape = [a.shape[0]] + [1] * (a.ndim - 1)
-            a = a * weights.reshape(shape)
-            ua, ub = self._units_axes(plan)
-            _, _, lb, rb = _dot_parts(core)
-            dn = ((ua, ub), (tuple(d + 1 for d in lb), tuple(d + 1 for d in rb)))
-            g = jax.lax.dot_general(a, b, dn, preferred_element_type=dtype)
-        elif name == "reduce_sum":
-            z = _read(env, core.invars[0]).astype(dtype)
-            axis = core.params["axes"][0] + 1
-            weights = weights.astype(dtype).reshape(n_examples, self.n_positions)
-            z = jnp.moveaxis(z, axis, 1) * weights.reshape(*weights.shape, *[1] * (z.ndim - 2))
-            g = jnp.sum(z, axis=(0, 1))
-        else:
-            operand, indices, updates = self._scatter_operands(core, env)
-            upd = updates.astype(dtype).reshape(-1, *updates.shape[2:])
-            # One weight per row: per token, or per example repeated over its rows.
-            rows = jnp.broadcast_to(weights.reshape(updates.shape[0], -1), updates.shape[:2])
-            upd = upd * rows.reshape(-1, *[1] * (upd.ndim - 1)).astype(dtype)
-            g = _scatter_rows(core, operand.shape, indices.reshape(-1, indices.shape[-1]), upd)
-        return self._apply_post(plan, g, env, None)
-
-    # -- the chunk loop: exact per-example gradients of the leaves that need them -------------
-
-    def _chunk(
-        self, chunk_size: int | None, chunked: dict[int, set[str]], n: int, batched: dict
-    ) -> int:
-        """Examples per chunk: the largest number whose materialized per-example gradients
-        hold no more numbers than the parameters or the batched head values (activations and
-        their gradients), whichever is larger — memory the step needs anyway."""
-        if chunk_size is not None:
-            return min(chunk_size, n)
-        parameters = sum(p.size for p in self.plans)
-        activations = sum(math.prod(jnp.shape(x)) for x in batched.values())
-        materialized = sum(self.plans[i].size for i in chunked) or 1
-        return max(1, min(n, max(parameters, activations) // materialized))
-
-    def _loop_inputs(self, leaves: Sequence[int], batched: dict) -> tuple[list, list]:
-        """The batched interface variables the tails of `leaves` read, and their values."""
-        needed = {v for i in leaves for v in self._leaf_interface(self.plans[i])}
-        keys = [v for v in batched if v in needed]
-        return keys, [batched[v] for v in keys]
-
-    def _chunk_loop(
-        self,
-        chunked: dict[int, set[str]],
-        batched: dict,
-        unbatched: dict,
-        chunk: int,
-        n: int,
-        factors: Array | None = None,
-    ) -> tuple[dict[int, dict[str, Array]], Array | None]:
-        """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time.
-
-        Returns per leaf the φ-sums it needs, and the per-unit squared norms of those leaves,
-        shaped [B, units per example] (None if no leaf needs them). With `factors` (one per
-        unit), returns per leaf Σ_u factors_u g_u instead."""
-        if factors is None:
-            leaves = list(chunked)
-        else:
-            leaves = [i for i, needs in chunked.items() if "clipped" in needs]
-        if not leaves:
-            return {}, None
-        keys, values = self._loop_inputs(leaves, batched)
-        with_norms = factors is None and any("norms" in chunked[i] for i in leaves)
-        per_example = self.n_positions if self.granularity == "token" else 1
-
-        def per_chunk(xs: tuple[list, Array]) -> tuple[dict, Array]:
-            def one(x: list, weight: Array) -> tuple[dict, Array]:
-                env = {**unbatched, **dict(zip(keys, x, strict=True))}
-                grads = {i: self._per_unit(self.plans[i], env) for i in leaves}  # [U, ...]
-                norms = jnp.zeros(weight.shape, weight.dtype)
-                for i, g in grads.items():
-                    if "norms" in chunked[i]:
-                        norms = norms + _sum_except(g * g, (0,)).astype(weight.dtype)
-                if factors is not None:
-                    grads = {
-                        i: g * weight.astype(g.dtype).reshape(-1, *[1] * (g.ndim - 1))
-                        for i, g in grads.items()
-                    }
-                return grads, norms
-
-            grads, norms = jax.vmap(one)(*xs)
-            if factors is not None:
-                return {i: {"clipped": _sum0(_merge01(g))} for i, g in grads.items()}, norms
-            sums = {
-                i: {k: _sum0(_PHI[k](_merge01(g))) for k in chunked[i] if k in _PHI}
-                for i, g in grads.items()
-            }
-            return sums, norms
-
-        if factors is None:
-            weights = jnp.ones((n, per_example), _widest(self.param_dtypes))
-        else:
-            weights = factors.reshape(n, per_example)
-        sums, norms = _chunked_sum(per_chunk, (values, weights), n, chunk)
-        return sums, (norms if with_norms else None)
-
-
-def _merge01(x: Array) -> Array:
-    """[chunk, units, ...] -> [chunk·units, ...]."""
-    return x.reshape(-1, *x.shape[2:])
-
-
-def _sum_except(x: Array, keep: tuple[int, ...]) -> Array:
-    return jnp.sum(x, axis=tuple(a for a in range(x.ndim) if a not in keep))
-
-
-def _group_axes(x: Array, batch: tuple[int, ...], contract: tuple[int, ...]) -> Array:
-    """[B, ...] -> [B, prod(batch dims), prod(contracted dims), prod(free dims)]."""
-    batch1 = tuple(d + 1 for d in batch)
-    contract1 = tuple(d + 1 for d in contract)
-    free1 = tuple(d for d in range(1, x.ndim) if d not in batch1 + contract1)
-    x = jnp.transpose(x, (0, *batch1, *contract1, *free1))
-    nb = math.prod(x.shape[1 : 1 + len(batch1)])
-    nc = math.prod(x.shape[1 + len(batch1) : 1 + len(batch1) + len(contract1)])
-    return x.reshape(x.shape[0], nb, nc, -1)
-
-
-# --------------------------------------------------------------------------------------------
-# Reporting.
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafReport:
-    """Which path the factorized implementation takes for one parameter leaf, and why."""
-
-    path: str
-    shape: tuple[int, ...]
-    path_taken: str  # "factorized" | "chunked" | "fallback"
-    route: str  # "rank-one" | "sequence" | "per-token" | "rows" | "constant" | "fallback"
-    reason: str
-    methods: dict[str, str]  # per ingredient ("mean", "sq_mean", "norms", ...): how computed
-
-    def __str__(self) -> str:
-        methods = ", ".join(f"{k}: {v}" for k, v in sorted(self.methods.items()))
-        return (
-            f"{self.path:40s} {str(self.shape):18s} {self.path_taken:10s} {self.reason} [{methods}]"
         )
+    return tuple(plans)
 
 
-def explain(
-    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+# ============================================================================================
+# §8 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
+
+
+def _execute(
+    graph: Graph,
+    plans: tuple[LeafPlan, ...],
+    stats: tuple[str, ...],
+    chunk_size: int | None,
+    clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
-    stats: Sequence[str] = ("mean",),
-    *,
-    granularity: Granularity = "example",
-    clip_norm: float | None = None,
-) -> list[LeafReport]:
-    """Per parameter leaf: the path `impl="factorized"` takes for these statistics, and why.
+) -> tuple[Float[Array, ""], Stats]:
+    need = _ingredients(stats)
+    leaves = graph.leaves
+    early = [w for w in need if w != "clipped"]
 
-    "factorized": every requested statistic comes from the factors, no per-example gradient
-    exists; "chunked": some statistic (e.g. sq_mean of a weight applied at many positions)
-    materializes per-example gradients of this leaf in bounded chunks; "fallback": no pattern
-    matched, the leaf's own gradient tail runs per example in chunks (exact, slower).
-    """
-    stats = tuple(stats)
-    if "clipped_mean" in stats and clip_norm is None:
-        clip_norm = 1.0
-    _check_options(stats, "factorized", granularity, None, clip_norm)
-    _, n_positions = _check_inputs(loss_fn, params, batch, stats, granularity)
-    program = _GradientProgram(loss_fn, params, batch, granularity, n_positions)
-    n_examples = jax.tree.leaves(batch)[0].shape[0]
-    jax.eval_shape(
-        lambda p, b: program.factorized_stats(stats, None, clip_norm, p, b, n_examples),
-        params,
-        batch,
-    )
-    reports = []
-    for plan in program.plans:
-        if plan.route == "fallback":
-            taken = "fallback"
-        elif any(m == "chunked" for m in plan.methods.values()):
-            taken = "chunked"
-        else:
-            taken = "factorized"
-        reports.append(
-            LeafReport(plan.path, plan.shape, taken, plan.route, plan.reason, dict(plan.methods))
+    def on_ready(ready: list[int], env: dict) -> dict:
+        results = {}
+        for i in ready:
+            p = plans[i]
+            for what in early:
+                if p.methods[what] == "factorized":
+                    results[what, i] = _ROUTE[p.route].compute(graph, leaves[i], p.match, env, what)
+        return results
+
+    reads = [_ROUTE[p.route].reads(graph, p.match) for p in plans]
+    losses, batched, unbatched, results = _run_head(graph, reads, params, batch, on_ready)
+    env = {**batched, **unbatched}
+    chunked = {p.index: [w for w in early if p.methods[w] == "chunked"] for p in plans}
+    chunked = {i: ws for i, ws in chunked.items() if ws}
+    chunk = _chunk(graph, chunk_size, chunked, batched)
+    loop, loop_norms = _chunk_loop(graph, plans, chunked, batched, unbatched, batch, params, chunk)
+    results.update(loop)
+    means: dict[str, PyTree] = {
+        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
+        for w in early
+        if w != "norms"
+    }
+    sq_norms = None
+    if "norms" in need:
+        dtype = _widest([leaf.dtype for leaf in leaves])
+        parts = [results["norms", i] for i in range(len(leaves)) if ("norms", i) in results]
+        if loop_norms is not None:
+            parts.append(loop_norms)
+        sq_norms = sum(
+            (x.reshape(-1).astype(dtype) for x in parts), jnp.zeros((graph.n_units,), dtype)
         )
-    return reports
+    if "clipped" in need:
+        assert clip_norm is not None and sq_norms is not None
+        weights = _clip_factors(sq_norms, clip_norm).reshape(graph.n_examples, graph.per_example)
+        clipped: list[Any] = [None] * len(leaves)
+        for p in plans:
+            if p.methods["clipped"] == "factorized":
+                clipped[p.index] = _ROUTE[p.route].clipped(
+                    graph, leaves[p.index], p.match, env, weights
+                )
+        later = {i: ["clipped"] for i, p in enumerate(plans) if p.methods["clipped"] == "chunked"}
+        weighted, _ = _chunk_loop(
+            graph, plans, later, batched, unbatched, batch, params, chunk, weights
+        )
+        for (_, i), value in weighted.items():
+            clipped[i] = value
+        means["clipped"] = jax.tree.unflatten(graph.param_tree, clipped)
+    loss = losses.mean().astype(stat_dtype(losses.dtype))
+    return loss, _publish(stats, means, sq_norms, graph.n_units)
 
 
-__all__ = [
-    "STATISTICS",
-    "LeafReport",
-    "explain",
-    "stat_dtype",
-    "value_and_grad_stats",
-]
+def _run_head(
+    graph: Graph,
+    reads: list[list[Any]],
+    params: PyTree,
+    batch: PyTree,
+    on_ready: Callable[[list[int], dict], dict],
+) -> tuple[Array, dict, dict, dict]:
+    """Losses [B] and the values the routes read: batched ones with a leading B, others once.
+
+    The head is every equation those values need, evaluated batched (vmap over examples) in
+    segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
+    factorized ingredients, and an optimization barrier makes the rest of the backward pass
+    wait for them, so that each leaf's statistics are computed where plain grad computes its
+    gradient and the activations they read die as early as they do there."""
+    jaxpr = graph.jaxpr
+    interface = list(dict.fromkeys(v for vs in reads for v in vs))
+    needed: set[Any] = {v for v in [jaxpr.outvars[0], *interface] if isinstance(v, jcore.Var)}
+    head: list[Any] = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            head.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    head.reverse()
+    position = {id(eqn): k for k, eqn in enumerate(head)}
+    ready_at = [
+        max(
+            (
+                position[id(graph.producer[v])]
+                for v in vs
+                if v in graph.producer and id(graph.producer[v]) in position
+            ),
+            default=-1,
+        )
+        for vs in reads
+    ]
+    last_use: dict[Any, int] = {v: len(head) for v in [jaxpr.outvars[0], *interface]}
+    for k, eqn in enumerate(head):
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                last_use[v] = max(last_use.get(v, -1), k)
+
+    values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
+    seed = jnp.ones((), jaxpr.invars[-1].aval.dtype)  # pyright: ignore[reportAttributeAccessIssue]
+    inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
+    values.update(zip(jaxpr.invars, inputs, strict=True))
+    start, results = 0, {}
+    for cut in sorted({*ready_at, len(head) - 1}):
+        if head[start : cut + 1]:
+            _run_segment(graph, head[start : cut + 1], values, cut, last_use)
+        start = max(start, cut + 1)
+        ready = [i for i, r in enumerate(ready_at) if r == cut]
+        if ready:
+            new = on_ready(ready, values)
+            live = [v for v in values if last_use.get(v, -1) > cut]
+            new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
+            values.update(zip(live, kept, strict=True))
+            results.update(new)
+    loss_var = jaxpr.outvars[0]
+    losses = _read(values, loss_var)
+    if not graph.is_batched(loss_var):
+        losses = jnp.broadcast_to(losses, (graph.n_examples,))
+    return (
+        losses,
+        {v: values[v] for v in interface if v in graph.batched},
+        {v: _read(values, v) for v in interface if v not in graph.batched},
+        results,
+    )
+
+
+def _run_segment(graph: Graph, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
+    """Evaluate head equations batched (vmap over examples), adding to `values` every result
+    used after position `end`."""
+    produced = {v for e in segment for v in e.outvars}
+    reads = list(
+        dict.fromkeys(
+            v for e in segment for v in e.invars if isinstance(v, jcore.Var) and v not in produced
+        )
+    )
+    reads_b = [v for v in reads if v in graph.batched]
+    reads_u = [v for v in reads if v not in graph.batched]
+    outs = [v for v in produced if last_use.get(v, -1) > end]
+    outs_b = [v for v in outs if v in graph.batched]
+    outs_u = [v for v in outs if v not in graph.batched]
+
+    if not reads_b:  # nothing here depends on the example
+        env = {v: values[v] for v in reads_u}
+        _evaluate(segment, env)
+        values.update((v, env[v]) for v in outs)
+        return
+
+    def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list]:
+        env = dict(zip(reads_b, batched_in, strict=True))
+        env.update(zip(reads_u, unbatched_in, strict=True))
+        _evaluate(segment, env)
+        return [env[v] for v in outs_b], [env[v] for v in outs_u]
+
+    got_b, got_u = jax.vmap(one_example, in_axes=(0, None), out_axes=(0, None))(
+        [values[v] for v in reads_b], [values[v] for v in reads_u]
+    )
+    values.update(zip(outs_b, got_b, strict=True))
+    values.update(zip(outs_u, got_u, strict=True))
+
+
+def _chunk(graph: Graph, chunk_size: int | None, chunked: Mapping[int, Any], batched: dict) -> int:
+    """Examples per chunk: the largest number whose materialized per-unit gradients hold no
+    more numbers than the parameters or the batched head values (activations and their
+    gradients), whichever is larger — memory the step needs anyway."""
+    n = graph.n_examples
+    if chunk_size is not None:
+        return min(chunk_size, n)
+    parameters = sum(leaf.size for leaf in graph.leaves)
+    activations = sum(math.prod(jnp.shape(x)) for x in batched.values())
+    materialized = graph.per_example * sum(graph.leaves[i].size for i in chunked) or 1
+    return max(1, min(n, max(parameters, activations) // materialized))
+
+
+def _chan(a: tuple, b: tuple) -> tuple:
+    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
+    na, ma, sa = a
+    nb, mb, sb = b
+    n = na + nb
+    delta = mb - ma
+    return n, ma + delta * (nb / n), sa + sb + delta * delta * (na * nb / n)
+
+
+def _chunk_loop(
+    graph: Graph,
+    plans: tuple[LeafPlan, ...],
+    chunked: Mapping[int, Sequence[str]],
+    batched: dict,
+    unbatched: dict,
+    batch: PyTree,
+    params: PyTree,
+    chunk: int,
+    weights: Array | None = None,
+) -> tuple[dict[tuple[str, int], Array], Array | None]:
+    """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
+    ingredients each needs: means of φ, per-unit norms ([B, U], summed over these leaves),
+    the variance (chunk by chunk, merged with Chan's update: no cancellation), or — given
+    per-unit `weights` [B, U] — the clipped mean."""
+    if not chunked:
+        return {}, None
+    n_units = graph.n_units
+    routes = {i: _ROUTE[plans[i].route] for i in chunked}
+    keys = list(
+        dict.fromkeys(
+            v for i in chunked for v in routes[i].reads(graph, plans[i].match) if v in batched
+        )
+    )
+    with_norms = any("norms" in ws for ws in chunked.values())
+    dtype = _widest([leaf.dtype for leaf in graph.leaves])
+    w = jnp.ones((graph.n_examples, graph.per_example), dtype) if weights is None else weights
+
+    def per_chunk(xs: tuple) -> tuple[dict, Array]:
+        values, examples, unit_w = xs
+
+        def one(value: list, example: Any) -> tuple[dict, Array]:
+            env = {**unbatched, **dict(zip(keys, value, strict=True))}
+            grads = {
+                i: routes[i].per_unit(graph, graph.leaves[i], plans[i].match, env, example, params)
+                for i in chunked
+            }
+            norms = sum(
+                (
+                    jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype)
+                    for i, g in grads.items()
+                    if "norms" in chunked[i]
+                ),
+                jnp.zeros((graph.per_example,), dtype),
+            )
+            return grads, norms
+
+        grads, norms = jax.vmap(one)(values, examples)
+        out: dict = {}
+        for i, g in grads.items():
+            g = _merge01(g)  # [chunk·U, ...]
+            for what in chunked[i]:
+                if what in _PHI:
+                    out[what, i] = _sum0(_PHI[what](g) * (1.0 / n_units))
+                elif what == "var":
+                    mean = jnp.mean(g, 0)
+                    count = jnp.asarray(g.shape[0], g.dtype)
+                    out[what, i] = (count, mean, jnp.sum((g - mean) ** 2, 0))
+                elif what == "clipped":
+                    out[what, i] = (
+                        jnp.tensordot(_merge01(unit_w).astype(g.dtype), g, axes=1) / n_units
+                    )
+        return out, norms
+
+    def combine(acc: dict, part: dict) -> dict:
+        return {k: _chan(acc[k], v) if k[0] == "var" else acc[k] + v for k, v in part.items()}
+
+    examples = batch if any(routes[i].needs_example or graph.token for i in chunked) else None
+    xs = ([batched[v] for v in keys], examples, w)
+    acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
+    out = {}
+    for key, value in acc.items():
+        out[key] = value[2] / (n_units - 1) if key[0] == "var" else value
+    return out, (norms if with_norms and weights is None else None)

@@ -1,9 +1,9 @@
-"""Model pieces and a naive per-example loop: the test harness shared by the pegrad tests.
+"""Small model pieces, each a pattern pegrad's rewrite must get right, written for ONE example.
 
-Every piece is written for ONE example and takes `tokenwise`: with tokenwise=True each
-parameter that a position uses carries a leading axis T and position t uses its own copy, so
-`jax.grad` with respect to copy t is exactly the per-token contribution δ_t ⊗ x_t. That gives an
-independent reference for granularity="token" that shares no code with pegrad.
+Every piece takes `tokenwise`: with tokenwise=True each parameter that a position uses carries a
+leading axis T and position t uses its own copy, so `jax.grad` with respect to copy t is exactly
+the per-token contribution δ_t ⊗ x_t — an independent reference for granularity="token" that
+shares no code with pegrad (helpers.naive_unit_grads).
 """
 
 import dataclasses
@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import naive_unit_grads
 
 T, D_IN, D_HID, D_OUT, VOCAB = 4, 3, 5, 2, 7
 
@@ -329,42 +330,12 @@ PIECES = [
 ]
 
 
-# -- the naive loop ---------------------------------------------------------------------------
+# -- the naive loop, per piece ---------------------------------------------------------------
 
 
-def naive_unit_grads(piece: Piece, params: Any, batch: Any, granularity: str) -> Any:
-    """Per-unit gradients, one `jax.grad` per example: leaves shaped [units, *param shape]."""
-    b = jax.tree.leaves(batch)[0].shape[0]
-    grad = jax.jit(jax.grad(piece.loss), static_argnums=2)
-    units = []
-    for i in range(b):
-        example = jax.tree.map(lambda x, i=i: x[i], batch)
-        if granularity == "example":
-            units.append(jax.tree.map(lambda g: np.asarray(g)[None], grad(params, example, False)))
-        else:
-            copies = jax.tree.map(lambda p: jnp.broadcast_to(p, (T, *p.shape)), params)
-            units.append(jax.tree.map(np.asarray, grad(copies, example, True)))
-    return jax.tree.map(lambda *g: np.concatenate(g), *units)
-
-
-def naive_stats(grads: Any, clip_norm: float) -> dict[str, Any]:
-    """The SPEC §2 definitions, in numpy, from materialized per-unit gradients."""
-    leaves = jax.tree.leaves(grads)
-    n = leaves[0].shape[0]
-    sq_norms = sum(np.sum(g.reshape(n, -1) ** 2, axis=1) for g in leaves)
-    factors = np.minimum(1.0, clip_norm / np.sqrt(sq_norms))
-    out = {
-        "mean": jax.tree.map(lambda g: g.mean(0), grads),
-        "sq_mean": jax.tree.map(lambda g: (g**2).mean(0), grads),
-        "sign_mean": jax.tree.map(lambda g: np.sign(g).mean(0), grads),
-        "sq_norms": sq_norms,
-        "clipped_mean": jax.tree.map(lambda g: np.tensordot(factors, g, axes=1) / n, grads),
-    }
-    if n > 1:
-        out["var"] = jax.tree.map(lambda g: g.var(0, ddof=1), grads)
-    return out
-
-
-def params_of(piece: Piece, key: jax.Array) -> Any:
-    """The floating leaves (an Equinox module keeps only arrays after filtering)."""
-    return eqx.filter(piece.init(key), eqx.is_inexact_array)
+def piece_unit_grads(piece: Piece, params: Any, batch: Any, granularity: str) -> Any:
+    """Per-unit gradients of a piece, one `jax.grad` per example (per-token: untied copies)."""
+    tokenwise = None
+    if granularity == "token":
+        tokenwise = lambda copies, example: piece.loss(copies, example, True)  # noqa: E731
+    return naive_unit_grads(lambda p, ex: piece.loss(p, ex, False), params, batch, tokenwise)

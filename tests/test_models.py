@@ -5,15 +5,15 @@ Float64 and strict dtype promotion come from tests/conftest.py.
 """
 
 import functools
-from typing import Literal, TypeVar, cast
+from typing import TypeVar, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_every_implementation, naive_unit_grads
 
-import pegrad
 from models import (
     MLP,
     TransformerConfig,
@@ -220,37 +220,6 @@ def test_count_params_matches_leaves():
 # ------------------------------------------------------------------------------------------
 # Per-example gradient statistics through pegrad, against a naive per-example loop
 
-STATS = ("mean", "sq_mean", "sign_mean", "var", "sq_norms")
-
-
-def _example(batch, i: int):
-    return jax.tree.map(lambda x: x[i], batch)
-
-
-def _naive_stats(loss_fn, params, batch) -> dict:
-    """jax.grad one example at a time, then the SPEC §2 reductions written out."""
-    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
-    losses, grads = zip(
-        *(value_and_grad(params, _example(batch, i)) for i in range(B)),
-        strict=True,
-    )
-    return _reductions(jnp.stack(losses), jax.tree.map(lambda *gs: jnp.stack(gs), *grads))
-
-
-@jax.jit
-def _reductions(losses: jax.Array, g: dict) -> dict:
-    """Statistics of stacked per-example gradients g (leaves [B, ...])."""
-    mean = jax.tree.map(lambda x: x.mean(0), g)
-    return {
-        "loss": jnp.mean(losses),
-        "per_example": g,
-        "mean": mean,
-        "sq_mean": jax.tree.map(lambda x: (x**2).mean(0), g),
-        "sign_mean": jax.tree.map(lambda x: jnp.sign(x).mean(0), g),
-        "var": jax.tree.map(lambda x, m: ((x - m) ** 2).sum(0) / (B - 1), g, mean),
-        "sq_norms": sum(jnp.sum(x**2, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(g)),
-    }
-
 
 def _mlp_case():
     k_x, k_y = jax.random.split(jax.random.key(3))
@@ -271,42 +240,16 @@ CASES = {
 }
 
 
-@functools.cache
-def _case(name: str) -> tuple:
-    """(params, loss_fn, batch, naive statistics), built once per case for all impls."""
-    model, loss, batch = CASES[name]()
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pegrad_matches_naive_loop(case: str):
+    model, loss, batch = CASES[case]()
     params, static = eqx.partition(model, eqx.is_inexact_array)
     loss_fn = make_loss_fn(static, loss)
-    first = _example(batch, 0)
+    first = jax.tree.map(lambda x: x[0], batch)
     assert jnp.array_equal(jax.jit(loss_fn)(params, first), eqx.filter_jit(loss)(model, first))
-    expected = _naive_stats(loss_fn, params, batch)
+    expected = naive_unit_grads(loss_fn, params, batch)
     # sign_mean is only well posed if no per-example gradient entry is round-off-sized.
-    for g in jax.tree.leaves(expected["per_example"]):
-        tiny = (g != 0) & (jnp.abs(g) < 1e-8 * jnp.max(jnp.abs(g)))
-        assert not jnp.any(tiny), "test data has a sign decided by round-off"
-    return params, loss_fn, batch, expected
-
-
-@pytest.mark.parametrize("impl", ["vmap", "factorized"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_pegrad_matches_naive_loop(case: str, impl: Literal["vmap", "factorized"]):
-    params, loss_fn, batch, expected = _case(case)
-    stats_fn = pegrad.value_and_grad_stats(loss_fn, STATS, impl=impl)
-    mean_loss, got = jax.jit(stats_fn)(params, batch)
-
-    np.testing.assert_allclose(mean_loss, expected["loss"], rtol=1e-12)
-    assert got["batch_size"] == B
-    assert got["sq_norms"].shape == (B,)
-    np.testing.assert_allclose(got["sq_norms"], expected["sq_norms"], rtol=1e-10)
-    for name in ("mean", "sq_mean", "sign_mean", "var"):
-        assert jax.tree.structure(got[name]) == jax.tree.structure(params), name
-        for path, a, e in zip(
-            jax.tree_util.tree_flatten_with_path(params)[0],
-            jax.tree.leaves(got[name]),
-            jax.tree.leaves(expected[name]),
-            strict=True,
-        ):
-            where = f"{name} at {jax.tree_util.keystr(path[0])}"
-            assert a.shape == e.shape and a.dtype == e.dtype, where
-            atol = 1e-14 * float(jnp.max(jnp.abs(e))) if e.size else 0.0
-            np.testing.assert_allclose(a, e, rtol=1e-10, atol=atol, err_msg=where)
+    for g in jax.tree.leaves(expected[1]):
+        tiny = (g != 0) & (np.abs(g) < 1e-8 * np.max(np.abs(g)))
+        assert not np.any(tiny), "test data has a sign decided by round-off"
+    check_every_implementation(loss_fn, params, batch, expected, case)

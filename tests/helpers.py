@@ -1,0 +1,133 @@
+"""The harness every equality test shares: a naive per-example loop, the SPEC §2 statistics of
+what it materializes (numpy), one closeness check, and the check that runs every implementation
+against them. The naive loop and its statistics never touch pegrad.
+
+`naive_unit_grads` runs `jax.grad` on one example at a time. For granularity="token" it takes a
+`tokenwise` loss in which every parameter carries a leading axis T and position t uses copy t:
+the gradient with respect to copy t is position t's contribution, by construction.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pegrad
+
+# (impl, chunk_size, planner): the factorized path runs with every route it can prove (on models
+# this small the cost model might materialize instead) and with the cost model's choice.
+IMPLS = [
+    ("vmap", None, "cheapest"),
+    ("vmap", 2, "cheapest"),
+    ("factorized", None, "routes"),
+    ("factorized", 2, "routes"),
+    ("factorized", None, "cheapest"),
+]
+
+
+@contextlib.contextmanager
+def planner(choice: str) -> Iterator[None]:
+    """ "routes": the first route that matches, in precedence order; "cheapest": the default."""
+    saved = pegrad.CHEAPEST_ROUTE
+    pegrad.CHEAPEST_ROUTE = choice == "cheapest"
+    try:
+        yield
+    finally:
+        pegrad.CHEAPEST_ROUTE = saved
+
+
+def example_at(batch: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: x[i], batch)
+
+
+def naive_unit_grads(
+    loss: Callable, params: Any, batch: Any, tokenwise: Callable | None = None
+) -> tuple[np.ndarray, Any]:
+    """(losses [B], per-unit gradients with leaves [units, *param shape]) in numpy."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    losses, units = [], []
+    for i in range(n):
+        example = example_at(batch, i)
+        value, grads = value_and_grad(params, example)
+        losses.append(float(value))
+        if tokenwise is None:
+            units.append(jax.tree.map(lambda g: np.asarray(g)[None], grads))
+        else:
+            t = jax.tree.leaves(example)[0].shape[0]
+            copies = jax.tree.map(lambda p, t=t: jnp.broadcast_to(p, (t, *p.shape)), params)
+            units.append(jax.tree.map(np.asarray, jax.grad(tokenwise)(copies, example)))
+    return np.asarray(losses), jax.tree.map(lambda *g: np.concatenate(g), *units)
+
+
+def naive_stats(grads: Any, clip_norm: float) -> dict[str, Any]:
+    """The SPEC §2 definitions, in numpy, from materialized per-unit gradients."""
+    leaves = jax.tree.leaves(grads)
+    n = leaves[0].shape[0]
+    sq_norms = sum(np.sum(g.reshape(n, -1) ** 2, axis=1) for g in leaves)
+    with np.errstate(divide="ignore"):
+        factors = np.minimum(1.0, clip_norm / np.sqrt(sq_norms))
+    out = {
+        "mean": jax.tree.map(lambda g: g.mean(0), grads),
+        "sq_mean": jax.tree.map(lambda g: (g**2).mean(0), grads),
+        "sign_mean": jax.tree.map(lambda g: np.sign(g).mean(0), grads),
+        "sq_norms": sq_norms,
+        "clipped_mean": jax.tree.map(lambda g: np.tensordot(factors, g, axes=1) / n, grads),
+    }
+    if n > 1:
+        out["var"] = jax.tree.map(lambda g: g.var(0, ddof=1), grads)
+    return out
+
+
+def assert_tree_close(actual: Any, expected: Any, what: str, rtol: float = 1e-10) -> None:
+    """Equal trees, every leaf within `rtol` of the largest entry of the expected leaf (or of
+    1e-12 where that is 0)."""
+    flat_a, tree_a = jax.tree.flatten(actual)
+    flat_e, tree_e = jax.tree.flatten(expected)
+    assert tree_a == tree_e, f"{what}: tree structure differs"
+    for a, e in zip(flat_a, flat_e, strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+        if not e.size:
+            continue
+        scale = max(float(np.max(np.abs(e))), 1e-12)  # an exact zero (var of a constant)
+        err = float(np.max(np.abs(a - e))) / scale
+        assert err <= rtol, f"{what}: relative error {err:.2e}"
+
+
+def check_every_implementation(
+    loss: Callable,
+    params: Any,
+    batch: Any,
+    expected: tuple[np.ndarray, Any],
+    what: str,
+    *,
+    granularity: str = "example",
+    clip_norm: float = 0.5,
+    impls: Sequence[tuple[str, int | None, str]] = IMPLS,
+    rtol: float = 1e-10,
+) -> None:
+    """Every statistic from every implementation equals the naive loop's."""
+    losses, unit_grads = expected
+    n_units = jax.tree.leaves(unit_grads)[0].shape[0]
+    stats = tuple(s for s in pegrad.STATISTICS if n_units > 1 or s != "var")
+    want = naive_stats(unit_grads, clip_norm)
+    for impl, chunk, choice in impls:
+        fn = pegrad.value_and_grad_stats(
+            loss,
+            stats,
+            impl=cast(pegrad.Impl, impl),
+            chunk_size=chunk,
+            granularity=cast(pegrad.Granularity, granularity),
+            clip_norm=clip_norm,
+        )
+        with planner(choice):
+            loss_value, got = jax.jit(fn)(params, batch)
+        where = f"{what}/{granularity}/{impl}/chunk={chunk}/{choice}"
+        np.testing.assert_allclose(loss_value, losses.mean(), rtol=1e-12, err_msg=where)
+        assert int(got["batch_size"]) == n_units, where
+        for name in stats:
+            assert_tree_close(got[name], want[name], f"{where}/{name}", rtol)
