@@ -40,7 +40,9 @@ where optax's blocks would differ:
   take no clipping option.
 
 Wrapping notes. `optax.inject_hyperparams` treats every callable argument as a schedule: pass
-`static_args="weight_decay_mask"` when the mask is a function. `optax.MultiSteps` accumulates the
+`static_args="weight_decay_mask"` when the mask is a function; it also casts hyperparameters
+to the parameter dtype, where bf16 rounds b2 = 0.999 to 1: pass hyperparam_dtype=jnp.float32
+for bf16 parameters. `optax.MultiSteps` accumulates the
 updates (ḡ) only: rules that read `stats` would see the last micro-batch's q, so use it with
 adam, sign_sgd or sign_ema.
 
