@@ -303,9 +303,9 @@ def make_schedule(cfg: Config) -> Callable[[Int[Array, ""]], Float[Array, ""]]:
     return schedule
 
 
-def make_optimizer(cfg: Config) -> optimizers.StatsOptimizer:
-    # Decay matrices and embeddings, not biases or norm scales. A function, not a pytree:
-    # optimizers calls a callable mask, and an Equinox module is callable.
+def make_optimizer(cfg: Config) -> optax.GradientTransformationExtraArgs:
+    # Decay matrices and embeddings, not biases or norm scales (optax.add_decayed_weights'
+    # mask: a function of params, or a pytree of bools).
     kwargs: dict[str, Any] = dict(
         learning_rate=make_schedule(cfg),
         weight_decay=cfg.weight_decay,
@@ -342,17 +342,20 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
     }
 
 
-def make_train_step(cfg: Config, task: Task, opt: optimizers.StatsOptimizer, mesh: Mesh) -> Any:
+def make_train_step(
+    cfg: Config, task: Task, opt: optax.GradientTransformationExtraArgs, mesh: Mesh
+) -> Any:
     """optimizers.make_train_step with the diagnostics' statistics added, and shardings:
     the batch split along "data", everything else replicated."""
-    stats = tuple(dict.fromkeys((*opt.stats, "mean", "sq_mean")))  # the union, in order
+    needs = optimizers.required_stats(opt, task.params)
+    stats = tuple(dict.fromkeys((*needs, "mean", "sq_mean")))  # the union, in order
     stats_fn = pegrad.value_and_grad_stats(
         task.loss_fn, stats, impl=cfg.impl, chunk_size=cfg.chunk_size, granularity=cfg.granularity
     )
 
     def step(params: PyTree, state: Any, batch: Any) -> tuple[PyTree, Any, Array, dict]:
         loss, st = stats_fn(params, batch)
-        updates, state = opt.update(st, state, params)
+        updates, state = opt.update(st["mean"], state, params, stats=st)
         params = optax.apply_updates(params, updates)
         # An update can overflow while the loss it came from is finite: flag it at its step.
         finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
