@@ -120,8 +120,9 @@ class LeafPlan:
 
     `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
     route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
-    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized",
-    "chunked", or "fallback" (no route proved anything; exact, slowest).
+    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized" (no
+    per-unit gradient exists), "chunked" (the route materializes some), or "fallback" (no route
+    proved its identities and per-unit gradients are materialized; exact, slowest).
     """
 
     leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
@@ -136,9 +137,9 @@ class LeafPlan:
 
     @property
     def status(self) -> str:
-        if self.route == "fallback":
-            return "fallback"
-        return "chunked" if "chunked" in self.methods.values() else "factorized"
+        if "chunked" not in self.methods.values():
+            return "factorized"
+        return "fallback" if self.route == "fallback" else "chunked"
 
     def __str__(self) -> str:
         methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
@@ -641,9 +642,14 @@ def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
     """Output position axes of one equation from its inputs' (see the comment above)."""
     name, params = eqn.primitive.name, eqn.params
     outs = eqn.outvars
-    if name in _ELEMENTWISE:
+    if name in _ELEMENTWISE:  # operands of the output's rank may broadcast size-1 axes
         shape = _shape(outs[0])
-        found = {a for v, ax in zip(eqn.invars, ins, strict=True) if _shape(v) == shape for a in ax}
+        found = {
+            a
+            for v, axes in zip(eqn.invars, ins, strict=True)
+            for a in axes
+            if len(_shape(v)) == len(shape) and _shape(v)[a] == shape[a]
+        }
         return [frozenset(found)] * len(outs)
     if name == "optimization_barrier":
         return list(ins)
@@ -1016,6 +1022,43 @@ class Graph:
         """Proven zero: static, and every entry 0."""
         return self.is_static(var) and not np.any(self.static_value(var))
 
+    def nonlinear_in_seed(self, eqns: Sequence[Any]) -> str:
+        """Why `eqns` are not proven linear in their cotangent (seeded) inputs, or "".
+
+        Each equation that reads a cotangent must be linear in the cotangents it reads, the
+        other operands fixed: a sum of cotangents (or proven zeros), a product or contraction
+        with exactly one cotangent factor, a division of one, and the ops that only move or
+        add up entries of one (a custom_vjp backward need not be any of these)."""
+        for eqn in eqns:
+            seeded = [isinstance(v, jcore.Var) and v in self.seeded for v in eqn.invars]
+            if not any(seeded):
+                continue
+            name = eqn.primitive.name
+            if name == "convert_element_type" and not all(
+                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in (*eqn.invars, *eqn.outvars)
+            ):
+                return f"'{name}' to or from a non-float type"
+            if name in _LINEAR_UNARY:
+                ok = seeded[0] and not any(seeded[1:])
+            elif name in _LINEAR_SUMS:
+                ok = all(s or self.is_zero(v) for s, v in zip(seeded, eqn.invars, strict=True))
+            elif name in _LINEAR_PRODUCTS:
+                ok = sum(seeded[:2]) == 1 and not any(seeded[2:])
+            elif name in _LINEAR_AT:
+                linear_at, zero_at = _LINEAR_AT[name]
+                ok = all(
+                    (k in linear_at and (s or (k in zero_at and self.is_zero(v))))
+                    or (k not in linear_at and not s)
+                    for k, (s, v) in enumerate(zip(seeded, eqn.invars, strict=True))
+                )
+                if name == "pad":
+                    ok = ok and self.is_zero(eqn.invars[1])
+            else:
+                return f"'{name}' is not known to be linear"
+            if not ok:
+                return f"'{name}' is not linear in the cotangents it reads"
+        return ""
+
     def position_axes(self, var: Any) -> Axes:
         return self.positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
 
@@ -1073,6 +1116,39 @@ class Graph:
                         members[id(src)] = src
                         changed = True
         return tuple(e for e in self.jaxpr.eqns if id(e) in members)
+
+
+# Linear in their first operand (the only one that may be a cotangent).
+_LINEAR_UNARY = frozenset(
+    [
+        "neg",
+        "copy",
+        "reduce_sum",
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "rev",
+        "cumsum",
+        "slice",
+        "convert_element_type",
+        "real",
+        "imag",
+    ]
+)
+_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate"})  # every operand linear
+_LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
+# name -> (operands that may be cotangents, those of them that may instead be proven zero)
+_LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "div": ((0,), ()),
+    "dynamic_slice": ((0,), ()),
+    "gather": ((0,), ()),
+    "pad": ((0,), ()),
+    "select_n": (tuple(range(1, 64)), tuple(range(1, 64))),
+    "dynamic_update_slice": ((0, 1), (0, 1)),
+    "scatter-add": ((0, 2), (0, 2)),
+}
 
 
 def _is_layout(eqn: Any) -> bool:
@@ -1150,6 +1226,7 @@ class Match:
     units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     terms: tuple[tuple["Route", "Match"], ...] = ()
     tail: tuple[Any, ...] = ()
+    linear: bool = False  # the tail is proven linear in its cotangent inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1171,7 +1248,6 @@ class Route:
     """One way to compute a leaf's statistics; subclasses document their identities."""
 
     name: ClassVar[str]
-    needs_example: ClassVar[bool] = False  # per_unit reads the raw example, not head values
 
     def match(self, graph: Graph, leaf: Leaf, var: Any = None) -> Match | Refusal:
         raise NotImplementedError
@@ -1814,22 +1890,38 @@ class Fallback(Route):
 
     name = "fallback"
 
-    @property
-    def needs_example(self) -> bool:  # type: ignore[override]
-        return False
-
     def match(self, graph, leaf, var=None):
         if graph.token:
             return Match("exact: this leaf untied per position, per example", grad=leaf.grad)
         tail = graph.exclusive_tail(leaf.grad)
-        if tail:
-            reason = f"exact: its own gradient ops ({len(tail)}) per example"
-        else:
+        if not tail:
             reason = "exact: its per-example gradient is a value of the backward pass"
-        return Match(reason, grad=leaf.grad, tail=tail)
+            return Match(reason, grad=leaf.grad, linear=True)
+        why = graph.nonlinear_in_seed(tail)
+        linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
+        reason = f"exact: its own gradient ops ({len(tail)}) per example"
+        reason += (
+            "; sums over examples transposed into them"
+            if linear
+            else f" ({why or 'half precision'})"
+        )
+        return Match(reason, grad=leaf.grad, tail=tail, linear=linear)
 
     def methods(self, graph, leaf, m, need):
-        return {w: "chunked" for w in need}
+        linear = m.linear and not graph.token
+        return {w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need}
+
+    def factored_cost(self, graph, leaf, m, what):
+        n = graph.n_examples
+        reads = sum(math.prod(_shape(v)) for v in self.reads(graph, m))
+        return Cost(n * (sum(_flops(e) for e in m.tail) + reads), 4.0 * (n * reads + leaf.size))
+
+    def compute(self, graph, leaf, m, env, what):
+        assert what == "sum"
+        return _linear_sum(graph, leaf, m, env, None)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        return _linear_sum(graph, leaf, m, env, weights)
 
     def unit_flops(self, graph, leaf, m):
         if graph.token:  # the untied forward and backward: T copies at every boundary
@@ -1859,6 +1951,52 @@ class Fallback(Route):
         local = dict(env)
         _evaluate(m.tail, local)
         return jnp.asarray(_read(local, m.grad)).astype(leaf.stat_dtype)[None]
+
+
+def _linear_sum(graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array | None) -> Array:
+    """(1/N) Σ_i w_i g_i for a gradient the head computes (read it) or whose tail is linear in
+    its cotangent inputs c_i given its primal inputs x_i: g_i = L_{x_i}(c_i). Then
+    Σ_i L_{x_i}(c_i) = Mᵀ(c) with M(W) = (L_{x_i}ᵀ W)_i — JAX transposes the tail twice, and
+    the second transpose sums over examples inside the operation (as plain grad does: one
+    weight-gradient convolution over the batch, not B of them)."""
+    dtype, n = leaf.stat_dtype, graph.n_units
+    w = (
+        jnp.ones((graph.n_examples,), dtype)
+        if weights is None
+        else weights.reshape(-1).astype(dtype)
+    )
+    if not m.tail:
+        g = jnp.asarray(_read(env, m.grad)).astype(dtype)
+        g = jnp.broadcast_to(g, (graph.n_examples, *leaf.shape))
+        return jnp.tensordot(w / n, g, axes=1)
+    inputs = Fallback().reads(graph, m)
+    cts = [v for v in inputs if v in graph.seeded]
+    primals = [v for v in inputs if v not in graph.seeded and v in graph.batched]
+    fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
+
+    def tail(c: list, x: list) -> Array:
+        local = {**fixed, **dict(zip(cts, c, strict=True)), **dict(zip(primals, x, strict=True))}
+        _evaluate(m.tail, local)
+        return _read(local, m.grad)
+
+    per_example = [jax.ShapeDtypeStruct(_shape(v), v.aval.dtype) for v in cts]
+
+    def transposed(w_: Array, x: list) -> list:
+        (c,) = jax.linear_transpose(lambda c: tail(c, x), per_example)(w_)
+        return c
+
+    def to_batch(w_: Array) -> list:
+        xs = [env[v] for v in primals]
+        return jax.vmap(transposed, (None, 0), axis_size=graph.n_examples)(w_, xs)
+
+    scale = (w / n).astype(leaf.dtype)
+    c_all = [
+        jnp.broadcast_to(env[v], (graph.n_examples, *_shape(v)))
+        * scale.reshape(-1, *[1] * len(_shape(v))).astype(v.aval.dtype)
+        for v in cts
+    ]
+    (total,) = jax.linear_transpose(to_batch, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))(c_all)
+    return total.astype(dtype)
 
 
 def _flops(eqn: Any) -> float:
@@ -2188,7 +2326,7 @@ def _chunk_loop(
     def combine(acc: dict, part: dict) -> dict:
         return {k: _chan(acc[k], v) if k[0] == "var" else acc[k] + v for k, v in part.items()}
 
-    examples = batch if any(routes[i].needs_example or graph.token for i in chunked) else None
+    examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w)
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
     out = {}

@@ -1,0 +1,324 @@
+"""A zoo of models written the way other libraries write them (Flax linen and NNX, Equinox's own
+`eqx.nn` layers, scans, gathers, stacked weights), each as ONE example's loss. The zoo is ours:
+small, float64, built to exercise the patterns pegrad's rewrite meets in the wild.
+
+`Model.build(key)` returns (params, loss_fn) with `loss_fn(params, example) -> scalar` and
+params a pytree of float64 arrays; `Model.batch(key, B)` returns a batch. `sequence` models have
+batch leaves [B, T, ...] and use every parameter position-wise (granularity="token" applies).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+T, D = 4, 6  # positions, width
+F64 = jnp.float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    build: Callable[[jax.Array], tuple[Any, Callable]]
+    batch: Callable[[jax.Array, int], Any]
+    sequence: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _normal(key: jax.Array, *shape: int) -> jax.Array:
+    return jax.random.normal(key, shape, F64)
+
+
+def _vectors(key: jax.Array, b: int, d_in: int = D, d_out: int = 3) -> Any:
+    kx, ky = jax.random.split(key)
+    return _normal(kx, b, d_in), _normal(ky, b, d_out)
+
+
+def _sequences(key: jax.Array, b: int, d_in: int = D, d_out: int = D) -> Any:
+    kx, ky = jax.random.split(key)
+    return _normal(kx, b, T, d_in), _normal(ky, b, T, d_out)
+
+
+def _standard_promotion(loss: Callable) -> Callable:
+    """Flax is not written for strict dtype promotion (the tests' setting): trace it under
+    JAX's standard rules, as its users do."""
+
+    def traced(p: Any, ex: Any) -> jax.Array:
+        with jax.numpy_dtype_promotion("standard"):
+            return loss(p, ex)
+
+    return traced
+
+
+def _equinox(model: Any, loss: Callable) -> tuple[Any, Callable]:
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return params, lambda p, ex: loss(eqx.combine(p, static), ex)
+
+
+# -- Flax ------------------------------------------------------------------------------------
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.gelu(nn.Dense(8, dtype=F64, param_dtype=F64)(x))
+        h = nn.LayerNorm(dtype=F64, param_dtype=F64)(h)
+        return nn.Dense(3, dtype=F64, param_dtype=F64)(h)
+
+
+def linen_mlp(key: jax.Array) -> tuple[Any, Callable]:
+    module = LinenMLP()
+    with jax.numpy_dtype_promotion("standard"):
+        params = module.init(key, jnp.zeros(D, F64))
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        return jnp.sum((module.apply(p, x) - y) ** 2)
+
+    return params, _standard_promotion(loss)
+
+
+class LinenBlock(nn.Module):
+    """Pre-norm causal self-attention and an MLP on one sequence [T, D]. (No attention biases:
+    softmax ignores a key bias, whose gradient is then round-off, with no well-posed sign.)"""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mask = nn.make_causal_mask(jnp.ones(x.shape[0]))
+        h = nn.LayerNorm(dtype=F64, param_dtype=F64)(x)
+        x = x + nn.MultiHeadDotProductAttention(2, dtype=F64, param_dtype=F64, use_bias=False)(
+            h, h, mask=mask
+        )
+        h = nn.LayerNorm(dtype=F64, param_dtype=F64)(x)
+        return x + nn.Dense(D, dtype=F64, param_dtype=F64)(
+            jnp.tanh(nn.Dense(8, dtype=F64, param_dtype=F64)(h))
+        )
+
+
+def linen_block(key: jax.Array) -> tuple[Any, Callable]:
+    module = LinenBlock()
+    with jax.numpy_dtype_promotion("standard"):
+        params = module.init(key, jnp.zeros((T, D), F64))
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        return jnp.mean((module.apply(p, x) - y) ** 2)
+
+    return params, _standard_promotion(loss)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(D, 8, rngs=rngs, param_dtype=F64, dtype=F64)
+        self.norm = nnx.LayerNorm(8, rngs=rngs, param_dtype=F64, dtype=F64)
+        self.out = nnx.Linear(8, 3, rngs=rngs, param_dtype=F64, dtype=F64)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.norm(jax.nn.silu(self.hidden(x))))
+
+
+def nnx_mlp(key: jax.Array) -> tuple[Any, Callable]:
+    with jax.numpy_dtype_promotion("standard"):
+        graphdef, params = nnx.split(NnxMLP(nnx.Rngs(params=key)), nnx.Param)
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        return jnp.sum((nnx.merge(graphdef, p)(x) - y) ** 2)
+
+    return params, _standard_promotion(loss)
+
+
+# -- Equinox's own layers ------------------------------------------------------------------------
+
+
+class PositionwiseMLP(eqx.Module):
+    """eqx.nn.Linear and LayerNorm see one position; jax.vmap applies them to all."""
+
+    norm: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.norm = eqx.nn.LayerNorm(D, dtype=F64)
+        self.up = eqx.nn.Linear(D, 8, key=k1, dtype=F64)
+        self.down = eqx.nn.Linear(8, D, key=k2, dtype=F64)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.vmap(lambda h: self.down(jax.nn.gelu(self.up(self.norm(h)))))(x)
+
+
+def eqx_positionwise(key: jax.Array) -> tuple[Any, Callable]:
+    model = PositionwiseMLP(key)
+    model = eqx.tree_at(lambda m: m.norm.weight, model, 1.0 + 0.1 * _normal(key, D))
+    return _equinox(model, lambda m, ex: jnp.mean((m(ex[0]) - ex[1]) ** 2))
+
+
+def eqx_attention(key: jax.Array) -> tuple[Any, Callable]:
+    model = eqx.nn.MultiheadAttention(
+        2, D, use_query_bias=True, use_output_bias=True, key=key, dtype=F64
+    )
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    return _equinox(
+        model, lambda m, ex: jnp.mean((m(ex[0], ex[0], ex[0], mask=causal) - ex[1]) ** 2)
+    )
+
+
+class ConvNet(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(2, 4, 3, padding=1, key=k1, dtype=F64)
+        self.conv2 = eqx.nn.Conv2d(4, 4, 3, padding=1, key=k2, dtype=F64)
+        self.head = eqx.nn.Linear(4, 3, key=k3, dtype=F64)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.relu(self.conv2(jnp.tanh(self.conv1(x))))
+        return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+def eqx_conv(key: jax.Array) -> tuple[Any, Callable]:
+    return _equinox(ConvNet(key), lambda m, ex: jnp.sum((m(ex[0]) - ex[1]) ** 2))
+
+
+def _images(key: jax.Array, b: int) -> Any:
+    kx, ky = jax.random.split(key)
+    return _normal(kx, b, 2, 5, 5), _normal(ky, b, 3)
+
+
+class GRUReader(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.GRUCell(D, 5, key=k1, dtype=F64)
+        self.head = eqx.nn.Linear(5, D, key=k2, dtype=F64)
+
+    def __call__(self, xs: jax.Array) -> jax.Array:
+        def step(h: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            h = self.cell(x, h)
+            return h, h
+
+        _, hs = jax.lax.scan(step, jnp.zeros(5, F64), xs)
+        return jax.vmap(self.head)(hs)
+
+
+def eqx_gru(key: jax.Array) -> tuple[Any, Callable]:
+    return _equinox(GRUReader(key), lambda m, ex: jnp.mean((m(ex[0]) - ex[1]) ** 2))
+
+
+# -- plain JAX patterns ---------------------------------------------------------------------------
+
+
+@jax.custom_jvp
+def soft_relu(x: jax.Array) -> jax.Array:
+    return jnp.logaddexp(x, 0.0)
+
+
+@soft_relu.defjvp
+def _soft_relu_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (x,), (dx,) = primals, tangents
+    return soft_relu(x), jax.nn.sigmoid(x) * dx
+
+
+def custom_jvp_mlp(key: jax.Array) -> tuple[Any, Callable]:
+    k1, k2 = jax.random.split(key)
+    params = {"w1": _normal(k1, 8, D) / 3, "w2": _normal(k2, 3, 8) / 3}
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        return jnp.sum((p["w2"] @ soft_relu(p["w1"] @ x) - y) ** 2)
+
+    return params, loss
+
+
+def moe_top1(key: jax.Array) -> tuple[Any, Callable]:
+    """A router picks one of three experts per example; the expert is read by a gather."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {
+        "router": _normal(k1, 3, D),
+        "experts": _normal(k2, 3, 3, D) / 3,
+        "bias": _normal(k3, 3),
+    }
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        choice = jnp.argmax(p["router"] @ x)
+        gate = jax.nn.softmax(p["router"] @ x)[choice]
+        return jnp.sum((gate * jnp.tanh(p["experts"][choice] @ x) + p["bias"] - y) ** 2)
+
+    return params, loss
+
+
+def scanned_stack(key: jax.Array) -> tuple[Any, Callable]:
+    """Stacked layers [L, D, D] applied by lax.scan, as nn.scan / filter_vmap stacks do."""
+    k1, k2 = jax.random.split(key)
+    params = {"layers": _normal(k1, 3, D, D) / 3, "gains": 1.0 + 0.1 * _normal(k2, 3, D)}
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+
+        def layer(h: jax.Array, weights: tuple) -> tuple[jax.Array, None]:
+            w, g = weights
+            return h + g * jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(layer, x, (p["layers"], p["gains"]))
+        return jnp.mean((h - y) ** 2)
+
+    return params, loss
+
+
+def looped_stack(key: jax.Array) -> tuple[Any, Callable]:
+    """The same stacked weights read as w[l] in a Python loop: disjoint slices of one leaf."""
+    params = {"layers": _normal(key, 3, D, D) / 3}
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        h = x
+        for layer in range(3):
+            h = h + jnp.tanh(h @ p["layers"][layer])
+        return jnp.mean((h - y) ** 2)
+
+    return params, loss
+
+
+def relative_position_attention(key: jax.Array) -> tuple[Any, Callable]:
+    """Scores get a learned bias rel[T − 1 − t + s]: row t reads the window starting at
+    T − 1 − t of one table, and the windows overlap."""
+    k1, k2 = jax.random.split(key)
+    params = {"qk": _normal(k1, D, D) / 3, "rel": 0.1 * _normal(k2, 2 * T - 1)}
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        window = lambda t: jax.lax.dynamic_slice(p["rel"], (T - 1 - t,), (T,))  # noqa: E731
+        scores = (x @ p["qk"]) @ x.T + jax.vmap(window)(jnp.arange(T))
+        return jnp.mean((jax.nn.softmax(scores, axis=-1) @ x - y) ** 2)
+
+    return params, loss
+
+
+MODELS = [
+    Model("linen_mlp", linen_mlp, _vectors),
+    Model("linen_block", linen_block, _sequences, sequence=True),
+    Model("nnx_mlp", nnx_mlp, _vectors),
+    Model("eqx_positionwise", eqx_positionwise, _sequences, sequence=True),
+    Model("eqx_attention", eqx_attention, _sequences, sequence=True),
+    Model("eqx_conv", eqx_conv, _images),
+    Model("eqx_gru_scan", eqx_gru, _sequences),
+    Model("custom_jvp", custom_jvp_mlp, _vectors),
+    Model("moe_top1_gather", moe_top1, _vectors),
+    Model("scanned_stack", scanned_stack, lambda k, b: _vectors(k, b, D, D)),
+    Model("looped_stack", looped_stack, lambda k, b: _vectors(k, b, D, D)),
+    Model("relative_position", relative_position_attention, _sequences),
+]
