@@ -157,8 +157,15 @@ def _distinct(
     plans = {}
     for choice in ("routes", "cheapest"):
         with planner(choice):
-            options = dict(granularity=granularity, clip_norm=0.5)
-            plans[choice] = [p.route for p in pegrad.explain(loss, params, batch, stats, **options)]
+            found = pegrad.explain(
+                loss,
+                params,
+                batch,
+                stats,
+                granularity=cast(pegrad.Granularity, granularity),
+                clip_norm=0.5,
+            )
+        plans[choice] = [p.route for p in found]
     kept = []
     for impl, chunk, choice in impls:
         if chunk is not None and chunk >= n:
