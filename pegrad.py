@@ -581,6 +581,11 @@ def _shape(v: Any) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
 
 
+def _dtype(v: Any) -> Any:
+    aval: Any = v.aval
+    return aval.dtype
+
+
 def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -> Axes:
     """Axes of `before` that survive a reshape whole, at their place in `after`."""
     out = set()
@@ -1979,7 +1984,7 @@ def _linear_sum(graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array
         _evaluate(m.tail, local)
         return _read(local, m.grad)
 
-    per_example = [jax.ShapeDtypeStruct(_shape(v), v.aval.dtype) for v in cts]
+    per_example = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in cts]
 
     def transposed(w_: Array, x: list) -> list:
         (c,) = jax.linear_transpose(lambda c: tail(c, x), per_example)(w_)
@@ -1992,7 +1997,7 @@ def _linear_sum(graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array
     scale = (w / n).astype(leaf.dtype)
     c_all = [
         jnp.broadcast_to(env[v], (graph.n_examples, *_shape(v)))
-        * scale.reshape(-1, *[1] * len(_shape(v))).astype(v.aval.dtype)
+        * scale.reshape(-1, *[1] * len(_shape(v))).astype(_dtype(v))
         for v in cts
     ]
     (total,) = jax.linear_transpose(to_batch, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))(c_all)
@@ -2176,7 +2181,7 @@ def _run_head(
                 last_use[v] = max(last_use.get(v, -1), k)
 
     values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
-    seed = jnp.ones((), jaxpr.invars[-1].aval.dtype)  # pyright: ignore[reportAttributeAccessIssue]
+    seed = jnp.ones((), _dtype(jaxpr.invars[-1]))
     inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
     values.update(zip(jaxpr.invars, inputs, strict=True))
     start, results = 0, {}
