@@ -867,6 +867,211 @@ def _boundary_axes(eqn: Any, positions: Mapping[Any, Axes]) -> tuple[int, ...] |
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
 
 
+# -- Scans: weight-gradient contractions hoisted out of the backward scan. ----------------------
+#
+# A weight stacked over layers and consumed by a scan gets its gradient as a stacked output of
+# the backward scan, one dot_general per iteration; a weight shared by all iterations (an RNN
+# cell) accumulates Σ_t dot_general(δ_t, x_t) in a carry that starts at zero. Either way the
+# head, run batched, would hold one weight gradient per example (B × P). The rewrite below is
+# exact: the scan emits the dot's operands instead (the saved activation is often a scanned
+# input already), and the dot runs after the scan — batched over layers (one per iteration),
+# or contracting the iterations (the accumulator). The routes then see an ordinary dot_general:
+# per layer the route an unrolled layer would take.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Hoist:
+    dot: Any  # the body's dot_general
+    post: tuple[Any, ...]  # layout ops after it, in order
+    accumulated: bool  # a carry Σ_t (else a stacked output)
+
+
+def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
+    """Output k of `scan` as a hoistable weight-gradient contraction, or None."""
+    body = scan.params["jaxpr"].jaxpr
+    nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
+    producer = {v: e for e in body.eqns for v in e.outvars}
+    users: dict[Any, int] = {}
+    for e in body.eqns:
+        for v in e.invars:
+            if isinstance(v, jcore.Var):
+                users[v] = users.get(v, 0) + 1
+    var = body.outvars[k]
+    accumulated = k < ncar
+    if accumulated:  # carry_out = add_any(carry_in, term), carry_in used there only, init 0
+        carry_in, add = body.invars[nc + k], producer.get(var)
+        if add is None or add.primitive.name != "add_any" or carry_in not in add.invars:
+            return None
+        if users.get(carry_in, 0) != 1 or carry_in in body.outvars:
+            return None
+        if not _is_literal_zero(scan.invars[nc + k], producer_out):
+            return None
+        (var,) = [v for v in add.invars if v is not carry_in] or [None]
+    post = []
+    while isinstance(var, jcore.Var) and var in producer and _is_layout(producer[var]):
+        post.append(producer[var])
+        var = producer[var].invars[0]
+    dot = producer.get(var) if isinstance(var, jcore.Var) else None
+    if dot is None or dot.primitive.name != "dot_general":
+        return None
+    return _Hoist(dot, tuple(post[::-1]), accumulated)
+
+
+def _is_literal_zero(var: Any, producer: Mapping) -> bool:
+    """A literal 0 or a broadcast of one (how JAX starts a gradient accumulator)."""
+    while isinstance(var, jcore.Var) and var in producer:
+        eqn = producer[var]
+        if eqn.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
+            return False
+        var = eqn.invars[0]
+    return isinstance(var, jcore.Literal) and not np.any(np.asarray(var.val))
+
+
+def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.ClosedJaxpr:
+    """`closed` with the weight-gradient contractions of its scans moved after them, where
+    that holds fewer numbers per example than the stacked per-example weight gradients."""
+    jaxpr = closed.jaxpr
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    plans: dict[int, dict[int, _Hoist]] = {}
+    for grad in jaxpr.outvars[1:]:
+        var = grad
+        while (
+            isinstance(var, jcore.Var)
+            and var in producer
+            and (_is_layout(producer[var]) or producer[var].primitive.name in ("mul", "div", "neg"))
+        ):
+            var = producer[var].invars[0]
+        scan = producer.get(var) if isinstance(var, jcore.Var) else None
+        if scan is None or scan.primitive.name != "scan":
+            continue
+        k = scan.outvars.index(var)
+        hoist = _hoistable(scan, k, producer)
+        if hoist is not None and _hoist_pays(scan, hoist, k):
+            plans.setdefault(id(scan), {})[k] = hoist
+    if not plans:
+        return closed
+
+    def flat(*values: Any) -> list[Any]:
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, values, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [_read(env, v) for v in eqn.invars]
+            if id(eqn) in plans:
+                outs = _scan_hoisted(eqn, invals, plans[id(eqn)])
+            else:
+                outs = _bind(eqn, invals)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = val
+        return [_read(env, v) for v in jaxpr.outvars]
+
+    return jax.make_jaxpr(flat)(*args)
+
+
+def _operand_source(scan: Any, var: Any) -> tuple[str, int]:
+    """Where a body variable comes from: ("const" | "xs", index into the scan's inputs), or
+    ("emit", -1) for a value the body computes (or a carry), which the scan must output."""
+    body = scan.params["jaxpr"].jaxpr
+    nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
+    if var in body.invars:
+        i = body.invars.index(var)
+        if i < nc:
+            return "const", i
+        if i >= nc + ncar:
+            return "xs", i
+    return "emit", -1
+
+
+def _hoist_pays(scan: Any, hoist: _Hoist, k: int) -> bool:
+    """Hoisting adds the emitted operands; it removes a weight gradient per iteration (or, for
+    an accumulator, a weight-sized update per iteration)."""
+    emitted = sum(
+        math.prod(_shape(v)) for v in hoist.dot.invars[:2] if _operand_source(scan, v)[0] == "emit"
+    )
+    return emitted < math.prod(_shape(hoist.dot.outvars[0])) or hoist.accumulated
+
+
+def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) -> list[Any]:
+    """Evaluate `scan` with the `hoists` (by output index) computed after it."""
+    params, body = scan.params, scan.params["jaxpr"]
+    nc, ncar = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    emit = list(
+        dict.fromkeys(
+            v
+            for h in hoists.values()
+            for v in h.dot.invars[:2]
+            if _operand_source(scan, v)[0] == "emit"
+        )
+    )
+    n_out = len(body.jaxpr.outvars)
+
+    def step(carry: list, x: list) -> tuple[list, tuple[list, list]]:
+        env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+        env.update(zip(body.jaxpr.invars, [*consts, *carry, *x], strict=True))
+        _evaluate(body.jaxpr.eqns, env)
+        outs = [_read(env, v) for v in body.jaxpr.outvars]
+        new_carry = [carry[k] if k in hoists else outs[k] for k in range(ncar)]
+        kept = [outs[k] for k in range(ncar, n_out) if k not in hoists]
+        return new_carry, (kept, [env[v] for v in emit])
+
+    carry, (kept, emitted) = jax.lax.scan(
+        step,
+        list(init),
+        list(xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params.get("unroll", 1),
+    )
+    stacked = dict(zip(emit, emitted, strict=True))
+
+    def operand(var: Any) -> tuple[Any, bool]:
+        kind, i = _operand_source(scan, var)
+        if kind == "const":
+            return consts[i], False
+        if kind == "xs":
+            return xs[i - nc - ncar], True
+        return stacked[var], True
+
+    results = {}
+    for k, h in hoists.items():
+        (a, a_stacked), (b, b_stacked) = operand(h.dot.invars[0]), operand(h.dot.invars[1])
+        if not h.accumulated:
+
+            def one(a_: Array, b_: Array, h: _Hoist = h) -> Array:
+                local = {h.dot.invars[0]: a_, h.dot.invars[1]: b_}
+                _evaluate([h.dot, *h.post], local)
+                return local[(h.post[-1] if h.post else h.dot).outvars[0]]
+
+            axes = (0 if a_stacked else None, 0 if b_stacked else None)
+            results[k] = jax.vmap(one, axes, axis_size=params["length"])(a, b)
+            continue
+        # Σ_t post(dot(a_t, b_t)) = post(one dot contracting t as well): post is layout.
+        lc, rc, lb, rb = _dot_dims(h.dot)
+        kwargs = {"preferred_element_type": h.dot.params.get("preferred_element_type")}
+        if a_stacked and b_stacked:
+            dims = (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
+            g = jax.lax.dot_general(a, b, dims, **kwargs)
+        else:  # a factor the same at every iteration moves out of the sum
+            a = jnp.sum(a, 0) if a_stacked else a
+            b = jnp.sum(b, 0) if b_stacked else b
+            g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)), **kwargs)
+            if not (a_stacked or b_stacked):
+                g = g * params["length"]
+        for eqn in h.post:
+            (g,) = _bind(eqn, [g])
+        results[k] = g
+    outs, kept_iter = [], iter(kept)
+    for k in range(n_out):
+        if k in hoists:
+            outs.append(results[k])
+        elif k < ncar:
+            outs.append(carry[k])
+        else:
+            outs.append(next(kept_iter))
+    return outs
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Post:
     """One operation between a gradient's core and the gradient: layout (the same per unit), or
@@ -957,7 +1162,7 @@ class Graph:
         seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
         shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
         args = [*shapes, *example_leaves, jax.ShapeDtypeStruct((), seed_dtype)]
-        closed = _flat_jaxpr(flat_value_and_grad, args, _CALLS | _CUSTOM)
+        closed = _hoist_scans(_flat_jaxpr(flat_value_and_grad, args, _CALLS | _CUSTOM), args)
         jaxpr = closed.jaxpr
         producer, users = {}, {}
         for eqn in jaxpr.eqns:
@@ -1106,6 +1311,9 @@ class Graph:
             if v in outvars or v in self.jaxpr.invars:
                 return False
             return all(id(u) in members for u in self.users.get(v, ()))
+
+        if not all(exclusive(v) for v in self.producer[var].outvars if v is not var):
+            return ()  # it makes values others need too (a scan's other outputs): read it
 
         changed = True
         while changed:
@@ -1914,7 +2122,12 @@ class Fallback(Route):
 
     def methods(self, graph, leaf, m, need):
         linear = m.linear and not graph.token
-        return {w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need}
+        methods = {
+            w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need
+        }
+        if "sum" in methods and any(methods[w] == "chunked" for w in need if w != "clipped"):
+            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
+        return methods
 
     def factored_cost(self, graph, leaf, m, what):
         n = graph.n_examples

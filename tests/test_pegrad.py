@@ -290,6 +290,48 @@ def test_a_non_linear_custom_backward_gives_every_statistic_exactly(clip):
     _check(loss, params, batch)
 
 
+def _scan_case(seq: int, width: int):
+    key = jax.random.key(0)
+    params = {
+        "layers": jax.random.normal(key, (3, width, width), jnp.float64) / width,
+        "cell": jax.random.normal(jax.random.fold_in(key, 1), (width, width), jnp.float64) / width,
+        "context": jax.random.normal(jax.random.fold_in(key, 2), (width, width), jnp.float64),
+    }
+
+    def loss(p, ex):
+        xs, y = ex  # [seq, width]
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), xs, p["layers"])
+        c = jnp.mean(xs, 0)  # the same at every step: a constant of the recurrence
+
+        def step(s, x):
+            s = jnp.tanh(s @ p["cell"] + x + c @ p["context"])
+            return s, s
+
+        _, states = jax.lax.scan(step, jnp.zeros(width, jnp.float64), h)
+        return jnp.mean((states - y) ** 2)
+
+    kx, ky = jax.random.split(jax.random.key(1))
+    batch = (
+        jax.random.normal(kx, (5, seq, width), jnp.float64),
+        jax.random.normal(ky, (5, seq, width), jnp.float64),
+    )
+    return params, loss, batch
+
+
+@pytest.mark.parametrize("seq,width", [(2, 5), (6, 3)], ids=["short", "long"])
+def test_scanned_weight_gradients_are_hoisted_out_of_the_backward_scan(seq: int, width: int):
+    """Stacked layers: one dot per layer after the scan, when its operands are smaller than
+    the stacked weight gradients (seq < width) — else the scan keeps them. A weight shared
+    by all steps: the accumulated Σ_t becomes one contraction, or, with a factor the same at
+    every step, (Σ_t δ_t) ⊗ c: rank one."""
+    params, loss, batch = _scan_case(seq, width)
+    _check(loss, params, batch)
+    plans = _plans(loss, params, batch, pegrad.STATISTICS, clip_norm=1.0)
+    assert plans["['layers']"].route == ("contraction" if seq < width else "fallback")
+    assert plans["['cell']"].route == "contraction"
+    assert plans["['context']"].route == "outer-product"  # (Σ_t δ_t) ⊗ c: rank one
+
+
 def _token_batch(key, b: int, d: int):
     kx, ky = jax.random.split(key)
     return (
