@@ -2096,6 +2096,131 @@ def _split_terms(
     return Refusal(f"a term no per-token route proves ({refusals[0]})")
 
 
+class DisjointParts(Route):
+    """Example granularity: the gradient is a sum of parts placed at static, pairwise disjoint
+    windows of the leaf (a stacked weight read as w[l] in a Python loop: each read's gradient
+    is padded into place). Every entry of g_i comes from one part or is 0, so φ and the
+    variance act part by part — Σ_i φ(Σ_k place_k(p_ik)) = Σ_k place_k(Σ_i φ(p_ik)) — and
+    norms add up. Each part takes its own route (one per layer, as if unrolled)."""
+
+    name = "disjoint-parts"
+
+    def match(self, graph, leaf, var=None):
+        if graph.token:
+            return Refusal("token granularity: parts are split per position instead")
+        core, post = graph.core(leaf.grad if var is None else var)
+        if core is None or core.primitive.name not in ("add_any", *_PLACEMENTS):
+            return Refusal("not a sum of parts placed into the leaf")
+        parts = _placed_parts(graph, leaf, core)
+        if isinstance(parts, Refusal):
+            return parts
+        windows = [w for _, w, _, _ in parts]
+        for i, a in enumerate(windows):
+            for b in windows[:i]:
+                if all(
+                    lo_a < hi_b and lo_b < hi_a
+                    for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True)
+                ):
+                    return Refusal(f"parts overlap (windows {a} and {b})")
+        reason = f"{len(parts)} parts at disjoint static windows"
+        terms = tuple((route, m) for route, _, m, _ in parts)
+        return Match(reason, core=core, post=post, terms=terms, tail=tuple(p for *_, p in parts))
+
+    def methods(self, graph, leaf, m, need):
+        factored = {
+            w
+            for w in need
+            if all(r.methods(graph, leaf, t, (w,))[w] == "factorized" for r, t in m.terms)
+        }
+        if not all(s.scalar for s in m.post):
+            factored.discard("norms")
+        return {w: "factorized" if w in factored else "chunked" for w in need}
+
+    def reads(self, graph, m):
+        factors = [v for v in _factor_vars(m.post)]
+        return list(dict.fromkeys([*(v for r, t in m.terms for v in r.reads(graph, t)), *factors]))
+
+    def factored_cost(self, graph, leaf, m, what):
+        return sum((r.factored_cost(graph, leaf, t, what) for r, t in m.terms), Cost())
+
+    def unit_flops(self, graph, leaf, m):
+        return sum(r.unit_flops(graph, leaf, t) for r, t in m.terms)
+
+    def _assemble(self, m: Match, parts: list[Array], phi: Callable, env: Mapping) -> Array:
+        """The parts put in place (with any leading unit axes), then the ops after the sum."""
+        lead = parts[0].shape[: parts[0].ndim - len(m.tail[0].part_shape)]
+        out = jnp.zeros((*lead, *_shape(m.core.outvars[0])), parts[0].dtype)
+        for part, place in zip(parts, m.tail, strict=True):
+            out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
+        if lead:
+            return jax.vmap(lambda x: _replay(m.post, x, env, phi))(out)
+        return _replay(m.post, out, env, phi)
+
+    def compute(self, graph, leaf, m, env, what):
+        parts = [r.compute(graph, leaf, t, env, what) for r, t in m.terms]
+        if what == "norms":
+            return sum(parts[1:], parts[0]) * _scale_sq(m.post, env, leaf.stat_dtype)
+        return self._assemble(m, parts, jnp.square if what == "var" else _PHI[what], env)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        parts = [r.clipped(graph, leaf, t, env, weights) for r, t in m.terms]
+        return self._assemble(m, parts, _PHI["sum"], env)
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        parts = [r.per_unit(graph, leaf, t, env, example, params) for r, t in m.terms]
+        return self._assemble(m, parts, _PHI["sum"], env)
+
+
+_PLACEMENTS = ("pad", "dynamic_update_slice")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    starts: tuple[int, ...]
+    part_shape: tuple[int, ...]
+
+
+def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
+    """The parts of a sum of placements: (route, window, match, placing eqn) each, the part
+    proven by a route of its own; windows as ((lo, hi) per axis) after clamping."""
+    if core.primitive.name == "add_any":
+        found: list[tuple] = []
+        for operand in core.invars:
+            inner, post = graph.core(operand)
+            if inner is None or post:
+                return Refusal("a summand is not a placement")
+            sub = _placed_parts(graph, leaf, inner)
+            if isinstance(sub, Refusal):
+                return sub
+            found += sub
+        return found
+    shape = _shape(core.outvars[0])
+    part = core.invars[0] if core.primitive.name == "pad" else core.invars[1]
+    size = _shape(part)
+    if core.primitive.name == "pad":
+        config = [tuple(int(c) for c in dim) for dim in core.params["padding_config"]]
+        if not graph.is_zero(core.invars[1]) or any(
+            lo < 0 or hi < 0 or mid for lo, hi, mid in config
+        ):
+            return Refusal("a padding that is not a zero border")
+        starts = [lo for lo, _, _ in config]
+    else:
+        if not graph.is_zero(core.invars[0]):
+            return Refusal("a slice written into a table not proven zero")
+        if not all(graph.is_static(v) for v in core.invars[2:]):
+            return Refusal("a slice written at a place that depends on the example")
+        starts = [
+            int(np.clip(graph.static_value(v), 0, n - k))
+            for v, n, k in zip(core.invars[2:], shape, size, strict=True)
+        ]
+    for route in (_ROUTE["outer-product"], _ROUTE["contraction"]):
+        m = route.match(graph, leaf, part)
+        if isinstance(m, Match):
+            window = tuple((s, s + k) for s, k in zip(starts, size, strict=True))
+            return [(route, window, m, _Placement(tuple(starts), size))]
+    return Refusal("a part no route proves")
+
+
 class Fallback(Route):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient tail (the ops
     only its gradient needs) evaluated per example, a bounded chunk of examples at a time.
@@ -2237,6 +2362,7 @@ ROUTES: tuple[Route, ...] = (
     _UNIT_ROUTES[1],
     _UNIT_ROUTES[2],
     Terms(),
+    DisjointParts(),
     Fallback(),
 )
 _ROUTE = {route.name: route for route in ROUTES}

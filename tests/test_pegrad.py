@@ -290,6 +290,30 @@ def test_a_non_linear_custom_backward_gives_every_statistic_exactly(clip):
     _check(loss, params, batch)
 
 
+@pytest.mark.parametrize(
+    "slices,route",
+    [([(0, 1), (1, 2), (2, 3)], "disjoint-parts"), ([(0, 1), (0, 2)], "fallback")],
+    ids=["disjoint", "overlapping"],
+)
+def test_slices_of_one_leaf_take_the_parts_route_only_when_proven_disjoint(slices, route):
+    """A stacked weight read slice by slice in a Python loop (w[a:b] as one matrix)."""
+    params = {"layers": jax.random.normal(jax.random.key(0), (3, 4, 4), jnp.float64) / 2}
+
+    def loss(p, ex):
+        x, y = ex
+        total = jnp.zeros((), jnp.float64)
+        for lo, hi in slices:
+            total = total + jnp.sum(jnp.tanh(p["layers"][lo:hi].reshape(-1, 4) @ x))
+        return total * jnp.sum(y)
+
+    batch = _regression(jax.random.key(1), 5, 4, 4)
+    _check(loss, params, batch)
+    plan = _plans(loss, params, batch)["['layers']"]
+    assert plan.route == route
+    if route == "fallback":
+        assert "overlap" in dict(plan.refused)["disjoint-parts"]
+
+
 def _scan_case(seq: int, width: int):
     key = jax.random.key(0)
     params = {
