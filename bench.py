@@ -28,6 +28,12 @@ Sections:
 * lm: a byte-level transformer LM with sequence length >= width (`models.TransformerLM`).
 * paper: `TransformerConfig.paper()` (GPT-2-small shape) compiled but never run, for its
   memory profile; inputs are `jax.ShapeDtypeStruct`s, so nothing model-sized is allocated.
+* families: the model families people train, B = `family_batch`, mean and mean+sq_mean:
+  an MLP; transformers as a list of blocks, as stacked blocks in `lax.scan`, and with
+  grouped-query attention + RoPE; a CNN (`eqx.nn.Conv2d`); a GRU (`eqx.nn.GRUCell` in
+  `lax.scan`); a top-1 mixture of experts reading its expert by a gather. Beside pegrad's
+  implementations, "micro_grad" is optax's `optax.microbatching.micro_grad` (per-example
+  gradients one microbatch at a time, transformed to (g, g²) and averaged): the JAX peer.
 
 Programs whose compiled temporary memory exceeds `max_run_gib` are compiled (their memory is
 reported) but not timed; the table says so. A statistic set that `pegrad` refuses for a model
@@ -61,12 +67,15 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 from jaxtyping import Array, Float, PyTree
 
 import models
 import pegrad
 
-IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token")  # the last: transformers
+IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token", "micro_grad")
+SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families")
+FAMILIES = ("mlp", "transformer", "transformer-scan", "gqa-rope", "cnn", "gru", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +83,7 @@ class Config:
     """Everything the benchmark measures. Each field is a flag: `mlp_width` is --mlp-width."""
 
     quick: bool = False  # smoke-test sizes (QUICK below); flags given explicitly still win
-    sections: tuple[str, ...] = ("mlp", "mlp-scaling", "lm", "paper")  # which parts to run
+    sections: tuple[str, ...] = SECTIONS  # which parts to run
     stat_sets: tuple[str, ...] = (  # statistic sets, names joined by "+"
         "mean",
         "mean+sq_mean",
@@ -83,7 +92,7 @@ class Config:
         "mean+sq_norms",
         "clipped_mean",
     )
-    impls: tuple[str, ...] = IMPLS  # implementations to compare with the plain gradient
+    impls: tuple[str, ...] = IMPLS[:4]  # implementations compared with plain grad (not families)
     clip_norm: float = 1.0  # C of "clipped_mean"
     chunk_size: int = 0  # examples per chunk for vmap-chunked; 0: a quarter of the batch
     reps: int = 7  # timed rounds per model; ratios are medians over rounds
@@ -112,6 +121,13 @@ class Config:
         "sign_mean",
         "clipped_mean",
     )
+    families: tuple[str, ...] = FAMILIES  # which model families the "families" section runs
+    family_batch: int = 32  # batch size of the "families" section
+    family_width: int = 256  # width of the family models (transformer d_model, GRU state, ...)
+    family_seq: int = 64  # sequence length of the transformers (GRU: half of it)
+    family_layers: int = 4  # transformer blocks
+    family_stat_sets: tuple[str, ...] = ("mean", "mean+sq_mean")  # statistic sets of "families"
+    family_impls: tuple[str, ...] = ("vmap", "factorized", "micro_grad")  # their implementations
     json: str = ""  # write the records here as a JSON list ("": do not)
 
 
@@ -135,6 +151,10 @@ QUICK: dict[str, Any] = dict(
     paper_seq=128,
     paper_batch=2,
     paper_stat_sets=("mean+sq_mean",),
+    family_batch=8,
+    family_width=32,
+    family_seq=16,
+    family_layers=2,
 )
 
 PLAIN = "plain"
@@ -157,6 +177,8 @@ class Program:
         if self.impl == PLAIN:
             return plain_value_and_grad(loss_fn)
         names = tuple(self.stats.split("+"))
+        if self.impl == "micro_grad":
+            return optax_micro_grad(loss_fn, names)
         return pegrad.value_and_grad_stats(
             loss_fn,
             names,
@@ -178,19 +200,44 @@ def plain_value_and_grad(
     return jax.value_and_grad(mean_loss)
 
 
+def optax_micro_grad(loss_fn: Callable, names: tuple[str, ...]) -> Callable:
+    """optax's per-example gradients (the paper's first author's tool): each example's gradient
+    transformed to what `names` needs — g for "mean", g² for "sq_mean" — and averaged."""
+    if not set(names) <= {"mean", "sq_mean"}:
+        raise ValueError(f"micro_grad is benchmarked on mean and sq_mean only, not {names}")
+
+    def transform(g: PyTree) -> tuple[PyTree, ...]:
+        return tuple(g if name == "mean" else jax.tree.map(jnp.square, g) for name in names)
+
+    return optax.microbatching.micro_grad(
+        loss_fn,
+        batch_argnums=1,
+        keep_batch_dim=False,
+        accumulator=optax.microbatching.AccumulationType.MEAN,
+        transform_fn=transform,
+    )
+
+
 def programs_for(
     stat_sets: Sequence[str], batch_size: int, config: Config, *, token: bool
 ) -> list[Program]:
     """The baseline, then every statistic set under every implementation in `config.impls`
     ("factorized-token" only where `token`: models with a sequence axis)."""
+    return _programs(stat_sets, batch_size, config, config.impls, token=token)
+
+
+def _programs(
+    stat_sets: Sequence[str], batch_size: int, config: Config, impls: Sequence[str], *, token: bool
+) -> list[Program]:
     chunk = config.chunk_size or max(1, batch_size // 4)
     variants = {
         "vmap": Program("", "vmap"),
         "vmap-chunked": Program("", "vmap-chunked", chunk_size=chunk),
         "factorized": Program("", "factorized"),
         "factorized-token": Program("", "factorized", granularity="token"),
+        "micro_grad": Program("", "micro_grad"),
     }
-    impls = [i for i in IMPLS if i in config.impls and (token or i != "factorized-token")]
+    impls = [i for i in IMPLS if i in impls and (token or i != "factorized-token")]
     out = [Program("mean", PLAIN)]
     for stats in stat_sets:
         out += [dataclasses.replace(variants[i], stats=stats) for i in impls]
@@ -292,6 +339,156 @@ def paper_workload(config: Config) -> Workload:
         tuple(programs_for(config.paper_stat_sets, config.paper_batch, config, token=True)),
         run=False,
     )
+
+
+# -- the families: models written the way people write them ------------------------------------
+
+
+def _cross_entropy(logits: Array, label: Array) -> Array:
+    return jax.nn.logsumexp(logits) - logits[label]
+
+
+class _ConvNet(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, width: int, *, key: Any):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(3, width, 3, padding=1, key=k1)
+        self.conv2 = eqx.nn.Conv2d(width, width, 3, padding=1, key=k2)
+        self.head = eqx.nn.Linear(width, 10, key=k3)
+
+    def __call__(self, image: Array) -> Array:
+        h = jax.nn.relu(self.conv2(jax.nn.relu(self.conv1(image))))
+        return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+class _GRU(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, d_in: int, width: int, *, key: Any):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.GRUCell(d_in, width, key=k1)
+        self.head = eqx.nn.Linear(width, d_in, key=k2)
+
+    def __call__(self, xs: Array) -> Array:
+        def step(h: Array, x: Array) -> tuple[Array, Array]:
+            h = self.cell(x, h)
+            return h, h
+
+        _, hs = jax.lax.scan(step, jnp.zeros(self.cell.hidden_size), xs)
+        return jax.vmap(self.head)(hs)
+
+
+class _MoE(eqx.Module):
+    """A router picks one expert per example; the expert's matrix is read by a gather."""
+
+    router: eqx.nn.Linear
+    experts: Array
+    head: eqx.nn.Linear
+
+    def __init__(self, width: int, n_experts: int, *, key: Any):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.router = eqx.nn.Linear(width, n_experts, key=k1)
+        self.experts = jax.random.normal(k2, (n_experts, width, width)) / math.sqrt(width)
+        self.head = eqx.nn.Linear(width, 10, key=k3)
+
+    def __call__(self, x: Array) -> Array:
+        scores = self.router(x)
+        choice = jnp.argmax(scores)
+        h = jax.nn.softmax(scores)[choice] * jax.nn.gelu(self.experts[choice] @ x)
+        return self.head(h)
+
+
+def family_workloads(config: Config) -> list[Callable[[], Workload]]:
+    """The "families" section: one workload per model family (built when measured)."""
+    b, d, seq = config.family_batch, config.family_width, config.family_seq
+    keys = jax.random.split(jax.random.key(config.seed), 8)
+
+    def workload(name: str, model: Any, loss: Callable, batch: PyTree) -> Workload:
+        params, static = eqx.partition(model, _is_float_leaf)
+        n = models.count_params(model)
+        programs = _programs(config.family_stat_sets, b, config, config.family_impls, token=False)
+        label = f"{name} ({n / 1e6:.2f}M)"
+        return Workload(
+            "families",
+            label,
+            models.make_loss_fn(static, loss),
+            params,
+            batch,
+            tuple(programs),
+            True,
+        )
+
+    def classify(x: Array) -> tuple[Array, Array]:
+        return x, jax.random.randint(keys[7], (b,), 0, 10, jnp.int32)
+
+    def lm(name: str, **options: Any) -> Workload:
+        fields = {f.name for f in dataclasses.fields(models.TransformerConfig)}
+        missing = sorted(set(options) - fields)
+        if missing:  # an option this models.py does not offer
+            raise ValueError(f"models.TransformerConfig has no {missing}")
+        config_lm = models.TransformerConfig.small(
+            d_model=d,
+            n_layers=config.family_layers,
+            n_heads=4,
+            d_ff=4 * d,
+            context_length=seq,
+            **options,
+        )
+        tokens = jax.random.randint(keys[6], (b, seq + 1), 0, config_lm.vocab_size, jnp.int32)
+        model = models.TransformerLM(config_lm, key=keys[5])
+        return workload(name, model, models.lm_loss, (tokens[:, :-1], tokens[:, 1:]))
+
+    def mlp() -> Workload:
+        model = models.MLP(d, 10, d, 3, key=keys[0])
+        return workload(
+            f"mlp {d}x3", model, models.mlp_loss, classify(jax.random.normal(keys[1], (b, d)))
+        )
+
+    def cnn() -> Workload:
+        images = jax.random.normal(keys[1], (b, 3, 16, 16))
+        return workload(
+            f"cnn 3-{d // 4}-{d // 4} 16x16",
+            _ConvNet(d // 4, key=keys[0]),
+            lambda m, ex: _cross_entropy(m(ex[0]), ex[1]),
+            classify(images),
+        )
+
+    def gru() -> Workload:
+        xs = jax.random.normal(keys[1], (b, seq // 2, 32))
+        loss = lambda m, ex: jnp.mean((m(ex[0]) - ex[1]) ** 2)  # noqa: E731
+        return workload(
+            f"gru H{d} T{seq // 2} (lax.scan)",
+            _GRU(32, d, key=keys[0]),
+            loss,
+            (xs, jnp.roll(xs, -1, 1)),
+        )
+
+    def moe() -> Workload:
+        model = _MoE(d, 4, key=keys[0])
+        return workload(
+            f"moe top-1 gather 4x{d}",
+            model,
+            lambda m, ex: _cross_entropy(m(ex[0]), ex[1]),
+            classify(jax.random.normal(keys[1], (b, d))),
+        )
+
+    shape = f"d{d} L{config.family_layers} T{seq}"
+    builders = {
+        "mlp": mlp,
+        "transformer": lambda: lm(f"transformer {shape}, list of blocks"),
+        "transformer-scan": lambda: lm(
+            f"transformer {shape}, blocks in lax.scan", scan_layers=True
+        ),
+        "gqa-rope": lambda: lm(f"transformer {shape}, GQA + RoPE", position="rotary", n_kv_heads=1),
+        "cnn": cnn,
+        "gru": gru,
+        "moe": moe,
+    }
+    return [builders[name] for name in config.families]
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,10 +715,11 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
 
 
 def check(config: Config) -> None:
-    known = {"mlp", "mlp-scaling", "lm", "paper"}
-    if unknown := set(config.sections) - known:
-        raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {sorted(known)}")
-    if unknown := set(config.impls) - set(IMPLS):
+    if unknown := set(config.sections) - set(SECTIONS):
+        raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
+    if unknown := set(config.families) - set(FAMILIES):
+        raise SystemExit(f"unknown famil(ies) {sorted(unknown)}; choose from {FAMILIES}")
+    if unknown := (set(config.impls) | set(config.family_impls)) - set(IMPLS):
         raise SystemExit(f"unknown implementation(s) {sorted(unknown)}; choose from {IMPLS}")
     for stats in (*config.stat_sets, *config.paper_stat_sets):
         if bad := [s for s in stats.split("+") if s not in pegrad.STATISTICS]:
@@ -547,10 +745,16 @@ def run(config: Config) -> list[Record]:
         workloads.append(lambda: lm_workload(config))
     if "paper" in config.sections:
         workloads.append(lambda: paper_workload(config))
+    if "families" in config.sections:
+        workloads += family_workloads(config)
 
     records: list[Record] = []
     for make in workloads:
-        workload = make()
+        try:
+            workload = make()
+        except ValueError as error:  # a family this models.py cannot build
+            print(f"skipped: {error}", file=sys.stderr)
+            continue
         print(f"{workload.section}: {workload.model}, B={workload.batch_size}", file=sys.stderr)
         rows = measure(workload, config)
         records += rows

@@ -39,6 +39,9 @@ def test_bench_records(tmp_path):
     records = bench.run(dataclasses.replace(TINY, sections=("mlp", "mlp-scaling")))
     records += bench.run(dataclasses.replace(TINY, sections=("lm",), impls=("factorized-token",)))
     records += bench.run(dataclasses.replace(TINY, sections=("paper",), impls=("vmap-chunked",)))
+    families = dict(families=("cnn", "moe"), family_batch=4, family_width=8, family_seq=8)
+    families |= dict(family_stat_sets=("mean+sq_mean",), family_impls=("micro_grad",))
+    records += bench.run(dataclasses.replace(TINY, sections=("families",), **families))
     assert records and all(set(r) >= REQUIRED for r in records)
 
     for r in records:
@@ -58,6 +61,7 @@ def test_bench_records(tmp_path):
     for impl in ("vmap", "vmap-chunked", "factorized"):
         assert ("mlp", impl, "example") in kinds
     assert ("lm", "factorized", "token") in kinds and ("paper", "vmap-chunked", "example") in kinds
+    assert sum(1 for r in records if r["impl"] == "micro_grad") == 2  # optax's peer, per family
 
     # --json writes the records as they are.
     path = tmp_path / "out" / "bench.json"
