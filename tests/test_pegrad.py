@@ -497,12 +497,13 @@ def test_zero_size_and_scalar_leaves(batch_size: int):
 
 
 def _snr_batch(ratio: float, n: int, d: int, dtype):
-    """Inputs x_i = μ + σ ε_i with μ²/σ² = ratio (so the weight gradients have that SNR)."""
+    """Inputs x_i = μ + σ ε_i with μ²/σ² = ratio and the same targets y for every example, so
+    that the weight gradients x_i ⊗ (a function of y) have that signal-to-noise ratio."""
     rng = np.random.default_rng(0)
-    mu = rng.normal(size=d)
-    mu = mu / np.sqrt(np.mean(mu**2))
-    x = mu + rng.normal(size=(n, d)) / np.sqrt(ratio)
-    return jnp.asarray(x, dtype), jnp.asarray(rng.normal(size=(n, T, 2)), dtype)
+    mu = 1.0 + rng.uniform(size=d)
+    x = mu + mu * rng.normal(size=(n, d)) / np.sqrt(ratio)
+    y = np.broadcast_to(1.0 + rng.uniform(size=(T, 2)), (n, T, 2))
+    return jnp.asarray(x, dtype), jnp.asarray(y, dtype)
 
 
 def _snr_loss(p, ex):
@@ -522,7 +523,11 @@ def test_float32_variance_stays_accurate_at_high_signal_to_noise(impl: pegrad.Im
         "v": jnp.asarray(np.random.default_rng(2).normal(size=(d, 2))),
     }
     batch64 = _snr_batch(ratio, 64, d, jnp.float64)
-    truth = pegrad.value_and_grad_stats(_snr_loss, ("var",), impl="vmap")(params64, batch64)[1]
+    fn = pegrad.value_and_grad_stats(_snr_loss, ("mean", "var"), impl="vmap")
+    truth = fn(params64, batch64)[1]
+    for name in ("w", "v"):  # the data really has that signal-to-noise ratio
+        snr = np.asarray(truth["mean"][name]) ** 2 / np.asarray(truth["var"][name])
+        assert np.min(snr) > ratio / 2
     params32, batch32 = jax.tree.map(lambda x: x.astype(jnp.float32), (params64, batch64))
     fn = pegrad.value_and_grad_stats(_snr_loss, ("var",), impl=impl, chunk_size=16)
     got = jax.jit(fn)(params32, batch32)[1]
