@@ -429,6 +429,12 @@ def _inner_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
     return None
 
 
+def _dropped(var: Any) -> bool:
+    """An output nobody reads (`_` in a printed jaxpr; jax.extend.core lists DropVar only in
+    newer JAX, so it is recognised by name)."""
+    return type(var).__name__ == "DropVar"
+
+
 def _read(env: Mapping, var: Any) -> Any:
     return var.val if isinstance(var, jcore.Literal) else env[var]
 
@@ -455,7 +461,7 @@ def _evaluate(eqns: Sequence[Any], env: dict, inline: frozenset[str] = frozenset
             _evaluate(inner.jaxpr.eqns, local, inline)
             outs = [_read(local, v) for v in inner.jaxpr.outvars]
         for var, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, jcore.DropVar):
+            if not _dropped(var):
                 env[var] = val
 
 
@@ -832,7 +838,7 @@ class Untie:
                         axes_out = self.boundary_axis[id(eqn)]
                         outs = [_diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
                 for var, val in zip(eqn.outvars, outs, strict=True):
-                    if not isinstance(var, jcore.DropVar):
+                    if not _dropped(var):
                         env[var] = val
             return _read(env, self.jaxpr.outvars[0])
 
@@ -961,7 +967,7 @@ def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.Closed
             else:
                 outs = _bind(eqn, invals)
             for var, val in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(var, jcore.DropVar):
+                if not _dropped(var):
                     env[var] = val
         return [_read(env, v) for v in jaxpr.outvars]
 
