@@ -8,10 +8,13 @@
     python train.py --out runs/adam --resume --steps 4000              # continue a run
     python train.py --help                                             # every knob
     python train.py --experiment sign --scale tiny --out runs/sign     # a study of the paper
+    python train.py --size paper --param-sharding fsdp --coordinator HOST0:1234 \
+        --num-processes 2 --process-id I --out /shared/runs/paper   # on each of 2 hosts, I=0,1
 
 Read top to bottom: the config (every knob, each with its help text), the data (random windows
 of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model
-and optimizer, one jitted training step that asks pegrad for the optimizer's statistics plus
+and optimizer, where arrays live (processes, the device mesh, shardings), one jitted training
+step that asks pegrad for the optimizer's statistics plus
 "mean" and "sq_mean" for the gradient diagnostics of SPEC §4, atomic checkpoints, the loop.
 
 Writes into --out (default runs/<timestamp>): config.json (the resolved config), metrics.jsonl
@@ -21,11 +24,20 @@ eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable chec
 "step" counts the optimizer updates applied to the parameters a loss was measured on.
 
 Batches depend only on (seed, step), so `--resume` continues from the last checkpoint to
-bitwise the parameters of an uninterrupted run (--steps may grow on resume; other knobs that
-change the trajectory may not). Data-parallel over all local devices: the batch is sharded
-along the mesh axis "data", parameters and optimizer state are replicated. Bad input and a
-NaN/Inf loss end the run with one line "error: ..." and exit status 1. In-process,
-`main(Config(...))` returns the final metrics: the hook for experiment drivers and tests.
+bitwise the parameters of an uninterrupted run on the same devices, to float rounding on others
+(--steps may grow on resume; other knobs that change the trajectory may not).
+
+Data-parallel over all devices along the mesh axis "data": each device draws only its rows of
+the batch; parameters and optimizer state are replicated, or with --param-sharding fsdp each
+leaf is split along its longest axis that the device count divides (`fsdp_axis`). Several
+processes (hosts) run the same command, each with its --process-id (or --distributed under
+Slurm, Open MPI, Cloud TPU: JAX detects the rest); they join through jax.distributed and one
+mesh spans all their devices. Process 0 prints and writes; checkpoints are gathered to it and
+resume on any number of processes and devices.
+
+Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1.
+In-process, `main(Config(...))` returns the final metrics: the hook for experiment drivers and
+tests.
 """
 
 import argparse

@@ -84,16 +84,18 @@ def launch(cfg: train.Config, logs: Path, processes: int = 2, timeout: float = 2
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE}
     logs.mkdir(parents=True, exist_ok=True)
-    running = []
-    for i in range(processes):
-        me = dataclasses.replace(
-            cfg, coordinator=f"127.0.0.1:{port}", num_processes=processes, process_id=i
-        )
-        out, err = open(logs / f"{i}.out", "w"), open(logs / f"{i}.err", "w")  # noqa: SIM115
-        cmd = [sys.executable, "train.py", *argv(me)]
-        running.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err))
+    running, files = [], []
     deadline = time.monotonic() + timeout
     try:
+        for i in range(processes):
+            me = dataclasses.replace(
+                cfg, coordinator=f"127.0.0.1:{port}", num_processes=processes, process_id=i
+            )
+            files += [open(logs / f"{i}.out", "w"), open(logs / f"{i}.err", "w")]  # noqa: SIM115
+            cmd = [sys.executable, "train.py", *argv(me)]
+            running.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=files[-2], stderr=files[-1])
+            )
         # One process failing leaves the others waiting for it: stop at the first failure.
         while any(p.poll() is None for p in running) and time.monotonic() < deadline:
             if any(p.returncode for p in running):
@@ -104,8 +106,11 @@ def launch(cfg: train.Config, logs: Path, processes: int = 2, timeout: float = 2
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in files:
+            f.close()
     for i, p in enumerate(running):
-        assert p.returncode == 0, f"process {i}: {(logs / f'{i}.err').read_text()[-3000:]}"
+        stderr = (logs / f"{i}.err").read_text()[-3000:]
+        assert p.returncode == 0, f"process {i} exited {p.returncode} (killed: -9): {stderr}"
     return [(logs / f"{i}.out").read_text() for i in range(processes)]
 
 
