@@ -8,11 +8,14 @@
     python train.py --out runs/adam --resume --steps 4000              # continue a run
     python train.py --help                                             # every knob
     python train.py --experiment sign --scale tiny --out runs/sign     # a study of the paper
+    python train.py --size paper --param-sharding fsdp --coordinator HOST0:1234 \
+        --num-processes 2 --process-id I --out /shared/runs/paper   # on each of 2 hosts, I=0,1
 
 Read top to bottom: the config (every knob, each with its help text), the data (random windows
-of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model
-and optimizer, one jitted training step that asks pegrad for the optimizer's statistics plus
-"mean" and "sq_mean" for the gradient diagnostics of SPEC §4, atomic checkpoints, the loop.
+of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model,
+where arrays live (processes, the device mesh, shardings), the optimizer and one jitted training
+step that asks pegrad for the optimizer's statistics plus "mean" and "sq_mean" for the gradient
+diagnostics of SPEC §4, atomic checkpoints, the loop.
 
 Writes into --out (default runs/<timestamp>): config.json (the resolved config), metrics.jsonl
 (one object per logged step: step, loss, lr, grad_norm, frac_snr_gt_1_over_B (the fraction of
@@ -21,14 +24,24 @@ eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable chec
 "step" counts the optimizer updates applied to the parameters a loss was measured on.
 
 Batches depend only on (seed, step), so `--resume` continues from the last checkpoint to
-bitwise the parameters of an uninterrupted run (--steps may grow on resume; other knobs that
-change the trajectory may not). Data-parallel over all local devices: the batch is sharded
-along the mesh axis "data", parameters and optimizer state are replicated. Bad input and a
-NaN/Inf loss end the run with one line "error: ..." and exit status 1. In-process,
-`main(Config(...))` returns the final metrics: the hook for experiment drivers and tests.
+bitwise the parameters of an uninterrupted run on the same devices, to float rounding on others
+(--steps may grow on resume; other knobs that change the trajectory may not).
+
+Data-parallel over all devices along the mesh axis "data": each device draws only its rows of
+the batch; parameters and optimizer state are replicated, or with --param-sharding fsdp each
+leaf is split along its longest axis that the device count divides (`fsdp_axis`). Several
+processes (hosts) run the same command, each with its --process-id (or --distributed under
+Slurm, Open MPI, Cloud TPU: JAX detects the rest); they join through jax.distributed and one
+mesh spans all their devices. Process 0 prints and writes; checkpoints are gathered to it and
+resume on any number of processes and devices.
+
+Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1.
+In-process, `main(Config(...))` returns the final metrics: the hook for experiment drivers and
+tests.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -46,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
@@ -101,13 +115,29 @@ class Config:
     batch_size: int = knob(32, "examples per step, over all devices", min=1)
     steps: int = knob(600, "updates in the whole run (cosine: over these)", min=1, resume=True)
     seed: int = knob(0, "seeds the model and every batch (batch of step s: fold_in(key, s))")
-    devices: int | None = knob(None, "data-parallel over N local devices (None: all)", resume=True)
+    devices: int | None = knob(None, "use N devices of each process (None: all)", resume=True)
+    param_sharding: Literal["replicated", "fsdp"] = knob(
+        "replicated",
+        "parameters and optimizer state: on every device, or split (FSDP)",
+        resume=True,
+    )
     eval_interval: int = knob(100, "evaluate every N steps (and at the end)", min=1, resume=True)
     eval_batches: int = knob(8, "held-out batches per evaluation", min=1, resume=True)
     log_interval: int = knob(10, "log to metrics.jsonl every N steps", min=1, resume=True)
     checkpoint_interval: int = knob(200, "checkpoint every N steps", min=1, resume=True)
     out: str | None = knob(None, "output directory (None: runs/<timestamp>)", resume=True)
     resume: bool = knob(False, "continue the run in --out from its checkpoint", resume=True)
+    # Several processes (jax.distributed): one per host, or per accelerator. None: what JAX
+    # detects (Slurm, Open MPI, Cloud TPU; $JAX_COORDINATOR_ADDRESS for the address).
+    coordinator: str | None = knob(None, "HOST:PORT of process 0's coordinator", resume=True)
+    num_processes: int | None = knob(None, "processes in the run", min=1, resume=True)
+    process_id: int | None = knob(
+        None, "this process: 0 .. --num-processes - 1", min=0, resume=True
+    )
+    distributed: bool = knob(
+        False, "join the other processes (implied by the three above and by "
+        "$JAX_COORDINATOR_ADDRESS)", resume=True
+    )  # fmt: skip
 
 
 # Transformer presets are models' presets with overrides; the vocabulary is always bytes.
@@ -169,13 +199,18 @@ def check(cfg: Config) -> Config:
     """Reject bad input before any work; resolve the output directory."""
     for field in dataclasses.fields(Config):
         value, least = getattr(cfg, field.name), field.metadata["min"]
-        if least is not None and not value >= least:
+        if least is not None and value is not None and not value >= least:
             raise ConfigError(f"--{field.name.replace('_', '-')} must be >= {least}, got {value}")
     if cfg.model == "mlp" and cfg.granularity == "token":
         raise ConfigError("--granularity token needs sequences: use --model transformer")
     units = cfg.batch_size * (cfg.seq_len if cfg.granularity == "token" else 1)
     if cfg.optimizer in ("micro_adam_var", "micro_adam_msq") and units < 2:
         raise ConfigError(f"{cfg.optimizer} divides by B - 1: needs --batch-size >= 2")
+    me, processes = cfg.process_id, cfg.num_processes
+    if me is not None and processes is not None and me >= processes:
+        raise ConfigError(
+            f"--process-id {me}: there are {processes} processes (0 .. {processes - 1})"
+        )
     if cfg.data is not None and not Path(cfg.data).is_file():
         raise ConfigError(f"data file not found: {cfg.data}")
     if cfg.resume and cfg.out is None:
@@ -286,6 +321,115 @@ def mlp_task(cfg: Config, *, key: PRNGKeyArray) -> Task:
 
 
 # --------------------------------------------------------------------------------------------
+# Processes, devices and where arrays live. Every process runs this script on the same config;
+# JAX's multi-controller runtime makes `jax.devices()` all processes' devices, and a jitted
+# function over a mesh of them runs as one program, each process computing its devices' shards.
+
+
+def join_processes(cfg: Config) -> None:
+    """Start jax.distributed when this is one of several processes; values not given come from
+    JAX's cluster detection. Must run before any computation."""
+    given = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+    wanted = cfg.distributed or any(x is not None for x in given)
+    if not (wanted or "JAX_COORDINATOR_ADDRESS" in os.environ) or jax.distributed.is_initialized():
+        return  # one process; or a driver calling main() again, or one that initialised JAX
+    # Each process compiles the step itself. XLA:CPU's concurrency-optimized scheduler may
+    # order two independent collectives differently in two processes (seen in about 1 run in 3
+    # with --param-sharding fsdp, jax 0.10.2): two same-shaped all-gathers then pair up
+    # crosswise and the numbers are wrong, with no error. Its other scheduler ordered them alike
+    # in all 13 runs we tried. XLA reads the flag when the backend starts, after this; CPU only.
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in xla_flags:
+        flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+        os.environ["XLA_FLAGS"] = f"{xla_flags} {flag}".strip()
+    try:
+        jax.distributed.initialize(*given)
+    except (RuntimeError, ValueError, TypeError) as err:  # e.g. no process count given or found
+        raise ConfigError(f"jax.distributed.initialize: {err}") from None
+
+
+def make_mesh(cfg: Config) -> Mesh:
+    """One axis, "data", over the first --devices devices of every process, process by process
+    (so each process's part of a batch is one contiguous block of rows)."""
+    local = len(jax.local_devices())
+    if cfg.devices is not None and not 1 <= cfg.devices <= local:
+        raise ConfigError(f"--devices {cfg.devices}: {local} device(s) per process available")
+    per_process = cfg.devices or local
+    taken: dict[int, int] = {}
+    devices = []
+    # A stable sort: each process's devices keep JAX's order.
+    for device in sorted(jax.devices(), key=lambda d: d.process_index):
+        if taken.setdefault(device.process_index, 0) < per_process:
+            taken[device.process_index] += 1
+            devices.append(device)
+    if cfg.batch_size % len(devices):
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is not divisible by the {len(devices)} devices"
+        )
+    return Mesh(np.array(devices), ("data",))
+
+
+def on_host() -> contextlib.AbstractContextManager[Any]:
+    """Where the model and data are built before they are placed: in host memory, so that a
+    sharded model never exists whole on one accelerator (on the default device when JAX runs
+    without a CPU backend, e.g. JAX_PLATFORMS=tpu)."""
+    try:
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+        return contextlib.nullcontext()
+
+
+def fsdp_axis(shape: tuple[int, ...], n: int) -> int | None:
+    """The axis of a leaf that FSDP splits over n devices: its longest axis whose length n
+    divides (the first of equals); None: the leaf stays whole (a scalar, or no axis fits)."""
+    fits = [size if size % n == 0 else 0 for size in shape]
+    return fits.index(max(fits)) if any(fits) else None
+
+
+def placement(tree: PyTree, mesh: Mesh, how: Literal["replicated", "fsdp"]) -> PyTree:
+    """A sharding per leaf. "replicated": every leaf whole on every device. "fsdp" (fully
+    sharded data parallel): each leaf split along its `fsdp_axis` over the mesh axis "data",
+    the one that also splits the batch; a leaf with no such axis stays replicated. Where the
+    step needs a leaf whole, GSPMD gathers it (and splits its gradient back)."""
+    n = mesh.shape["data"]
+
+    def one(leaf: Any) -> NamedSharding:
+        shape = np.shape(leaf)
+        axis = fsdp_axis(shape, n) if how == "fsdp" and n > 1 else None
+        spec = [("data" if i == axis else None) for i in range(len(shape))]
+        return NamedSharding(mesh, P(*spec) if axis is not None else P())
+
+    return jax.tree.map(one, tree)
+
+
+def place(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Global arrays from a tree that every process holds whole (a fresh model, a checkpoint,
+    the data): each process transfers only the shards its own devices hold."""
+
+    def one(leaf: Any, sharding: NamedSharding) -> jax.Array:
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def make_sampler(task: Task, mesh: Mesh) -> Callable[..., Any]:
+    """`task.sample`, jitted to return the batch split along "data": each device computes only
+    its own rows, so each process materialises only its part of the batch, and the batch of a
+    step is the same whatever the devices and processes (threefry random bits depend on an
+    element's index, not on how the array is split: jax_threefry_partitionable, the default)."""
+    return jax.jit(task.sample, out_shardings=NamedSharding(mesh, P("data")))
+
+
+def gather(tree: PyTree) -> PyTree:
+    """NumPy copies of global arrays, on every process (a collective: all must call it). Leaf
+    by leaf, so that at most one whole leaf at a time is gathered onto the devices."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+# --------------------------------------------------------------------------------------------
 # Optimizer and the jitted step.
 
 
@@ -343,10 +487,15 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
 
 
 def make_train_step(
-    cfg: Config, task: Task, opt: optax.GradientTransformationExtraArgs, mesh: Mesh
+    cfg: Config,
+    task: Task,
+    opt: optax.GradientTransformationExtraArgs,
+    mesh: Mesh,
+    shardings: PyTree,
 ) -> Any:
-    """optimizers.make_train_step with the diagnostics' statistics added, and shardings:
-    the batch split along "data", everything else replicated."""
+    """optimizers.make_train_step with the diagnostics' statistics added, and shardings: the
+    batch split along "data", parameters and optimizer state as `shardings` says (a tree of
+    {"params", "opt_state"}, from `placement`), losses and diagnostics replicated."""
     needs = optimizers.required_stats(opt, task.params)
     stats = tuple(dict.fromkeys((*needs, "mean", "sq_mean")))  # the union, in order
     stats_fn = pegrad.value_and_grad_stats(
@@ -362,7 +511,12 @@ def make_train_step(
         return params, state, loss, {**diagnostics(st), "params_finite": finite}
 
     everywhere, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    return jax.jit(step, in_shardings=(everywhere, everywhere, split), out_shardings=everywhere)
+    params, state = shardings["params"], shardings["opt_state"]
+    return jax.jit(
+        step,
+        in_shardings=(params, state, split),
+        out_shardings=(params, state, everywhere, everywhere),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,8 +585,11 @@ class Progress:
     def __init__(self, cfg: Config, start: int, units_per_step: int, unit: str):
         self.cfg, self.start, self.units_per_step, self.unit = cfg, start, units_per_step, unit
         self.tty, self.t0 = sys.stdout.isatty(), 0.0
+        self.quiet = jax.process_index() != 0  # one process speaks for a multi-process run
 
     def update(self, step: int, loss: float) -> None:
+        if self.quiet:
+            return
         if step == self.start:  # the first step compiles: measure the speed from its end
             self.t0 = time.perf_counter()
             return
@@ -448,7 +605,8 @@ class Progress:
             print(line, flush=True)
 
     def note(self, text: str) -> None:
-        print(("\r\033[K" if self.tty else "") + text, flush=True)
+        if not self.quiet:
+            print(("\r\033[K" if self.tty else "") + text, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,48 +619,54 @@ def main(cfg: Config) -> dict[str, Any]:
     if cfg.dtype == "float64":
         jax.config.update("jax_enable_x64", True)  # float64 parameters need 64-bit JAX
     cfg = check(cfg)
-    devices = jax.local_devices()
-    if cfg.devices is not None and not 1 <= cfg.devices <= len(devices):
-        raise ConfigError(f"--devices {cfg.devices}: {len(devices)} local device(s) available")
-    devices = devices[: cfg.devices]
-    if cfg.batch_size % len(devices):
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} is not divisible by the {len(devices)} devices"
-        )
-    mesh = Mesh(np.array(devices), ("data",))
-    everywhere, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    join_processes(cfg)
+    mesh = make_mesh(cfg)
+    everywhere = NamedSharding(mesh, P())
+    # Process 0 alone writes (--out must be one directory all processes see, to resume) and
+    # prints; every process reads the checkpoint, and takes part in every computation.
+    lead = jax.process_index() == 0
+    say = print if lead else lambda *args, **kwargs: None
 
     model_key, train_key, eval_key = jax.random.split(jax.random.key(cfg.seed), 3)
-    task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
-    opt = make_optimizer(cfg)
-    tree = {"params": task.params, "opt_state": opt.init(task.params)}
+    with on_host():
+        task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
+        opt = make_optimizer(cfg)
+        tree = {"params": task.params, "opt_state": opt.init(task.params)}
     out, start = Path(str(cfg.out)), 0
     if cfg.resume:
         tree, start = load_checkpoint(out, tree)
-    out.mkdir(parents=True, exist_ok=True)
-    config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
-    atomic_write(out / "config.json", lambda f: f.write(config_json))
-    print("config:", "  ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
-    print(
-        f"{models.count_params(task.params):,} parameters, {len(devices)} x "
-        f"{devices[0].platform} device(s), steps {start} -> {cfg.steps}"
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
+        atomic_write(out / "config.json", lambda f: f.write(config_json))
+    say("config:", "  ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    say(
+        f"{models.count_params(task.params):,} parameters ({cfg.param_sharding}), "
+        f"{mesh.size} x {mesh.devices.flat[0].platform} device(s){processes}, "
+        f"steps {start} -> {cfg.steps}"
     )
 
-    tree = jax.device_put(tree, everywhere)
-    train_data, eval_data = jax.device_put((task.train_data, task.eval_data), everywhere)
-    train_step = make_train_step(cfg, task, opt, mesh)
-    sample = jax.jit(task.sample, out_shardings=split)
+    shardings = placement(tree, mesh, cfg.param_sharding)
+    tree = place(tree, shardings)
+    data = (task.train_data, task.eval_data)
+    train_data, eval_data = place(data, jax.tree.map(lambda _: everywhere, data))
+    train_step = make_train_step(cfg, task, opt, mesh, shardings)
+    sample = make_sampler(task, mesh)
     eval_sets = [
         sample(eval_data, key=jax.random.fold_in(eval_key, i)) for i in range(cfg.eval_batches)
     ]
-    eval_loss = jax.jit(lambda p, b: jnp.mean(jax.vmap(task.loss_fn, (None, 0))(p, b)))
+    eval_loss = jax.jit(
+        lambda p, b: jnp.mean(jax.vmap(task.loss_fn, (None, 0))(p, b)), out_shardings=everywhere
+    )
     schedule = make_schedule(cfg)
 
     # A resumed run keeps the metrics of the steps before its checkpoint and redoes the rest.
     metrics_path = out / "metrics.jsonl"
     old = metrics_path.read_text().splitlines() if cfg.resume and metrics_path.exists() else []
     earlier = "".join(line + "\n" for line in old if json.loads(line)["step"] < start)
-    atomic_write(metrics_path, lambda f: f.write(earlier.encode()))
+    if lead:
+        atomic_write(metrics_path, lambda f: f.write(earlier.encode()))
     progress = Progress(cfg, start, cfg.batch_size * task.units_per_example, task.unit)
     result: dict[str, Any] = {"out": str(out), "steps": cfg.steps}
 
@@ -523,7 +687,7 @@ def main(cfg: Config) -> dict[str, Any]:
         return value
 
     t_start = time.perf_counter()
-    with open(metrics_path, "a") as metrics:
+    with open(metrics_path if lead else os.devnull, "a") as metrics:
         for step in range(start, cfg.steps):
             record: dict[str, Any] = {"step": step}
             if step % cfg.eval_interval == 0:
@@ -543,13 +707,15 @@ def main(cfg: Config) -> dict[str, Any]:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.steps:
-                save_checkpoint(out, step + 1, jax.device_get(tree), cfg)
+                whole = gather(tree)  # every process takes part; one writes
+                if lead:
+                    save_checkpoint(out, step + 1, whole, cfg)
                 last_saved = step + 1
             progress.update(step, loss)
         metrics.write(json.dumps({"step": cfg.steps, "eval_loss": evaluate(cfg.steps)}) + "\n")
     result["seconds"] = time.perf_counter() - t_start
     first = result.get("first_eval_loss", float("nan"))
-    print(
+    say(
         f"done: {cfg.steps} steps in {result['seconds']:.0f}s, eval loss {first:.4f} -> "
         f"{result['eval_loss']:.4f}; wrote {out}"
     )
