@@ -125,11 +125,9 @@ def test_factorized_dense_layers_never_hold_a_batch_of_weight_gradients():
     assert all(p.status == "factorized" for p in plans if p.leaf.endswith("['w']"))
     one_batch_of_weight_grads = batch_size * width * width * 8
     factorized = _memory(pegrad.value_and_grad_stats(mlp.loss, stats), params, batch)
-    vmapped = _memory(pegrad.value_and_grad_stats(mlp.loss, stats, impl="vmap"), params, batch)
     plain = _memory(
         jax.grad(lambda p, b: jnp.mean(jax.vmap(mlp.loss, (None, 0))(p, b))), params, batch
     )
-    assert vmapped >= one_batch_of_weight_grads
     assert factorized < one_batch_of_weight_grads / 8
     assert factorized <= 3 * plain + 1_000_000
 
