@@ -14,16 +14,19 @@ split the model once and recombine inside the loss::
     stats_fn = pegrad.value_and_grad_stats(loss_fn, stats=("mean", "sq_mean"))
     loss, stats = stats_fn(params, (tokens, targets))   # tokens, targets: [B, seq]
 
-How the layers are written matters to pegrad's factorized rewrite, which recognises a weight
-used at every position from the shape of the computation alone (no per-layer registration):
-embeddings are gathers (``tok_emb[tokens]``, ``pos_emb[jnp.arange(seq)]``), every dense layer
-is one matmul ``x @ W`` over all positions (``x: [seq, d_in]``, ``W: [d_in, d_out]``), the tied
-head is ``x @ tok_emb.T``, and layer norm is the explicit formula with ``scale`` and ``shift``.
+The layers are Equinox's own, written the ordinary Equinox way: ``eqx.nn.Linear``,
+``eqx.nn.LayerNorm`` and ``eqx.nn.Embedding`` each see one position, and ``jax.vmap`` applies
+them along the sequence. Nothing here is shaped for pegrad: its rewrite finds the per-position
+structure in the traced computation (``pegrad.explain`` reports the route each leaf takes).
+Attention is written out, with ``eqx.nn.Linear`` projections (``CausalSelfAttention`` says why).
+``TransformerConfig`` offers learned or rotary positions, a tied or separate output head,
+grouped-query attention (``n_kv_heads``) and blocks stacked and run by ``jax.lax.scan``
+(``scan_layers``).
 
-Checked by tests/test_models.py: output shapes and dtypes (MLP; transformer with learned and
-rotary positions, tied and untied heads), causality (logits at position t do not depend on
-anything after t), the paper-size configuration's parameter count (built abstractly with
-``eqx.filter_eval_shape``), and per-example gradient statistics through pegrad (both
+Checked by tests/test_models.py: output shapes and dtypes, causality (logits at position t do
+not depend on anything after t), the paper-size configuration's parameter count (built
+abstractly with ``eqx.filter_eval_shape``), scanned blocks equal to the list of blocks, the routes
+``pegrad.explain`` reports, and per-example gradient statistics through pegrad (both
 implementations) against a plain per-example Python loop.
 """
 
@@ -56,39 +59,18 @@ def _at_least_float32(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return x if jnp.finfo(x.dtype).bits >= 32 else x.astype(jnp.float32)
 
 
-class Linear(eqx.Module):
-    """Dense layer ``y = x @ weight + bias``, applied to every leading position of ``x`` at once."""
-
-    weight: Float[Array, "d_in d_out"]
-    bias: Float[Array, " d_out"] | None
-
-    def __init__(
-        self, d_in: int, d_out: int, *, std: float, bias: bool, dtype: str, key: PRNGKeyArray
-    ):
-        self.weight = std * jax.random.normal(key, (d_in, d_out), _float_dtype(dtype))
-        self.bias = jnp.zeros((d_out,), _float_dtype(dtype)) if bias else None
-
-    def __call__(self, x: Float[Array, "*pos d_in"]) -> Float[Array, "*pos d_out"]:
-        y = x @ self.weight
-        return y if self.bias is None else y + self.bias
-
-
-class LayerNorm(eqx.Module):
-    """Layer norm over the last axis, with a learnable ``scale`` and ``shift``."""
-
-    scale: Float[Array, " d"]
-    shift: Float[Array, " d"]
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, d: int, *, eps: float, dtype: str):
-        self.scale = jnp.ones((d,), _float_dtype(dtype))
-        self.shift = jnp.zeros((d,), _float_dtype(dtype))
-        self.eps = eps
-
-    def __call__(self, x: Float[Array, "*pos d"]) -> Float[Array, "*pos d"]:
-        centred = x - x.mean(axis=-1, keepdims=True)
-        variance = (centred**2).mean(axis=-1, keepdims=True)
-        return centred * jax.lax.rsqrt(variance + self.eps) * self.scale + self.shift
+def _linear(
+    d_in: int, d_out: int, *, std: float, bias: bool, dtype: str, key: PRNGKeyArray
+) -> eqx.nn.Linear:
+    """``eqx.nn.Linear`` (weight ``[d_out, d_in]``) with weights drawn from N(0, std²) and zero
+    biases: GPT-2's and LeCun's initialisations, where Equinox's default is uniform."""
+    k_layer, k_weight = jax.random.split(key)
+    layer = eqx.nn.Linear(d_in, d_out, use_bias=bias, dtype=_float_dtype(dtype), key=k_layer)
+    weight = std * jax.random.normal(k_weight, layer.weight.shape, layer.weight.dtype)
+    layer = eqx.tree_at(lambda m: m.weight, layer, weight)
+    if layer.bias is not None:
+        layer = eqx.tree_at(lambda m: m.bias, layer, jnp.zeros_like(layer.bias))
+    return layer
 
 
 # ------------------------------------------------------------------------------------------
@@ -109,7 +91,7 @@ class MLP(eqx.Module):
     in ``"relu" | "gelu" | "tanh" | "silu"`` or any elementwise function.
     """
 
-    layers: tuple[Linear, ...]
+    layers: tuple[eqx.nn.Linear, ...]
     activation: Callable[[Array], Array] = eqx.field(static=True)
 
     def __init__(
@@ -137,7 +119,7 @@ class MLP(eqx.Module):
         sizes = [in_size] + [width] * depth + [out_size]
         layer_keys = jax.random.split(key, len(sizes) - 1)
         self.layers = tuple(
-            Linear(d_in, d_out, std=d_in**-0.5, bias=True, dtype=dtype, key=k)
+            _linear(d_in, d_out, std=d_in**-0.5, bias=True, dtype=dtype, key=k)
             for d_in, d_out, k in zip(sizes[:-1], sizes[1:], layer_keys, strict=True)
         )
         self.activation = activation
@@ -176,7 +158,8 @@ class TransformerConfig:
     context_length: int = 128  # longest input sequence; rows of the learned position table
     d_model: int = 128  # width of the residual stream
     n_layers: int = 4  # number of transformer blocks
-    n_heads: int = 4  # attention heads per block; must divide d_model
+    n_heads: int = 4  # query heads per block; must divide d_model
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: n_heads
     d_ff: int = 512  # hidden width of each block's MLP (GPT-2: 4 * d_model)
     position: Literal["learned", "rotary"] = "learned"  # learned table or rotary (RoPE) on q, k
     tied_head: bool = True  # logits = x @ tok_emb.T (True) or x @ a separate head matrix
@@ -184,6 +167,7 @@ class TransformerConfig:
     norm_eps: float = 1e-5  # layer norm epsilon
     rotary_base: float = 10_000.0  # RoPE frequency base
     init_std: float = 0.02  # std of weights and embeddings; residual outputs get /sqrt(2 n_layers)
+    scan_layers: bool = False  # blocks stacked into one Block, run by jax.lax.scan
     dtype: str = "float32"  # parameter dtype (tests use "float64")
 
     def __post_init__(self):
@@ -195,6 +179,17 @@ class TransformerConfig:
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"TransformerConfig.n_heads={self.n_heads} must divide d_model={self.d_model}"
+            )
+        if self.n_kv_heads is not None and self.n_kv_heads < 1:
+            raise ValueError(
+                f"TransformerConfig.n_kv_heads must be >= 1 (or None: one key/value head per "
+                f"query head), got {self.n_kv_heads}"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"TransformerConfig.n_kv_heads={self.n_kv_heads} must divide "
+                f"n_heads={self.n_heads}: each key/value head serves n_heads / n_kv_heads "
+                "query heads"
             )
         if self.position not in ("learned", "rotary"):
             raise ValueError(
@@ -209,6 +204,11 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads per block: ``n_kv_heads``, or ``n_heads`` when that is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @classmethod
     def tiny(cls, **overrides: Any) -> "TransformerConfig":
@@ -230,94 +230,109 @@ class TransformerConfig:
 
 
 def rotary_embedding(
-    x: Float[Array, "seq heads head_dim"], base: float
-) -> Float[Array, "seq heads head_dim"]:
+    x: Float[Array, "seq *heads head_dim"], base: float
+) -> Float[Array, "seq *heads head_dim"]:
     """Rotate the two halves of each head's features by position-dependent angles (RoPE)."""
-    seq, _, head_dim = x.shape
+    seq, *heads, head_dim = x.shape
     half = head_dim // 2
     angle_dtype = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.float32
     inv_freq = base ** (-jnp.arange(half, dtype=angle_dtype) / half)
     angles = jnp.arange(seq, dtype=angle_dtype)[:, None] * inv_freq[None, :]  # [seq, half]
-    cos = jnp.cos(angles).astype(x.dtype)[:, None, :]
-    sin = jnp.sin(angles).astype(x.dtype)[:, None, :]
+    angles = angles.reshape(seq, *(1 for _ in heads), half)  # broadcast over the head axes
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
 class CausalSelfAttention(eqx.Module):
-    """Multi-head attention in which position t attends to positions 0..t only."""
+    """Multi-head attention in which position t attends to positions 0..t only; with
+    ``n_kv_heads < n_heads``, query heads ``j * group .. (j + 1) * group - 1`` share key/value
+    head ``j`` (``group = n_heads / n_kv_heads``).
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    out_proj: Linear
+    Written out rather than ``eqx.nn.MultiheadAttention``, which gives keys and values as many
+    heads as queries (no grouped-query attention). RoPE is ``rotary_embedding`` below because
+    ``eqx.nn.RotaryPositionalEmbedding`` caches its angle table by size and dtype, not by base,
+    so two ``rotary_base`` values in one process would share a table. And not
+    ``jax.nn.dot_product_attention``, whose softmax runs in float32 even for float64 inputs,
+    which the float64 tests cannot afford.
+    """
+
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    out_proj: eqx.nn.Linear
     n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
     rotary_base: float | None = eqx.field(static=True)  # None: no rotary embedding
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
-        d, std, dtype = config.d_model, config.init_std, config.dtype
+        d, std, dtype, bias = config.d_model, config.init_std, config.dtype, config.bias
+        d_kv = config.kv_heads * config.head_dim
         k_q, k_k, k_v, k_out = jax.random.split(key, 4)
-        self.q_proj = Linear(d, d, std=std, bias=config.bias, dtype=dtype, key=k_q)
-        self.k_proj = Linear(d, d, std=std, bias=False, dtype=dtype, key=k_k)
-        self.v_proj = Linear(d, d, std=std, bias=config.bias, dtype=dtype, key=k_v)
+        self.q_proj = _linear(d, d, std=std, bias=bias, dtype=dtype, key=k_q)
+        self.k_proj = _linear(d, d_kv, std=std, bias=False, dtype=dtype, key=k_k)
+        self.v_proj = _linear(d, d_kv, std=std, bias=bias, dtype=dtype, key=k_v)
         out_std = std / math.sqrt(2 * config.n_layers)
-        self.out_proj = Linear(d, d, std=out_std, bias=config.bias, dtype=dtype, key=k_out)
+        self.out_proj = _linear(d, d, std=out_std, bias=bias, dtype=dtype, key=k_out)
         self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
         self.rotary_base = config.rotary_base if config.position == "rotary" else None
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         seq, d_model = x.shape
-        heads = (seq, self.n_heads, d_model // self.n_heads)
-        q = self.q_proj(x).reshape(heads)
-        k = self.k_proj(x).reshape(heads)
-        v = self.v_proj(x).reshape(heads)
+        kv, head_dim = self.n_kv_heads, d_model // self.n_heads
+        # Queries grouped by the key/value head they read: the reshape shares K and V without
+        # copying them per query head.
+        q = jax.vmap(self.q_proj)(x).reshape(seq, kv, self.n_heads // kv, head_dim)
+        k = jax.vmap(self.k_proj)(x).reshape(seq, kv, head_dim)
+        v = jax.vmap(self.v_proj)(x).reshape(seq, kv, head_dim)
         if self.rotary_base is not None:
             q = rotary_embedding(q, self.rotary_base)
             k = rotary_embedding(k, self.rotary_base)
-        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(heads[2])
+        scores = jnp.einsum("tkgd,skd->kgts", q, k) / math.sqrt(head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-        mixed = jnp.einsum("hts,shd->thd", weights, v).reshape(seq, d_model)
-        return self.out_proj(mixed)
+        mixed = jnp.einsum("kgts,skd->tkgd", weights, v).reshape(seq, d_model)
+        return jax.vmap(self.out_proj)(mixed)
 
 
 class FeedForward(eqx.Module):
-    """Position-wise MLP: d_model -> d_ff -> GELU -> d_model."""
+    """The MLP of a block, for one position: d_model -> d_ff -> GELU -> d_model."""
 
-    up: Linear
-    down: Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         k_up, k_down = jax.random.split(key)
-        std, dtype, bias = config.init_std, config.dtype, config.bias
-        self.up = Linear(config.d_model, config.d_ff, std=std, bias=bias, dtype=dtype, key=k_up)
+        d, f, std, dtype = config.d_model, config.d_ff, config.init_std, config.dtype
+        self.up = _linear(d, f, std=std, bias=config.bias, dtype=dtype, key=k_up)
         down_std = std / math.sqrt(2 * config.n_layers)
-        self.down = Linear(
-            config.d_ff, config.d_model, std=down_std, bias=bias, dtype=dtype, key=k_down
-        )
+        self.down = _linear(f, d, std=down_std, bias=config.bias, dtype=dtype, key=k_down)
 
-    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+    def __call__(self, x: Float[Array, " d_model"]) -> Float[Array, " d_model"]:
         return self.down(jax.nn.gelu(self.up(x)))
 
 
 class Block(eqx.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)); the norms
+    and the MLP see one position at a time, attention the whole sequence."""
 
-    attn_norm: LayerNorm
+    attn_norm: eqx.nn.LayerNorm
     attn: CausalSelfAttention
-    mlp_norm: LayerNorm
+    mlp_norm: eqx.nn.LayerNorm
     mlp: FeedForward
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         k_attn, k_mlp = jax.random.split(key)
-        self.attn_norm = LayerNorm(config.d_model, eps=config.norm_eps, dtype=config.dtype)
+        dtype = _float_dtype(config.dtype)
+        self.attn_norm = eqx.nn.LayerNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
         self.attn = CausalSelfAttention(config, key=k_attn)
-        self.mlp_norm = LayerNorm(config.d_model, eps=config.norm_eps, dtype=config.dtype)
+        self.mlp_norm = eqx.nn.LayerNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
         self.mlp = FeedForward(config, key=k_mlp)
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(jax.vmap(self.attn_norm)(x))
+        return x + jax.vmap(self.mlp)(jax.vmap(self.mlp_norm)(x))
 
 
 class TransformerLM(eqx.Module):
@@ -326,31 +341,43 @@ class TransformerLM(eqx.Module):
     ``seq`` may be anything up to ``config.context_length``. Token ids must lie in
     ``[0, vocab_size)``: like all JAX indexing, the embedding gather clamps out-of-range ids
     instead of raising, so the data pipeline is where they are checked.
+
+    ``blocks`` is a tuple of ``Block``s, or with ``config.scan_layers`` one ``Block`` whose
+    arrays carry a leading ``n_layers`` axis (built by ``eqx.filter_vmap``), run by
+    ``jax.lax.scan``: one block is traced and compiled instead of ``n_layers``. The same key
+    gives the same weights either way.
     """
 
-    tok_emb: Float[Array, "vocab d_model"]
-    pos_emb: Float[Array, "context d_model"] | None  # None with rotary positions
-    blocks: tuple[Block, ...]
-    final_norm: LayerNorm
-    head: Float[Array, "d_model vocab"] | None  # None with a tied head
+    tok_emb: eqx.nn.Embedding
+    pos_emb: eqx.nn.Embedding | None  # None with rotary positions
+    blocks: tuple[Block, ...] | Block  # a Block of stacked arrays with scan_layers
+    final_norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear | None  # None with a tied head (the logits read tok_emb.weight)
     config: TransformerConfig = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         k_tok, k_pos, k_head, k_blocks = jax.random.split(key, 4)
-        dtype, std = _float_dtype(config.dtype), config.init_std
-        self.tok_emb = std * jax.random.normal(k_tok, (config.vocab_size, config.d_model), dtype)
+        dtype, std, d = _float_dtype(config.dtype), config.init_std, config.d_model
+        self.tok_emb = eqx.nn.Embedding(
+            weight=std * jax.random.normal(k_tok, (config.vocab_size, d), dtype)
+        )
         self.pos_emb = (
-            std * jax.random.normal(k_pos, (config.context_length, config.d_model), dtype)
+            eqx.nn.Embedding(
+                weight=std * jax.random.normal(k_pos, (config.context_length, d), dtype)
+            )
             if config.position == "learned"
             else None
         )
         block_keys = jax.random.split(k_blocks, config.n_layers)
-        self.blocks = tuple(Block(config, key=k) for k in block_keys)
-        self.final_norm = LayerNorm(config.d_model, eps=config.norm_eps, dtype=config.dtype)
+        if config.scan_layers:
+            self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(block_keys)
+        else:
+            self.blocks = tuple(Block(config, key=k) for k in block_keys)
+        self.final_norm = eqx.nn.LayerNorm(d, eps=config.norm_eps, dtype=dtype)
         self.head = (
             None
             if config.tied_head
-            else std * jax.random.normal(k_head, (config.d_model, config.vocab_size), dtype)
+            else _linear(d, config.vocab_size, std=std, bias=False, dtype=config.dtype, key=k_head)
         )
         self.config = config
 
@@ -361,18 +388,27 @@ class TransformerLM(eqx.Module):
             raise ValueError(
                 f"sequence of length {seq} exceeds context_length={self.config.context_length}"
             )
-        x = self.tok_emb[tokens]
+        x = jax.vmap(self.tok_emb)(tokens)
         if self.pos_emb is not None:
-            positions = jnp.arange(seq)
-            x = x + self.pos_emb[positions]
+            x = x + jax.vmap(self.pos_emb)(jnp.arange(seq))
         return x
 
     def from_embeddings(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq vocab"]:
         """Everything after ``embed``: the blocks, the final norm and the output head."""
-        for block in self.blocks:
-            x = block(x)
-        x = self.final_norm(x)
-        return x @ (self.tok_emb.T if self.head is None else self.head)
+        if isinstance(self.blocks, Block):
+            arrays, rest = eqx.partition(self.blocks, eqx.is_array)
+
+            def layer(x: Float[Array, "seq d_model"], block_arrays: PyTree) -> tuple[Array, None]:
+                return eqx.combine(block_arrays, rest)(x), None
+
+            x, _ = jax.lax.scan(layer, x, arrays)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        x = jax.vmap(self.final_norm)(x)
+        if self.head is None:
+            return x @ self.tok_emb.weight.T
+        return jax.vmap(self.head)(x)
 
     def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         return self.from_embeddings(self.embed(tokens))
