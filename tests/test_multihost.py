@@ -169,11 +169,11 @@ def test_fsdp_on_two_devices_gives_the_replicated_losses(one: train.Config, fake
 @pytest.mark.parametrize(
     "leaf, spec",
     [
-        ("['params'].tok_emb", "P('data', None)"),  # [vocab 256, 8]
-        ("['params'].blocks[0].mlp.up.weight", "P(None, 'data')"),  # [8, 32]
+        ("['params'].tok_emb.weight", "P('data', None)"),  # [vocab 256, 8]
+        ("['params'].blocks[0].mlp.up.weight", "P('data', None)"),  # [32, 8] (eqx.nn: out, in)
         ("['params'].blocks[0].mlp.up.bias", "P('data',)"),  # [32]
-        ("['opt_state'][0].mu.tok_emb", "P('data', None)"),
-        ("['opt_state'][0].nu.blocks[0].mlp.up.weight", "P(None, 'data')"),
+        ("['opt_state'][0].mu.tok_emb.weight", "P('data', None)"),
+        ("['opt_state'][0].nu.blocks[0].mlp.up.weight", "P('data', None)"),
         ("['opt_state'][0].count", "P()"),  # a scalar stays whole
     ],
 )
