@@ -380,6 +380,31 @@ def fmt_lr(lr: float) -> str:
     return f"{lr:.3g}"
 
 
+def fmt_loss(a: dict[str, Any]) -> str:
+    """A setting's final loss over seeds: mean ± sd (min–max)."""
+    if a["mean"] is None:
+        return f"unstable ({a['seeds'] - a['seeds_ok']}/{a['seeds']} seeds)"
+    sd = "" if a["sd"] is None else f" ± {a['sd']:.3f}"
+    return f"{a['mean']:.3f}{sd} ({a['min']:.3f}–{a['max']:.3f})"
+
+
+def markdown(
+    out: Path,
+    title: str,
+    best_rows: Sequence[dict[str, Any]],
+    verdicts: Sequence[dict[str, Any]],
+    *extra: str,
+) -> None:
+    """OUT/summary.md: the best setting of each variant and the verdicts, for people."""
+    lines = [f"# {title}\n", "| variant | best lr | final loss: mean ± sd (min–max) | seeds |",
+             "|---|---|---|---|"]  # fmt: skip
+    for a in best_rows:
+        lines.append(f"| {a['method']} | {fmt_lr(a['lr'])} | {fmt_loss(a)} | {a['seeds']} |")
+    lines += ["", "Verdicts (paired over seeds, each at its best lr):", ""]
+    lines += [f"- {v['a']} vs {v['b']}: {v['verdict']}" for v in verdicts]
+    (out / "summary.md").write_text("\n".join([*lines, "", *extra]) + "\n")
+
+
 def say(verdicts: Sequence[dict[str, Any]]) -> None:
     for v in verdicts:
         print(f"  {v['a']} vs {v['b']}: {v['verdict']}", flush=True)
@@ -411,23 +436,28 @@ def _flat(tree: Any) -> np.ndarray:
 
 
 def measure_mu_sigma(
-    cfg: train.Config, points: Sequence[Any], *, n_batches: int, batch_size: int
+    cfg: train.Config, points: Sequence[tuple[int, Any]], *, n_batches: int, batch_size: int
 ) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """For each parameter pytree in `points`: per-coordinate μ̂² (unbiased, clamped at 0) and
-    σ̂² over the same n_batches·batch_size fresh training examples of cfg.seed's data stream
+    """For each (seed, parameter pytree) in `points`: per-coordinate μ̂² (unbiased, clamped at
+    0) and σ̂² over n_batches·batch_size fresh training examples of that seed's data stream
     (steps beyond any run's), from pegrad's "mean" and "sq_mean" (one compile for all)."""
-    run = train.build(dataclasses.replace(cfg, batch_size=batch_size))
+    runs = {s: train.build(dataclasses.replace(cfg, seed=s, batch_size=batch_size))
+            for s in dict.fromkeys(s for s, _ in points)}  # fmt: skip
+    task = next(iter(runs.values())).task  # every seed's model has the same structure
     stats_fn = jax.jit(
-        pegrad.value_and_grad_stats(run.task.loss_fn, ("mean", "sq_mean"), impl=cfg.impl)
+        pegrad.value_and_grad_stats(task.loss_fn, ("mean", "sq_mean"), impl=cfg.impl)
     )
-    sample = jax.jit(run.task.sample)
-    keys = [jax.random.fold_in(run.train_key, 10**8 + k) for k in range(n_batches)]
-    batches = [sample(run.task.train_data, key=k) for k in keys]
+    sample = jax.jit(task.sample)
+    batches = {
+        s: [sample(r.task.train_data, key=jax.random.fold_in(r.train_key, 10**8 + k))
+            for k in range(n_batches)]
+        for s, r in runs.items()
+    }  # fmt: skip
     n = n_batches * batch_size
     results = []
-    for params in points:
+    for seed, params in points:
         g = q = np.zeros(())
-        for batch in batches:
+        for batch in batches[seed]:
             _, stats = stats_fn(params, batch)
             g = g + _flat(stats["mean"]) / n_batches
             q = q + _flat(stats["sq_mean"]) / n_batches
@@ -494,44 +524,44 @@ def run_sign(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
     say(verdicts)
 
     # The SNR model per seed: at the initialisation and at each rule's best run (same β).
-    snr: list[dict[str, Any]] = []
+    named: list[tuple[int, str, Any]] = []  # (seed, point, params)
     for seed in range(seeds):
-        points_of_seed: list[tuple[str, Any]] = [("init", train.build(
-            dataclasses.replace(base, seed=seed)).task.params)]  # fmt: skip
+        init = train.build(dataclasses.replace(base, seed=seed)).task.params
+        named.append((seed, "init", init))
         for m in SIGN_METHODS:
-            a = at(m, same)
-            if a is not None:
+            if (a := at(m, same)) is not None:
                 (t,) = traces_of(rows, traces, optimizer=m, momentum=same, lr=a["lr"], seed=seed)
-                points_of_seed.append((f"final {LABELS[m]}", t.params))
-        measured = measure_mu_sigma(
-            dataclasses.replace(base, seed=seed),
-            [p for _, p in points_of_seed],
-            n_batches=scale.snr_batches,
-            batch_size=scale.snr_batch_size,
-        )
+                named.append((seed, f"final {LABELS[m]}", t.params))
+    measured = measure_mu_sigma(
+        base,
+        [(seed, params) for seed, _, params in named],
+        n_batches=scale.snr_batches,
+        batch_size=scale.snr_batch_size,
+    )
+    snr: list[dict[str, Any]] = []
+    for (seed, point, _), (mu2, sigma2, n) in zip(named, measured, strict=True):
         outcome = {m: a["per_seed"][seed] for m in SIGN_METHODS if (a := at(m, same)) is not None}
         observed = sorted(outcome, key=lambda m: outcome[m])  # best first
-        for (point, _), (mu2, sigma2, n) in zip(points_of_seed, measured, strict=True):
-            pred = snr_prediction(mu2, sigma2, base.batch_size, same)
-            predicted = sorted(SIGN_METHODS, key=lambda m: -pred[m])
-            snr.append(
-                {
-                    "seed": seed,
-                    "point": point,
-                    "examples": n,
-                    **pred,
-                    "predicted_order": " > ".join(LABELS[m] for m in predicted),
-                    "observed_order": " > ".join(LABELS[m] for m in observed),
-                    "order_agrees": predicted == observed,
-                    **{f"final_loss_{m}": outcome.get(m) for m in SIGN_METHODS},
-                }
-            )
-            print(
-                f"  SNR seed {seed} at {point}: "
-                + "  ".join(f"{LABELS[m]} {pred[m]:.3f}" for m in SIGN_METHODS)
-                + f"; observed {snr[-1]['observed_order']}",
-                flush=True,
-            )
+        pred = snr_prediction(mu2, sigma2, base.batch_size, same)
+        predicted = sorted(SIGN_METHODS, key=lambda m: -pred[m])
+        snr.append(
+            {
+                "seed": seed,
+                "point": point,
+                "examples": n,
+                **pred,
+                "predicted_order": " > ".join(LABELS[m] for m in predicted),
+                "observed_order": " > ".join(LABELS[m] for m in observed),
+                "order_agrees": predicted == observed,
+                **{f"final_loss_{m}": outcome.get(m) for m in SIGN_METHODS},
+            }
+        )
+        print(
+            f"  SNR seed {seed} at {point}: "
+            + "  ".join(f"{LABELS[m]} {pred[m]:.3f}" for m in SIGN_METHODS)
+            + f"; observed {snr[-1]['observed_order']}",
+            flush=True,
+        )
 
     summary = {
         "experiment": "sign",
@@ -549,6 +579,20 @@ def run_sign(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
         "from pegrad mean/sq_mean on snr_batches × snr_batch_size fresh examples",
     }
     write_summary(out, rows, summary)
+    snr_table = [
+        "SNR model (predicted alignment, higher is better) vs the outcome (final loss at each "
+        f"rule's best lr, β = {same:g}), per seed:",
+        "",
+        "| seed | point | MicroSignSGD | SignSGD | SignEMA | observed (best first) | agrees |",
+        "|---|---|---|---|---|---|---|",
+    ] + [
+        f"| {e['seed']} | {e['point']} | {e['micro_sign_sgd']:.3f} | {e['sign_sgd']:.3f} | "
+        f"{e['sign_ema']:.3f} | {e['observed_order']} | {e['order_agrees']} |"
+        for e in snr
+    ]
+    ordered = sorted(best_of.values(), key=lambda a: a["method"])
+    markdown(out, f"Sign placement ({TASK_NAMES[task]}, {seeds} seeds)", ordered, verdicts,
+             *snr_table)  # fmt: skip
     with open(out / "snr.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(snr[0]) if snr else ["seed"])
         writer.writeheader()
@@ -687,6 +731,20 @@ def run_precond(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
         "frac_mean_dominated_over_training": frac,
     }
     write_summary(out, rows, summary)
+    unstable = [
+        "Instability over every lr and seed (spike: a step's loss > "
+        f"{SPIKE_FACTOR:g}× the running minimum; blew up: final loss > initial):",
+        "",
+        "| variant | runs | diverged | blew up | with spikes | mean-dominated at the end |",
+        "|---|---|---|---|---|---|",
+    ] + [
+        f"| {c['method']} | {c['runs']} | {c['diverged']} | {c['blew_up']} | "
+        f"{c['runs_with_spikes']} | "
+        + (f"{frac[c['method']]['mean_over_seeds'][-1]:.3f} |" if c["method"] in frac else "– |")
+        for c in instability
+    ]
+    markdown(out, f"Preconditioners ({TASK_NAMES[task]}, {seeds} seeds)",
+             list(best_of.values()), verdicts, *unstable)  # fmt: skip
     if plt := plots.pyplot():
         fig, axes = plt.subplots(1, 4, figsize=(24, 5.2))
         series: dict[str, list[dict[str, Any]]] = {}
@@ -834,6 +892,25 @@ def run_batch_scaling(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
         "verdicts": verdicts,
     }
     write_summary(out, rows, summary)
+    lines = [
+        f"# Batch-size scaling ({TASK_NAMES[task]}, {seeds} seeds, {scale.batch_examples} "
+        "examples per run)\n",
+        f"lr = mult · lr₀ · (B/{scale.batch_base})^p; the best multiplier per B (mean over "
+        "seeds), each seed's own pick, and the final loss there:",
+        "",
+        "| method | B | best mult | per seed | best lr | final loss: mean ± sd (min–max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        a = best_of.get((t["method"], t["batch_size"]))
+        picks = ", ".join(f"{v:g}" for v in t["best_lr_mult_per_seed"].values())
+        lines.append(
+            f"| {LABELS[t['method']]} | {t['batch_size']} | "
+            + ("– | – | – | unstable |" if a is None else
+               f"{a['lr_mult']:g} | {picks} | {fmt_lr(a['lr'])} | {fmt_loss(a)} |")
+        )  # fmt: skip
+    lines += ["", "Verdicts:", ""] + [f"- {v['a']}, {v['b']}: {v['verdict']}" for v in verdicts]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
     if plt := plots.pyplot():
         fig, axes = plt.subplots(1, 4, figsize=(24, 4.8))
         cmap = plt.get_cmap("viridis")
@@ -1013,6 +1090,17 @@ def run_vectorize(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
         flush=True,
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(
+        f"# Vectorized vs one by one ({TASK_NAMES[scale.task]}, {base.steps} steps of batch "
+        f"{base.batch_size}, {summary['device']})\n\n"
+        f"| how | runs timed | seconds per run | runs/hour |\n|---|---|---|---|\n"
+        f"| sweep.py, one program | {len(configs)} | {per_run_vec:.1f} | "
+        f"{summary['vectorized_runs_per_hour']:.0f} |\n"
+        f"| train.main, one after another | {len(sequential)} | {per_run_seq:.1f} | "
+        f"{summary['sequential_runs_per_hour']:.0f} |\n\n"
+        f"Speedup {summary['speedup']:.2f}×, compiles included; the runs done both ways end at "
+        f"held-out losses that differ by at most {max(diffs):.2g}.\n"
+    )
     return summary
 
 

@@ -44,6 +44,7 @@ def check_summary(out: Path, n_settings: int) -> list[dict[str, str]]:
             assert math.isfinite(float(r["final_loss"]))
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == len(rows) and summary["scale"] == "smoke"
+    assert "Verdicts" in (out / "summary.md").read_text()  # the tables for people
     assert summary["seeds"] == SEEDS
     return rows
 
@@ -126,6 +127,7 @@ def test_vectorize(tmp_path: Path):
     assert summary["sequential_runs_timed"] == scale.vectorize_sequential
     assert summary["vectorized_runs_per_hour"] > 0 and summary["sequential_runs_per_hour"] > 0
     assert summary["max_final_loss_difference"] < 1e-4  # float32 here
+    assert "runs/hour" in (tmp_path / "summary.md").read_text()
 
 
 def test_overhead(tmp_path: Path):
