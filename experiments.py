@@ -164,8 +164,11 @@ SCALES: dict[str, Scale] = {
         lm=_lm("mini", seq_len=32, steps=1000, warmup=50, batch_size=16, eval_interval=200,
                eval_batches=16),
         seeds=3,
-        sign_lrs={"micro_sign_sgd": (3e-3, 1e-2, 3e-2), "sign_sgd": (1e-3, 3e-3, 1e-2),
-                  "sign_ema": (1e-3, 3e-3, 1e-2)},
+        # Grown after a first pass found the best lr at the grid's lower edge for SignEMA
+        # and MicroSignSGD.
+        sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2, 3e-2),
+                  "sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2),
+                  "sign_ema": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)},
         sign_momenta=(0.9, 0.99),
         precond_lrs=(1e-3, 3e-3, 1e-2), var_batch_size=64, var_steps=500, var_lrs=(1e-3, 3e-3),
         batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32, batch_examples=8192,

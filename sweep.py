@@ -13,7 +13,7 @@ data where it depends on the seed (the MLP's teacher; the LM's text is shared). 
 `lax.scan` over `eval_interval` steps of `train.make_step`'s step, vmapped over runs, advances
 all runs at once: the batch of step s is `task.sample(data, key=fold_in(train_key, s))`, as in
 train.main, so a run here equals the same config trained by train.main alone (tests: float64,
-to ~1e-12; the vmapped matmuls may sum in another order).
+to 1e-11; the vmapped matmuls may sum in another order).
 
 Divergence: a run whose loss becomes NaN/Inf, or whose update makes a parameter NaN/Inf, at
 step s is recorded as diverged at s (train.main would stop there with train.Diverged) and is
@@ -23,15 +23,16 @@ unaffected (nothing is shared between runs; vmap keeps them independent).
 
 With `cache=DIR`, each group's traces (every step's loss and diagnostics, the held-out losses,
 the final parameters) are saved as DIR/<hash of the group's configs>.npz once the group
-finishes, and a later call with the same configs loads them instead of training: an interrupted
-sweep continues at the group it stopped in; a changed grid retrains only the groups it changed.
+finishes, and a later call loads every run it finds there instead of training it: an
+interrupted sweep continues at the group it stopped in; a grid that grows trains only its new
+runs.
 """
 
 import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from jaxtyping import Array, Bool, Float, PyTree
 
 import train
 
+Log = Callable[[str], Any]  # where progress lines go, e.g. print
 DIAGNOSTICS = ("grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro")  # train.diagnostics
 
 
@@ -104,7 +106,7 @@ def _hyper_arrays(configs: Sequence[train.Config], dtype: Any) -> dict[str, Arra
     }
 
 
-def run_group(configs: Sequence[train.Config], *, log: Any = None) -> list[Trace]:
+def run_group(configs: Sequence[train.Config], *, log: Log | None = None) -> list[Trace]:
     """Train `configs` (one group: equal `group_key`s) as one vectorized program."""
     cfg0 = configs[0]
     if any(group_key(c) != group_key(cfg0) for c in configs):
@@ -229,9 +231,8 @@ def _unstack(tree: PyTree) -> list[PyTree]:
     return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(n)]
 
 
-def _cache_path(cache: Path, configs: Sequence[train.Config]) -> Path:
-    text = json.dumps([dataclasses.asdict(c) for c in configs], sort_keys=True)
-    return cache / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.npz"
+def _key(cfg: train.Config) -> str:
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
 def save(path: Path, traces: Sequence[Trace]) -> None:
@@ -258,19 +259,22 @@ def save(path: Path, traces: Sequence[Trace]) -> None:
     train.atomic_write(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
 
 
-def load(path: Path, configs: Sequence[train.Config]) -> list[Trace] | None:
-    """The traces `save` wrote for exactly these configs, or None."""
-    if not path.exists():
-        return None
+def load(path: Path, wanted: set[str]) -> list[Trace]:
+    """The traces in a file `save` wrote whose configs (`_key`) are in `wanted`."""
     with np.load(path, allow_pickle=False) as z:
-        if json.loads(str(z["configs"])) != [dataclasses.asdict(c) for c in configs]:
-            return None
+        try:
+            configs = [train.Config(**c) for c in json.loads(str(z["configs"]))]
+        except TypeError:  # written when Config had a field it no longer has
+            return []
+        mine = [i for i, c in enumerate(configs) if _key(c) in wanted]
+        if not mine:
+            return []
         template = train.build(configs[0]).task.params
         flat, treedef = jax.tree_util.tree_flatten_with_path(template)
         stacked = [z["params" + jax.tree_util.keystr(p)].astype(x.dtype) for p, x in flat]
         return [
             Trace(
-                cfg=c,
+                cfg=configs[i],
                 loss=z["loss"][i],
                 diagnostics={k: z["diagnostics" + k][i] for k in DIAGNOSTICS},
                 eval_steps=z["eval_steps"],
@@ -279,27 +283,29 @@ def load(path: Path, configs: Sequence[train.Config]) -> list[Trace] | None:
                 params=jax.tree_util.tree_unflatten(treedef, [x[i] for x in stacked]),
                 seconds=float(z["seconds"][i]),
             )
-            for i, c in enumerate(configs)
+            for i in mine
         ]
 
 
 def run(
-    configs: Sequence[train.Config], *, cache: Path | None = None, log: Any = None
+    configs: Sequence[train.Config], *, cache: Path | None = None, log: Log | None = None
 ) -> list[Trace]:
-    """Every config trained, each group (`groups`) as one vectorized program; in order."""
-    traces: list[Trace | None] = [None] * len(configs)
-    for idx in groups(configs):
-        group = [configs[i] for i in idx]
-        path = None if cache is None else _cache_path(cache, group)
-        done = None if path is None else load(path, group)
-        if done is None:
-            if log is not None:
-                c = group[0]
-                log(f"group of {len(group)} runs: {c.optimizer}, B {c.batch_size}, "
-                    f"{c.steps} steps")  # fmt: skip
-            done = run_group(group, log=log)
-            if path is not None:
-                save(path, done)
-        for i, t in zip(idx, done, strict=True):
-            traces[i] = t
-    return [t for t in traces if t is not None]
+    """Every config trained, each group (`groups`) as one vectorized program; in order. A
+    config given twice is trained once. With `cache`, runs found in its files are loaded,
+    and only the others are trained (a grid that grows trains only its new points)."""
+    keys = [_key(c) for c in configs]
+    found: dict[str, Trace] = {}
+    for path in sorted(cache.glob("*.npz")) if cache is not None else ():
+        found |= {_key(t.cfg): t for t in load(path, set(keys) - set(found))}
+    todo = list({k: c for k, c in zip(keys, configs, strict=True) if k not in found}.values())
+    for idx in groups(todo):
+        group = [todo[i] for i in idx]
+        if log is not None:
+            c = group[0]
+            log(f"group of {len(group)} runs: {c.optimizer}, B {c.batch_size}, {c.steps} steps")
+        traces = run_group(group, log=log)
+        if cache is not None:
+            text = "".join(_key(c) for c in group)
+            save(cache / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.npz", traces)
+        found |= {_key(t.cfg): t for t in traces}
+    return [found[k] for k in keys]
