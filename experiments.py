@@ -1,41 +1,56 @@
 """experiments.py: one command per finding of Roulet & Agarwala (arXiv 2510.00236), with plots.
 
-    python experiments.py sign --scale tiny --out runs/sign          # sign placement + SNR model
+    python experiments.py sign --scale tiny --out runs/sign          # sign placement, SNR model
     python experiments.py precond --scale tiny --out runs/precond    # Adam-family preconditioners
-    python experiments.py batch-scaling --scale tiny --out runs/bs   # lr ∝ √B (Adam) vs ∝ B (Micro)
+    python experiments.py batch-scaling --scale tiny --out runs/bs   # lr ∝ √B (Adam), ∝ B (Micro)
     python experiments.py overhead --scale tiny --out runs/overhead  # bench.py's cost table
-    python experiments.py all --scale tiny --out runs/all            # the four, one after another
+    python experiments.py vectorize --scale tiny --out runs/vec      # runs/hour: vmap vs one by one
+    python experiments.py all --scale tiny --out runs/all            # every one of them
+    python experiments.py sign --seeds 5 ...                         # seeds 0..4 (default: 3)
 
-In Python: `experiments.run(name, scale=..., out=..., seed=0) -> summary dict`.
+This is the studies' one entry point (train.py trains one run). In Python:
+`experiments.run(name, scale=..., out=..., seeds=3) -> summary dict`.
 
-Every sweep runs `train.main(cfg)` in-process, one run after another, each with a
-`dataclasses.replace` of a base `train.Config` and its own directory OUT/runs/<tag>/ (config.json,
-metrics.jsonl, checkpoint, log.txt: train.py's console output, result.json). A run that already
-holds result.json is reused, so an interrupted sweep continues where it stopped. Each experiment
-writes OUT/summary.csv (one row per run), OUT/summary.json (rows, best learning rates, the
-experiment's own tables) and OUT/*.png (with matplotlib: `pip install -e ".[plots]"`).
+Every training study is a grid of `train.Config`s, each repeated for seeds 0..N-1, trained by
+sweep.py: runs that differ only in the optimizer's numbers (lr, β, ε, clipping threshold) and
+the seed are one vectorized program (vmap over a leading run axis), one program per optimizer
+and batch size. Traces are cached in OUT/cache/ per program, so an interrupted study continues
+and a re-run only redraws. Each study writes OUT/summary.csv (one row per run and seed),
+OUT/summary.json (the grid, per-setting statistics over seeds, best settings, the verdicts) and
+OUT/<name>.png (with matplotlib).
 
-Scales (SCALES below): `smoke` (a few steps on tiny models: tests), `tiny` (each experiment in
-about 10 minutes on a 2-core CPU, compiles included), `small` (an hour or so on a CPU), `paper`
-(the paper's GPT-2-small transformer shape, `TransformerConfig.paper()`: for accelerators).
+Scales (SCALES): `smoke` (tiny MLP, a few steps, 2 seeds: tests), `tiny` (the default "mini"
+byte-level transformer LM of train.py at 32 tokens a window, 1000 steps, 3 seeds: a CPU study;
+README's results), `small` and `paper` (larger, longer: for accelerators; not run here).
 
 Definitions used in the summaries:
 
-* final loss: the held-out (eval) loss at the end of the run; a run whose loss or parameters
-  became NaN/Inf (train.Diverged) is recorded with status "diverged", its step, and no loss.
-* spike: after warmup, a logged training loss above SPIKE_FACTOR (2) times the running minimum
-  of the logged training losses so far; consecutive spiking records count as one spike.
+* final loss: the held-out loss at the end (train.py's eval: cfg.eval_batches batches drawn from
+  the run's seed). A run whose loss or update became NaN/Inf is "diverged" at that step (sweep.py
+  freezes it there; it has no final loss); a finished run whose final loss is above its initial
+  one "blew up" (a finite explosion). Both count as unstable.
+* spike: after warmup, a training loss (of one step's batch) above SPIKE_FACTOR (2) times the
+  running minimum of the training losses so far; consecutive spiking steps are one spike.
+* per setting (an optimizer variant at one lr): mean, sd, min and max of the final loss over
+  the seeds; a setting with an unstable seed has no mean. The best lr of a variant is the
+  setting with the lowest mean.
+* verdict of "A vs B": both at their best lr, the per-seed differences d_s = loss_A − loss_B
+  (paired: one seed is one initialisation, batch order and held-out set for both). "consistent"
+  when every seed agrees on the sign of d and |mean d| > 2·sd(d)/√n; "no difference" when
+  |mean d| ≤ sd(d)/√n; otherwise "weak". The best lr is chosen on the same seeds, which favours
+  each method a little; a few seeds make every verdict provisional.
+* mean-dominated coordinates (train.diagnostics, every step, from the training batch): the
+  fraction of coordinates with μ̂² > σ̂²/B, i.e. where the squared mean outweighs the noise of
+  ḡ in Adam's ν = μ² + σ²/B.
 * SNR model (SPEC §4, `snr_prediction`): per coordinate g_i ~ N(μ, σ²). The expected update
   direction of each sign rule is E[sign(g_i)] = erf(μ/(√2σ)) (MicroSignSGD: sign before the
-  average; its EMA does not change the expectation), E[sign(ḡ)] = erf(√B μ/(√2σ)) (SignSGD) and
-  ≈ erf(√(B(1+β)/(1−β)) μ/(√2σ)) (SignEMA: the EMA averages (1+β)/(1−β) times more steps). The
-  predicted alignment of a rule is the expected descent per step relative to sign(μ):
-  Σ_j |μ_j|·erf(k|μ_j|/(√2σ_j)) / Σ_j |μ_j|, in [0, 1], higher is better. μ and σ are measured
-  with pegrad ("mean", "sq_mean") on `snr_batches` fresh batches of `snr_batch_size` examples
-  (N in all) at two kinds of points: the shared initialisation, and the final parameters of each
-  rule's best run. Estimators: μ² ≈ max(0, (N·ḡ² − q)/(N − 1)) (unbiased, clamped),
-  σ² = N/(N − 1)·(q − ḡ²). train.py's metrics.jsonl also carries, at every logged step, the
-  fraction of coordinates with μ̂² > σ̂²/B from the training batch itself; it is plotted too.
+  average), E[sign(ḡ)] = erf(√B μ/(√2σ)) (SignSGD) and ≈ erf(√(B(1+β)/(1−β)) μ/(√2σ)) (SignEMA:
+  the EMA averages (1+β)/(1−β) times more steps). The predicted alignment of a rule is the
+  expected descent per step relative to sign(μ): Σ_j |μ_j|·erf(k|μ_j|/(√2σ_j)) / Σ_j |μ_j|, in
+  [0, 1], higher is better. μ and σ are measured with pegrad ("mean", "sq_mean") on
+  `snr_batches` fresh batches of `snr_batch_size` examples (N in all) at each seed's
+  initialisation and at the final parameters of each rule's best run of that seed. Estimators:
+  μ² ≈ max(0, (N·ḡ² − q)/(N − 1)) (unbiased, clamped), σ² = N/(N − 1)·(q − ḡ²).
 """
 
 import argparse
@@ -45,7 +60,6 @@ import dataclasses
 import io
 import json
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -57,9 +71,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import pegrad
+import plots
+import sweep
 import train
 
-EXPERIMENTS = ("sign", "precond", "batch-scaling", "overhead")
+EXPERIMENTS = ("sign", "precond", "batch-scaling", "overhead", "vectorize")
 TASK_NAMES = {"mlp": "MLP teacher-student", "lm": "byte-level LM"}  # in figure titles
 SIGN_METHODS = ("micro_sign_sgd", "sign_sgd", "sign_ema")
 ADAM_METHODS = ("adam", "micro_adam", "micro_adam_var", "micro_adam_msq")
@@ -74,42 +90,42 @@ LABELS = {
 }
 SPIKE_FACTOR = 2.0
 PAPER_CLIP = 1e-2  # the paper's clipping threshold for MicroAdam's spikes
-PLOTS_NOTE = (
-    'matplotlib not installed: wrote the CSV/JSON only; pip install -e ".[plots]" for plots'
-)
 
 # fmt: off
 CSV_COLUMNS = (
-    "experiment", "task", "method", "optimizer", "lr", "max_grad_norm", "eps", "momentum",
-    "batch_size", "steps", "examples", "status", "diverged_step", "final_loss",
-    "final_train_loss", "first_eval_loss", "spikes", "seconds", "run",
+    "experiment", "task", "method", "optimizer", "lr", "lr_mult", "momentum", "eps",
+    "max_grad_norm", "msq_block", "batch_size", "steps", "examples", "seed", "status",
+    "diverged_step", "first_eval_loss", "final_loss", "final_train_loss", "spikes",
+    "final_frac_mean_dominated", "seconds",
 )
 # fmt: on
 
 
 # --------------------------------------------------------------------------------------------
-# Scales: the base configs of the two tasks and the sweep grids of each experiment.
+# Scales: the base configs of the two tasks and the grids of each experiment.
 
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    mlp: train.Config  # teacher-student regression (label noise sets the gradient SNR)
+    task: str  # "lm" or "mlp": the task of every training study at this scale
     lm: train.Config  # byte-level transformer LM on CPython's English text
-    sign_tasks: tuple[str, ...]
-    sign_lrs: dict[str, tuple[float, ...]]  # per task
-    sign_momentum: float  # β of the EMA, the same for the three sign rules
-    precond_tasks: tuple[str, ...]
-    precond_lrs: dict[str, tuple[float, ...]]
-    precond_clips: tuple[float | None, ...]  # max_grad_norm values (None: no clipping)
-    msq_eps: tuple[float, ...]  # extra ε values for MicroAdamMSQ (unclipped), beyond 1e-8
-    batch_task: str
+    mlp: train.Config  # teacher-student regression (label noise sets the gradient SNR)
+    seeds: int  # default --seeds
+    sign_lrs: dict[str, tuple[float, ...]]  # per sign rule
+    sign_momenta: tuple[float, ...]  # β of SignSGD and SignEMA; MicroSignSGD runs the first
+    precond_lrs: tuple[float, ...]
+    var_batch_size: int  # MicroAdamVar (and Adam, the control) again at this larger batch...
+    var_steps: int  # ...for this many steps, where its instability should show
+    var_lrs: tuple[float, ...]
     batch_sizes: tuple[int, ...]
-    batch_base: int  # B₀ of lr = lr₀·(B/B₀)^p
+    batch_base: int  # B₀ of lr = mult·lr₀·(B/B₀)^p
     batch_examples: int  # examples seen by every run: steps = examples // B
     batch_lr0: dict[str, float]  # lr₀ per method at B₀
-    batch_lr_mults: tuple[float, ...]  # sweep: lr = mult·lr₀·(B/B₀)^p
+    batch_lr_mults: tuple[float, ...]
     snr_batches: int
     snr_batch_size: int
+    vectorize_runs: int  # runs of the timed group (lrs × seeds); the sequential side times...
+    vectorize_sequential: int  # ...this many of them one by one with train.main
     bench: dict[str, Any]  # bench.Config overrides ("quick": True for bench's --quick)
 
 
@@ -123,288 +139,295 @@ def _lm(size: str, **kw: Any) -> train.Config:
     return train.Config(**{**base, **kw})
 
 
-SIGN_LRS_MLP = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
-SIGN_LRS_LM = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
-ADAM_LRS_LM = (1e-3, 3e-3, 1e-2, 3e-2)
-
 # fmt: off
 SCALES: dict[str, Scale] = {
-    "smoke": Scale(  # seconds per run, MLP only: for tests
-        mlp=_mlp("tiny", steps=3, warmup=1, batch_size=8, eval_interval=2, eval_batches=1,
-                 log_interval=1),
-        lm=_lm("tiny", n_layers=1, seq_len=8, steps=3, warmup=1, batch_size=4, eval_interval=2,
-               eval_batches=1, log_interval=1),
-        sign_tasks=("mlp",), sign_lrs={"mlp": (1e-3, 1e-2), "lm": (1e-3, 1e-2)},
-        sign_momentum=0.9,
-        precond_tasks=("mlp",), precond_lrs={"mlp": (1e-2,), "lm": (1e-2,)},
-        precond_clips=(None, PAPER_CLIP), msq_eps=(),
-        batch_task="mlp", batch_sizes=(8, 16), batch_base=8, batch_examples=32,
-        batch_lr0={"adam": 1e-2, "micro_adam": 1e-2}, batch_lr_mults=(1.0,),
-        snr_batches=1, snr_batch_size=8,
+    "smoke": Scale(  # seconds per program, MLP: for tests
+        task="mlp",
+        mlp=_mlp("tiny", steps=4, warmup=1, batch_size=8, eval_interval=2, eval_batches=1),
+        lm=_lm("tiny", n_layers=1, seq_len=8, steps=4, warmup=1, batch_size=4, eval_interval=2,
+               eval_batches=1),
+        seeds=2,
+        sign_lrs={m: (1e-3, 1e-2) for m in SIGN_METHODS}, sign_momenta=(0.9, 0.99),
+        # The larger-B runs at the base's B and steps: one program with the main grid's.
+        precond_lrs=(1e-2,), var_batch_size=8, var_steps=4, var_lrs=(1e-2,),
+        batch_sizes=(8, 16), batch_base=8, batch_examples=32,
+        batch_lr0={"adam": 1e-2, "micro_adam": 1e-2}, batch_lr_mults=(1.0, 2.0),
+        snr_batches=1, snr_batch_size=8, vectorize_runs=4, vectorize_sequential=2,
         bench=dict(quick=True, sections=("mlp",), stat_sets=("mean+sq_mean",), reps=1,
                    min_time_s=0.0, mlp_in=16, mlp_width=32, mlp_depth=2, mlp_batch=8,
                    mlp_batch_sizes=(8,)),
     ),
-    "tiny": Scale(  # about 10 minutes per experiment on a 2-core CPU
-        mlp=_mlp("mini", steps=400, warmup=40, batch_size=32, eval_interval=100,
-                 eval_batches=32, log_interval=4),
-        lm=_lm("mini", seq_len=32, steps=150, warmup=15, batch_size=16, eval_interval=50,
-               eval_batches=8, log_interval=2),
-        sign_tasks=("mlp", "lm"), sign_lrs={"mlp": SIGN_LRS_MLP, "lm": SIGN_LRS_LM},
-        sign_momentum=0.9,
-        precond_tasks=("lm",), precond_lrs={"mlp": ADAM_LRS_LM, "lm": ADAM_LRS_LM[1:]},
-        precond_clips=(None, PAPER_CLIP), msq_eps=(1e-6, 1e-4, 1e-2),
-        batch_task="mlp", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32,
-        batch_examples=8192, batch_lr0={"adam": 3e-3, "micro_adam": 3e-3},
-        batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
-        snr_batches=8, snr_batch_size=128,
+    "tiny": Scale(  # the default "mini" LM (120k parameters), 32-token windows, on a 2-core CPU
+        task="lm",
+        mlp=_mlp("mini", steps=1000, warmup=50, batch_size=32, eval_interval=200,
+                 eval_batches=32),
+        lm=_lm("mini", seq_len=32, steps=1000, warmup=50, batch_size=16, eval_interval=200,
+               eval_batches=16),
+        seeds=3,
+        # Grown after a first pass found the best lr at the grid's lower edge for SignEMA
+        # and MicroSignSGD.
+        sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2, 3e-2),
+                  "sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2),
+                  "sign_ema": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)},
+        sign_momenta=(0.9, 0.99),
+        precond_lrs=(1e-3, 3e-3, 1e-2), var_batch_size=64, var_steps=500, var_lrs=(1e-3, 3e-3),
+        batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32, batch_examples=8192,
+        batch_lr0={"adam": 2e-3, "micro_adam": 4e-3},
+        batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
+        snr_batches=8, snr_batch_size=128, vectorize_runs=9, vectorize_sequential=3,
         bench=dict(quick=True),
     ),
-    "small": Scale(  # an hour or more per experiment on a CPU
+    "small": Scale(  # an hour or more per study on a CPU
+        task="lm",
         mlp=_mlp("small", steps=2000, warmup=100, batch_size=32, eval_interval=250,
-                 eval_batches=32, log_interval=5),
-        lm=_lm("small", seq_len=64, steps=1000, warmup=50, batch_size=32, eval_interval=100,
-               eval_batches=16, log_interval=5),
-        sign_tasks=("mlp", "lm"), sign_lrs={"mlp": SIGN_LRS_MLP, "lm": (1e-4, *SIGN_LRS_LM)},
-        sign_momentum=0.9,
-        precond_tasks=("mlp", "lm"),
-        precond_lrs={"mlp": (3e-4, *ADAM_LRS_LM), "lm": (3e-4, *ADAM_LRS_LM)},
-        precond_clips=(None, PAPER_CLIP), msq_eps=(1e-6,),
-        batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32,
-        batch_examples=32 * 1000, batch_lr0={"adam": 3e-3, "micro_adam": 3e-3},
-        batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
-        snr_batches=16, snr_batch_size=128,
+                 eval_batches=32),
+        lm=_lm("small", seq_len=64, steps=2000, warmup=100, batch_size=32, eval_interval=250,
+               eval_batches=16),
+        seeds=3,
+        sign_lrs={"micro_sign_sgd": (3e-3, 1e-2, 3e-2, 1e-1), "sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2),
+                  "sign_ema": (3e-4, 1e-3, 3e-3, 1e-2)},
+        sign_momenta=(0.9, 0.99),
+        precond_lrs=(3e-4, 1e-3, 3e-3, 1e-2), var_batch_size=128, var_steps=2000,
+        var_lrs=(3e-4, 1e-3, 3e-3),
+        batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32, batch_examples=32 * 2000,
+        batch_lr0={"adam": 2e-3, "micro_adam": 8e-3}, batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
+        snr_batches=16, snr_batch_size=128, vectorize_runs=12, vectorize_sequential=2,
         bench=dict(),
     ),
     "paper": Scale(  # the paper's transformer shape (TransformerConfig.paper()): accelerators
+        task="lm",
         mlp=_mlp("paper", steps=5000, warmup=250, batch_size=64, eval_interval=500,
-                 eval_batches=32, log_interval=10),
+                 eval_batches=32),
         lm=_lm("paper", seq_len=512, steps=5000, warmup=250, batch_size=64, eval_interval=250,
-               eval_batches=16, log_interval=10, checkpoint_interval=1000),
-        sign_tasks=("mlp", "lm"),
-        sign_lrs={"mlp": SIGN_LRS_MLP, "lm": (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)},
-        sign_momentum=0.9,
-        precond_tasks=("lm",),
-        precond_lrs={"mlp": (1e-4, 3e-4, *ADAM_LRS_LM), "lm": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)},
-        precond_clips=(None, PAPER_CLIP), msq_eps=(1e-6, 1e-4),
-        batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32,
-        batch_examples=64 * 5000, batch_lr0={"adam": 6e-4, "micro_adam": 6e-4},
-        batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
-        snr_batches=16, snr_batch_size=32,
+               eval_batches=16),
+        seeds=3,
+        sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2, 3e-2), "sign_sgd": (3e-5, 1e-4, 3e-4, 1e-3),
+                  "sign_ema": (3e-5, 1e-4, 3e-4, 1e-3)},
+        sign_momenta=(0.9, 0.99),
+        precond_lrs=(1e-4, 3e-4, 1e-3, 3e-3), var_batch_size=256, var_steps=5000,
+        var_lrs=(1e-4, 3e-4, 1e-3),
+        batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64, batch_examples=64 * 5000,
+        batch_lr0={"adam": 6e-4, "micro_adam": 2.4e-3}, batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
+        snr_batches=16, snr_batch_size=32, vectorize_runs=8, vectorize_sequential=1,
         bench=dict(),
     ),
 }
 # fmt: on
 
 
+def base_config(scale: Scale) -> train.Config:
+    return scale.lm if scale.task == "lm" else scale.mlp
+
+
 # --------------------------------------------------------------------------------------------
-# One run: train.main in-process, its console output in log.txt, NaN/Inf recorded as diverged.
+# Runs: a grid of (labels, config) points, each for every seed, trained by sweep.py.
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One setting of a grid: its labels (method, and what varies) and its config (seed 0)."""
+
+    method: str  # a variant's label, e.g. "MicroAdamMSQ (row)"
+    cfg: train.Config
+    extra: tuple[tuple[str, Any], ...] = ()  # further labels, e.g. (("lr_mult", 2.0),)
 
 
-def count_spikes(records: Sequence[dict[str, Any]], warmup: int) -> int:
-    """Spikes: logged training losses after warmup above SPIKE_FACTOR × their running minimum;
-    consecutive spiking records are one spike."""
+def count_spikes(losses: Sequence[float], warmup: int) -> int:
+    """Spikes in per-step training losses (index = step): after warmup, a loss above
+    SPIKE_FACTOR × the running minimum; consecutive spiking steps are one spike. NaN (a diverged
+    run's steps after divergence) is skipped."""
     spikes, low, inside = 0, math.inf, False
-    for r in records:
-        if "loss" not in r or r["step"] < warmup:
+    for step, loss in enumerate(losses):
+        if step < warmup or not math.isfinite(loss):
             continue
-        loss = r["loss"]
         spiking = loss > SPIKE_FACTOR * low
         spikes += spiking and not inside
         inside, low = spiking, min(low, loss)
     return spikes
 
 
-def classify(row: dict[str, Any]) -> dict[str, Any]:
-    """A finished run whose final loss is worse than its initial one "blew up" (a finite
-    explosion, e.g. MicroAdamMSQ dividing by ε where ReLU(v̂) = 0)."""
-    first, final = row["first_eval_loss"], row["final_loss"]
-    if row["status"] == "ok" and first is not None and final is not None and final > first:
-        return {**row, "status": "blew_up"}
-    return row
-
-
-def run_one(cfg: train.Config, *, experiment: str, task: str, method: str) -> dict[str, Any]:
-    """Train `cfg` (cfg.out is the run's directory) and return its summary row."""
-    run_dir = Path(str(cfg.out))
-    done = run_dir / "result.json"
-    if done.exists():
-        return classify(json.loads(done.read_text()))
-    if run_dir.exists():  # an interrupted run: start it over
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    status, diverged_step, result = "ok", None, {}
-    t0 = time.perf_counter()
-    with open(run_dir / "log.txt", "w") as log, contextlib.redirect_stdout(log):
-        try:
-            result = train.main(cfg)
-        except train.Diverged as err:
-            status = "diverged"
-            print(f"diverged: {err}")
-            steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
-            diverged_step = steps[-1] + 1 if steps else 0
-    records = read_metrics(run_dir)
-    losses = [r["loss"] for r in records if "loss" in r]
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    row = {
+def row_of(experiment: str, point: Point, trace: sweep.Trace) -> dict[str, Any]:
+    cfg = trace.cfg
+    first, final = float(trace.eval_loss[0]), float(trace.eval_loss[-1])
+    status = trace.status
+    if status == "ok" and final > first:
+        status = "blew_up"  # finite but worse than at initialisation
+    tail = trace.loss[-max(1, cfg.steps // 20) :]  # the last 5% of the steps
+    frac = trace.diagnostics["frac_snr_gt_1_over_B"][-max(1, cfg.steps // 20) :]
+    return {
         "experiment": experiment,
-        "task": task,
-        "method": method,
+        "task": "lm" if cfg.model == "transformer" else "mlp",
+        "method": point.method,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,
-        "max_grad_norm": cfg.max_grad_norm,
-        "eps": cfg.eps,
+        "lr_mult": None,
         "momentum": cfg.momentum,
+        "eps": cfg.eps,
+        "max_grad_norm": cfg.max_grad_norm,
+        "msq_block": cfg.msq_block,
+        **dict(point.extra),
         "batch_size": cfg.batch_size,
         "steps": cfg.steps,
         "examples": cfg.steps * cfg.batch_size,
+        "seed": cfg.seed,
         "status": status,
-        "diverged_step": diverged_step,
-        "final_loss": result.get("eval_loss") if status == "ok" else None,
-        "final_train_loss": losses[-1] if losses and status == "ok" else None,
-        "first_eval_loss": evals[0] if evals else None,
-        "spikes": count_spikes(records, cfg.warmup),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "run": str(run_dir),
+        "diverged_step": trace.diverged_step,
+        "first_eval_loss": first,
+        "final_loss": final if status == "ok" else None,
+        "final_train_loss": float(np.mean(tail)) if trace.status == "ok" else None,
+        "spikes": count_spikes(trace.loss.tolist(), cfg.warmup),
+        "final_frac_mean_dominated": float(np.mean(frac)) if trace.status == "ok" else None,
+        "seconds": round(trace.seconds, 2),
     }
-    row = classify(row)
-    done.write_text(json.dumps(row, indent=1))
-    loss = "diverged" if row["final_loss"] is None else f"{row['final_loss']:.4g}"
-    print(
-        f"  {experiment}/{task} {method:<22} lr {cfg.lr:<8.2g} B {cfg.batch_size:<4} "
-        f"-> {loss:<9} spikes {row['spikes']}  ({row['seconds']:.0f}s)",
-        flush=True,
-    )
-    return row
 
 
-def base_config(scale: Scale, task: str, seed: int) -> train.Config:
-    if task not in ("mlp", "lm"):
-        raise ValueError(f"unknown task {task!r}: choose 'mlp' or 'lm'")
-    return dataclasses.replace(scale.mlp if task == "mlp" else scale.lm, seed=seed)
+def execute(
+    experiment: str, points: Sequence[Point], seeds: int, out: Path
+) -> tuple[list[dict[str, Any]], list[sweep.Trace]]:
+    """Every point for seeds 0..seeds−1 (sweep.run, cached in OUT/cache); rows and traces in
+    the order point-major, seed-minor."""
+    configs = [dataclasses.replace(p.cfg, seed=s) for p in points for s in range(seeds)]
+    t0 = time.perf_counter()
+    log = lambda message: print(f"  [{time.perf_counter() - t0:6.0f}s] {message}", flush=True)
+    traces = sweep.run(configs, cache=out / "cache", log=log)
+    rows = [
+        row_of(experiment, p, t)
+        for p, t in zip([p for p in points for _ in range(seeds)], traces, strict=True)
+    ]
+    return rows, traces
+
+
+def aggregate(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[dict[str, Any]]:
+    """Per setting (rows equal in `keys`): the final loss over seeds (see the docstring)."""
+    found: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        found.setdefault(tuple(r[k] for k in keys), []).append(r)
+    out = []
+    for values, mine in found.items():
+        losses = {r["seed"]: r["final_loss"] for r in mine}
+        ok = [v for v in losses.values() if v is not None]
+        unstable = len(ok) < len(mine)
+        out.append(
+            {
+                **dict(zip(keys, values, strict=True)),
+                "seeds": len(mine),
+                "seeds_ok": len(ok),
+                "unstable": unstable,
+                "mean": None if unstable else float(np.mean(ok)),
+                "sd": None if unstable or len(ok) < 2 else float(np.std(ok, ddof=1)),
+                "min": min(ok) if ok else None,
+                "max": max(ok) if ok else None,
+                "spikes": sum(r["spikes"] for r in mine),
+                "runs_with_spikes": sum(r["spikes"] > 0 for r in mine),
+                "diverged": sum(r["status"] == "diverged" for r in mine),
+                "blew_up": sum(r["status"] == "blew_up" for r in mine),
+                "per_seed": losses,
+            }
+        )
+    return out
+
+
+def best(aggs: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[tuple, dict[str, Any]]:
+    """Per group of `keys`, the stable setting with the lowest mean final loss."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for a in aggs:
+        group = tuple(a[k] for k in keys)
+        if a["mean"] is not None and (group not in out or a["mean"] < out[group]["mean"]):
+            out[group] = a
+    return out
+
+
+def compare(a: dict[str, Any] | None, b: dict[str, Any] | None, name_a: str, name_b: str):
+    """The paired verdict of A vs B (docstring): lower loss is better."""
+    if a is None or b is None:
+        missing = name_a if a is None else name_b
+        return {"a": name_a, "b": name_b, "verdict": f"no verdict: {missing} has no stable lr"}
+    seeds = sorted(set(a["per_seed"]) & set(b["per_seed"]))
+    d = np.array([a["per_seed"][s] - b["per_seed"][s] for s in seeds])
+    n, mean = len(d), float(d.mean())
+    se = float(d.std(ddof=1)) / math.sqrt(n) if n > 1 else math.inf
+    agree = int((d < 0).sum()) if mean < 0 else int((d > 0).sum())
+    better, worse = (name_a, name_b) if mean < 0 else (name_b, name_a)
+    if abs(mean) <= se:
+        verdict = f"no difference: {name_a} − {name_b} = {mean:+.4f}, within its seed error"
+    else:
+        strength = "consistent" if agree == n and abs(mean) > 2 * se else "weak"
+        verdict = (
+            f"{strength}: {better} better than {worse} by {abs(mean):.4f} "
+            f"({agree}/{n} seeds agree, paired sd {se * math.sqrt(n):.4f})"
+        )
+    return {
+        "a": name_a,
+        "b": name_b,
+        "lr_a": a.get("lr"),
+        "lr_b": b.get("lr"),
+        "mean_diff": mean,
+        "se": se if n > 1 else None,
+        "seeds": n,
+        "seeds_agreeing": agree,
+        "per_seed_diff": dict(zip(seeds, d.tolist(), strict=True)),
+        "verdict": verdict,
+    }
+
+
+def write_summary(out: Path, rows: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
+    with open(out / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
+    (out / "summary.json").write_text(json.dumps({**summary, "runs": list(rows)}, indent=1))
 
 
 def fmt_lr(lr: float) -> str:
     return f"{lr:.3g}"
 
 
-def best_rows(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """For each group of `keys`, the finished run with the lowest final loss."""
-    best: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        if r["final_loss"] is None or not math.isfinite(r["final_loss"]):
-            continue
-        group = "/".join(str(r[k]) for k in keys)
-        if group not in best or r["final_loss"] < best[group]["final_loss"]:
-            best[group] = r
-    return best
+def fmt_loss(a: dict[str, Any]) -> str:
+    """A setting's final loss over seeds: mean ± sd (min–max)."""
+    if a["mean"] is None:
+        return f"unstable ({a['seeds'] - a['seeds_ok']}/{a['seeds']} seeds)"
+    sd = "" if a["sd"] is None else f" ± {a['sd']:.3f}"
+    return f"{a['mean']:.3f}{sd} ({a['min']:.3f}–{a['max']:.3f})"
 
 
-# --------------------------------------------------------------------------------------------
-# Writing: summary.csv, summary.json, plots.
+def markdown(
+    out: Path,
+    title: str,
+    best_rows: Sequence[dict[str, Any]],
+    verdicts: Sequence[dict[str, Any]],
+    *extra: str,
+) -> None:
+    """OUT/summary.md: the best setting of each variant and the verdicts, for people."""
+    lines = [f"# {title}\n", "| variant | best lr | final loss: mean ± sd (min–max) | seeds |",
+             "|---|---|---|---|"]  # fmt: skip
+    for a in best_rows:
+        lines.append(f"| {a['method']} | {fmt_lr(a['lr'])} | {fmt_loss(a)} | {a['seeds']} |")
+    lines += ["", "Verdicts (paired over seeds, each at its best lr):", ""]
+    lines += [f"- {v['a']} vs {v['b']}: {v['verdict']}" for v in verdicts]
+    (out / "summary.md").write_text("\n".join([*lines, "", *extra]) + "\n")
 
 
-def write_summary(out: Path, rows: Sequence[dict[str, Any]], extra: dict[str, Any]) -> None:
-    with open(out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
-    (out / "summary.json").write_text(json.dumps({**extra, "runs": list(rows)}, indent=1))
+def say(verdicts: Sequence[dict[str, Any]]) -> None:
+    for v in verdicts:
+        print(f"  {v['a']} vs {v['b']}: {v['verdict']}", flush=True)
 
 
-def pyplot() -> Any:
-    """matplotlib.pyplot (headless), or None with a one-line note."""
-    try:
-        import matplotlib  # pyright: ignore[reportMissingImports]  (the optional "plots" extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
-    except ImportError:
-        print(PLOTS_NOTE)
-        return None
-    return plt
+def curves_of(
+    traces: Sequence[sweep.Trace], key: str = "loss", bins: int = 100
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(steps, per-run binned series) of one setting's seeds."""
+    series = [t.loss if key == "loss" else t.diagnostics[key] for t in traces]
+    x = plots.binned(series[0], bins)[0]
+    return x, [plots.binned(s, bins)[1] for s in series]
 
 
-def smooth(values: Sequence[float], weight: float = 0.8) -> list[float]:
-    """Bias-corrected EMA, for readable training-loss curves."""
-    out, ema = [], 0.0
-    for t, v in enumerate(values, 1):
-        ema = weight * ema + (1 - weight) * v
-        out.append(ema / (1 - weight**t))
-    return out
-
-
-def curve(run: str, key: str = "loss") -> tuple[list[int], list[float]]:
-    records = [r for r in read_metrics(Path(run)) if key in r]
-    return [r["step"] for r in records], [r[key] for r in records]
-
-
-def plot_lr_sweep(ax: Any, rows: Sequence[dict[str, Any]], methods: Sequence[str], title: str):
-    """Final loss against lr, log-x; diverged (NaN/Inf) runs as x and blown-up runs (final loss
-    above the initial one) as ^ at the top of the axes."""
-    from matplotlib.ticker import NullFormatter  # pyright: ignore[reportMissingImports]
-
-    finite = [r["final_loss"] for r in rows if r["status"] == "ok"]
-    top = max(finite) if finite else 1.0
-    for i, m in enumerate(methods):
-        mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["lr"])
-        ok = [r for r in mine if r["status"] == "ok"]
-        color = f"C{i}"
-        ax.plot(
-            [r["lr"] for r in ok],
-            [r["final_loss"] for r in ok],
-            "o-",
-            color=color,
-            label=LABELS.get(m, m),
-        )
-        for status, marker in (("diverged", "x"), ("blew_up", "^")):
-            bad = [r["lr"] for r in mine if r["status"] == status]
-            if bad:
-                ax.plot(bad, [top * 1.02] * len(bad), marker, color=color, markersize=9, mew=2)
-    ax.set_xscale("log")
-    lrs = sorted({r["lr"] for r in rows})
-    ax.set_xticks(lrs, [fmt_lr(lr) for lr in lrs])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("final eval loss")
-    notes = [
-        f"{m}: {s}"
-        for s, m in (("diverged", "x"), ("blew_up", "^"))
-        if any(r["status"] == s for r in rows)
+def traces_of(
+    rows: Sequence[dict[str, Any]], traces: Sequence[sweep.Trace], **match: Any
+) -> list[sweep.Trace]:
+    return [
+        t for r, t in zip(rows, traces, strict=True) if all(r[k] == v for k, v in match.items())
     ]
-    ax.set_title(
-        title + (f"\n({', '.join(notes).replace('_', ' ')}, drawn at the top)" if notes else "")
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def plot_curves(ax: Any, best: dict[str, dict[str, Any]], title: str, *, x: str = "step"):
-    for i, (label, r) in enumerate(best.items()):
-        steps, losses = curve(r["run"])
-        if not steps:
-            continue
-        xs = [s * r["batch_size"] for s in steps] if x == "examples" else steps
-        ax.plot(xs, smooth(losses), color=f"C{i}", label=f"{label} (lr {fmt_lr(r['lr'])})")
-    ax.set_xlabel("examples seen" if x == "examples" else "step")
-    ax.set_ylabel("training loss (smoothed)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def save(fig: Any, path: Path, plt: Any) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,25 +439,28 @@ def _flat(tree: Any) -> np.ndarray:
 
 
 def measure_mu_sigma(
-    cfg: train.Config, points: Sequence[Any], *, n_batches: int, batch_size: int, seed: int
+    cfg: train.Config, points: Sequence[tuple[int, Any]], *, n_batches: int, batch_size: int
 ) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """For each parameter pytree in `points`: per-coordinate μ̂² (unbiased, clamped at 0) and
-    σ̂² over the same n_batches·batch_size fresh training examples, from pegrad's "mean" and
-    "sq_mean" (one compile for all points)."""
-    cfg = dataclasses.replace(cfg, batch_size=batch_size)
-    model_key, train_key, _ = jax.random.split(jax.random.key(cfg.seed), 3)
-    task = (train.lm_task if cfg.model == "transformer" else train.mlp_task)(cfg, key=model_key)
+    """For each (seed, parameter pytree) in `points`: per-coordinate μ̂² (unbiased, clamped at
+    0) and σ̂² over n_batches·batch_size fresh training examples of that seed's data stream
+    (steps beyond any run's), from pegrad's "mean" and "sq_mean" (one compile for all)."""
+    runs = {s: train.build(dataclasses.replace(cfg, seed=s, batch_size=batch_size))
+            for s in dict.fromkeys(s for s, _ in points)}  # fmt: skip
+    task = next(iter(runs.values())).task  # every seed's model has the same structure
     stats_fn = jax.jit(
         pegrad.value_and_grad_stats(task.loss_fn, ("mean", "sq_mean"), impl=cfg.impl)
     )
     sample = jax.jit(task.sample)
-    keys = [jax.random.fold_in(train_key, 10**8 + seed + k) for k in range(n_batches)]
-    batches = [sample(task.train_data, key=k) for k in keys]
+    batches = {
+        s: [sample(r.task.train_data, key=jax.random.fold_in(r.train_key, 10**8 + k))
+            for k in range(n_batches)]
+        for s, r in runs.items()
+    }  # fmt: skip
     n = n_batches * batch_size
     results = []
-    for params in points:
+    for seed, params in points:
         g = q = np.zeros(())
-        for batch in batches:
+        for batch in batches[seed]:
             _, stats = stats_fn(params, batch)
             g = g + _flat(stats["mean"]) / n_batches
             q = q + _flat(stats["sq_mean"]) / n_batches
@@ -465,247 +491,297 @@ def snr_prediction(
     return out
 
 
-def load_params(cfg: train.Config) -> Any:
-    """The parameters of a finished run (its final checkpoint)."""
-    model_key = jax.random.split(jax.random.key(cfg.seed), 3)[0]
-    task = (train.lm_task if cfg.model == "transformer" else train.mlp_task)(cfg, key=model_key)
-    opt = train.make_optimizer(cfg)
-    tree, _ = train.load_checkpoint(
-        Path(str(cfg.out)), {"params": task.params, "opt_state": opt.init(task.params)}
+def sign_label(method: str, momentum: float) -> str:
+    return f"{LABELS[method]} β={momentum:g}"
+
+
+def run_sign(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
+    base = base_config(scale)
+    task = "lm" if base.model == "transformer" else "mlp"
+    same = scale.sign_momenta[0]  # "the same β": every rule at it
+    points = [
+        Point(sign_label(m, beta), dataclasses.replace(base, optimizer=m, lr=lr, momentum=beta))
+        for m in SIGN_METHODS
+        for beta in (scale.sign_momenta[:1] if m == "micro_sign_sgd" else scale.sign_momenta)
+        for lr in scale.sign_lrs[m]
+    ]
+    rows, traces = execute("sign", points, seeds, out)
+    aggs = aggregate(rows, ("method", "optimizer", "momentum", "lr"))
+    best_of = best(aggs, ("optimizer", "momentum"))  # each rule at each β
+    preferred = best(aggs, ("optimizer",))  # each rule at the β (and lr) it prefers
+    at = lambda m, beta: best_of.get((m, beta))
+    verdicts = [
+        compare(at("sign_ema", same), at("sign_sgd", same), f"SignEMA β={same:g}",
+                f"SignSGD β={same:g}"),
+        compare(at("sign_sgd", same), at("micro_sign_sgd", same), f"SignSGD β={same:g}",
+                f"MicroSignSGD β={same:g}"),
+        compare(at("sign_ema", same), at("micro_sign_sgd", same), f"SignEMA β={same:g}",
+                f"MicroSignSGD β={same:g}"),
+    ]  # fmt: skip
+    pe, ps = preferred.get(("sign_ema",)), preferred.get(("sign_sgd",))
+    if pe is not None and ps is not None:
+        verdicts.append(
+            compare(pe, ps, f"SignEMA β={pe['momentum']:g} (its best β)",
+                    f"SignSGD β={ps['momentum']:g} (its best β)")
+        )  # fmt: skip
+    say(verdicts)
+
+    # The SNR model per seed: at the initialisation and at each rule's best run (same β).
+    named: list[tuple[int, str, Any]] = []  # (seed, point, params)
+    for seed in range(seeds):
+        init = train.build(dataclasses.replace(base, seed=seed)).task.params
+        named.append((seed, "init", init))
+        for m in SIGN_METHODS:
+            if (a := at(m, same)) is not None:
+                (t,) = traces_of(rows, traces, optimizer=m, momentum=same, lr=a["lr"], seed=seed)
+                named.append((seed, f"final {LABELS[m]}", t.params))
+    measured = measure_mu_sigma(
+        base,
+        [(seed, params) for seed, _, params in named],
+        n_batches=scale.snr_batches,
+        batch_size=scale.snr_batch_size,
     )
-    return tree["params"]
-
-
-def init_params(cfg: train.Config) -> Any:
-    model_key = jax.random.split(jax.random.key(cfg.seed), 3)[0]
-    return (train.lm_task if cfg.model == "transformer" else train.mlp_task)(
-        cfg, key=model_key
-    ).params
-
-
-def run_sign(scale: Scale, out: Path, seed: int, tasks: Sequence[str] | None) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    configs: dict[str, train.Config] = {}
-    for task in tasks or scale.sign_tasks:
-        base = base_config(scale, task, seed)
-        for method in SIGN_METHODS:
-            for lr in scale.sign_lrs[task]:
-                tag = f"{task}-{method}-lr{fmt_lr(lr)}"
-                cfg = dataclasses.replace(
-                    base,
-                    optimizer=method,
-                    lr=lr,
-                    momentum=scale.sign_momentum,
-                    out=str(out / "runs" / tag),
-                )
-                configs[tag] = cfg
-                rows.append(run_one(cfg, experiment="sign", task=task, method=method))
-    best = best_rows(rows, ("task", "method"))
-
-    # The SNR model at the shared initialisation and at each rule's best final parameters.
     snr: list[dict[str, Any]] = []
-    for task in tasks or scale.sign_tasks:
-        base = base_config(scale, task, seed)
-        points: list[tuple[str, Any]] = [("init", init_params(base))]
-        for method in SIGN_METHODS:
-            r = best.get(f"{task}/{method}")
-            if r is not None:
-                cfg = dataclasses.replace(
-                    base, optimizer=method, lr=r["lr"], momentum=scale.sign_momentum, out=r["run"]
-                )
-                points.append((f"final of {LABELS[method]}", load_params(cfg)))
-        measured = measure_mu_sigma(
-            base,
-            [params for _, params in points],
-            n_batches=scale.snr_batches,
-            batch_size=scale.snr_batch_size,
-            seed=seed,
+    for (seed, point, _), (mu2, sigma2, n) in zip(named, measured, strict=True):
+        outcome = {m: a["per_seed"][seed] for m in SIGN_METHODS if (a := at(m, same)) is not None}
+        observed = sorted(outcome, key=lambda m: outcome[m])  # best first
+        pred = snr_prediction(mu2, sigma2, base.batch_size, same)
+        predicted = sorted(SIGN_METHODS, key=lambda m: -pred[m])
+        snr.append(
+            {
+                "seed": seed,
+                "point": point,
+                "examples": n,
+                **pred,
+                "predicted_order": " > ".join(LABELS[m] for m in predicted),
+                "observed_order": " > ".join(LABELS[m] for m in observed),
+                "order_agrees": predicted == observed,
+                **{f"final_loss_{m}": outcome.get(m) for m in SIGN_METHODS},
+            }
         )
-        for (point, _), (mu2, sigma2, n) in zip(points, measured, strict=True):
-            pred = snr_prediction(mu2, sigma2, base.batch_size, scale.sign_momentum)
-            snr.append({"task": task, "point": point, "examples": n, **pred})
-            print(
-                f"  SNR {task} at {point}: "
-                + "  ".join(f"{LABELS.get(k, k)} {v:.3f}" for k, v in pred.items()),
-                flush=True,
-            )
+        print(
+            f"  SNR seed {seed} at {point}: "
+            + "  ".join(f"{LABELS[m]} {pred[m]:.3f}" for m in SIGN_METHODS)
+            + f"; observed {snr[-1]['observed_order']}",
+            flush=True,
+        )
 
     summary = {
         "experiment": "sign",
-        "best": {k: {"lr": v["lr"], "final_loss": v["final_loss"]} for k, v in best.items()},
-        "snr_prediction": snr,
+        "task": task,
+        "seeds": seeds,
+        "same_momentum": same,
+        "momenta": scale.sign_momenta,
+        "settings": aggs,
+        "best_per_rule_and_beta": [dict(a) for a in best_of.values()],
+        "best_per_rule": [dict(a) for a in preferred.values()],
+        "verdicts": verdicts,
+        "snr": snr,
         "snr_note": "predicted alignment = Σ|μ|·erf(k|μ|/(√2σ))/Σ|μ| (higher is better), "
-        "k = 1 (MicroSignSGD), √B (SignSGD), √(B(1+β)/(1−β)) (SignEMA); μ, σ from pegrad "
-        "mean/sq_mean on snr_batches × snr_batch_size fresh examples",
-        "momentum": scale.sign_momentum,
+        "k = 1 (MicroSignSGD), √B (SignSGD), √(B(1+β)/(1−β)) (SignEMA), β = the same β; μ, σ "
+        "from pegrad mean/sq_mean on snr_batches × snr_batch_size fresh examples",
     }
     write_summary(out, rows, summary)
+    snr_table = [
+        "SNR model (predicted alignment, higher is better) vs the outcome (final loss at each "
+        f"rule's best lr, β = {same:g}), per seed:",
+        "",
+        "| seed | point | MicroSignSGD | SignSGD | SignEMA | observed (best first) | agrees |",
+        "|---|---|---|---|---|---|---|",
+    ] + [
+        f"| {e['seed']} | {e['point']} | {e['micro_sign_sgd']:.3f} | {e['sign_sgd']:.3f} | "
+        f"{e['sign_ema']:.3f} | {e['observed_order']} | {e['order_agrees']} |"
+        for e in snr
+    ]
+    ordered = sorted(best_of.values(), key=lambda a: a["method"])
+    markdown(out, f"Sign placement ({TASK_NAMES[task]}, {seeds} seeds)", ordered, verdicts,
+             *snr_table)  # fmt: skip
     with open(out / "snr.csv", "w", newline="") as f:
-        fields = ["task", "point", "examples", *SIGN_METHODS, "frac_snr_gt_1_over_B"]
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=list(snr[0]) if snr else ["seed"])
         writer.writeheader()
         writer.writerows(snr)
-    if plt := pyplot():
-        task_list = list(tasks or scale.sign_tasks)
-        fig, axes = plt.subplots(
-            len(task_list), 4, figsize=(20, 4.3 * len(task_list)), squeeze=False
-        )
-        for row_axes, task in zip(axes, task_list, strict=True):
-            name = TASK_NAMES[task]
-            mine = [r for r in rows if r["task"] == task]
-            plot_lr_sweep(row_axes[0], mine, SIGN_METHODS, f"{name}: final loss vs lr")
-            chosen = {LABELS[m]: best[f"{task}/{m}"] for m in SIGN_METHODS if f"{task}/{m}" in best}
-            plot_curves(row_axes[1], chosen, f"{name}: training loss at each best lr")
-            ax = row_axes[2]
-            for i, (label, r) in enumerate(chosen.items()):
-                steps, frac = curve(r["run"], "frac_snr_gt_1_over_B")
-                ax.plot(steps, smooth(frac), color=f"C{i}", label=label)
-            ax.set_xlabel("step")
-            ax.set_ylabel("fraction of coordinates")
-            ax.set_title(f"{name}: measured μ̂² > σ̂²/B on the training batch")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            ax = row_axes[3]
-            entries = [s for s in snr if s["task"] == task]
-            width = 0.8 / len(SIGN_METHODS)
-            for i, m in enumerate(SIGN_METHODS):
-                xs = [j + (i - 1) * width for j in range(len(entries))]
-                ax.bar(xs, [s[m] for s in entries], width, color=f"C{i}", label=LABELS[m])
-            ax.set_xticks(
-                range(len(entries)), [s["point"] for s in entries], fontsize=8, rotation=15
+    if plt := plots.pyplot():
+        fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
+        series: dict[str, list[dict[str, Any]]] = {}
+        for a in aggs:
+            series.setdefault(a["method"], []).append(a)
+        color = plots.colors(list(series))
+        plots.lr_sweep(axes[0], series, f"{TASK_NAMES[task]}: final loss vs lr", color=color)
+        for ax, key in ((axes[1], "loss"), (axes[2], "frac_snr_gt_1_over_B")):
+            for a in sorted(best_of.values(), key=lambda a: list(series).index(a["method"])):
+                mine = traces_of(rows, traces, method=a["method"], lr=a["lr"])
+                x, runs = curves_of(mine, key)
+                label = f"{a['method']} (lr {fmt_lr(a['lr'])})"
+                plots.band(ax, x, runs, color[a["method"]], label)
+            if key == "loss":
+                ax.set_yscale("log")
+        plots.finish(axes[1], "training loss at each best lr (band: seeds' min–max)", "step",
+                     "training loss (binned)")  # fmt: skip
+        plots.finish(axes[2], "mean-dominated coordinates: μ̂² > σ̂²/B on the training batch",
+                     "step", "fraction of coordinates")  # fmt: skip
+        ax = axes[3]
+        width = 0.8 / len(SIGN_METHODS)
+        entries = [s for s in snr if s["point"] == "init"]
+        for i, m in enumerate(SIGN_METHODS):
+            xs = [j + (i - 1) * width for j in range(len(entries))]
+            ax.bar(
+                xs, [s[m] for s in entries], width, color=f"C{i}", label=f"{LABELS[m]}: predicted"
             )
-            ax.set_ylabel("predicted alignment (higher: better)")
-            ax.set_ylim(0, 1)
-            ax.set_title(
-                f"{name}: SNR-model prediction at B={base_config(scale, task, seed).batch_size}"
-            )  # noqa: E501
-            ax.grid(alpha=0.3, axis="y")
-            ax.legend(fontsize=8)
-        fig.suptitle(
-            f"Sign placement: later sign is better? (seed {seed}, β = {scale.sign_momentum})"
-        )
-        save(fig, out / "sign.png", plt)
+        twin = ax.twinx()
+        for i, m in enumerate(SIGN_METHODS):
+            xs = [j + (i - 1) * width for j in range(len(entries))]
+            twin.plot(xs, [s[f"final_loss_{m}"] for s in entries], "k_", ms=14, mew=2)
+            twin.plot(xs, [s[f"final_loss_{m}"] for s in entries], "o", color=f"C{i}", ms=5,
+                      mec="k")  # fmt: skip
+        twin.set_ylabel("observed final loss (dots; lower is better)")
+        ax.set_xticks(range(len(entries)), [f"seed {s['seed']}" for s in entries])
+        ax.set_ylim(0, 1.05)
+        plots.finish(ax, f"SNR model at init (bars, β={same:g}) vs outcome per seed (dots)", "",
+                     "predicted alignment (higher: better)")  # fmt: skip
+        fig.suptitle(f"Sign placement on the {TASK_NAMES[task]}: is a later sign better? "
+                     f"({seeds} seeds)")  # fmt: skip
+        plots.save(fig, out / "sign.png", plt)
     return summary
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Preconditioners: mean-square vs variance dominated, spikes, clipping.
+# 2. Preconditioners: mean-square vs variance dominated, spikes, clipping, MSQ's blocks.
+
+PRECOND_VARIANTS: tuple[tuple[str, str, str, float | None], ...] = (
+    # (label, optimizer, msq_block, max_grad_norm)
+    ("Adam", "adam", "none", None),
+    ("MicroAdam", "micro_adam", "none", None),
+    ("MicroAdamVar", "micro_adam_var", "none", None),
+    ("MicroAdamMSQ", "micro_adam_msq", "none", None),
+    ("MicroAdamMSQ (tensor)", "micro_adam_msq", "tensor", None),
+    ("MicroAdamMSQ (row)", "micro_adam_msq", "row", None),
+    (f"MicroAdam, clip {PAPER_CLIP:g}", "micro_adam", "none", PAPER_CLIP),
+)
+LARGE_B_METHODS = ("adam", "micro_adam_var")  # MicroAdamVar at a larger B, Adam its control
 
 
-def run_precond(scale: Scale, out: Path, seed: int, tasks: Sequence[str] | None) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    variants: list[tuple[str, str, float, float | None]] = [  # (method label, optimizer, ε, C)
-        (m, m, 1e-8, clip) for clip in scale.precond_clips for m in ADAM_METHODS
+def run_precond(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
+    base = base_config(scale)
+    task = "lm" if base.model == "transformer" else "mlp"
+    points = [
+        Point(label, dataclasses.replace(base, optimizer=o, msq_block=blk, max_grad_norm=c, lr=lr))
+        for label, o, blk, c in PRECOND_VARIANTS
+        for lr in scale.precond_lrs
     ]
-    variants += [(f"micro_adam_msq eps={e:g}", "micro_adam_msq", e, None) for e in scale.msq_eps]
-    for task in tasks or scale.precond_tasks:
-        base = base_config(scale, task, seed)
-        for method, optimizer, eps, clip in variants:
-            for lr in scale.precond_lrs[task]:
-                tag = f"{task}-{method.replace(' ', '-')}-clip{clip}-lr{fmt_lr(lr)}"
-                cfg = dataclasses.replace(
-                    base,
-                    optimizer=optimizer,
-                    lr=lr,
-                    eps=eps,
-                    max_grad_norm=clip,
-                    out=str(out / "runs" / tag),
-                )
-                rows.append(run_one(cfg, experiment="precond", task=task, method=method))
-    best = best_rows(rows, ("task", "method", "max_grad_norm"))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    counts = []
-    for task in tasks or scale.precond_tasks:
-        for m in methods:
-            for clip in (*scale.precond_clips, *([None] if scale.msq_eps else [])):
-                mine = [
-                    r
-                    for r in rows
-                    if r["task"] == task and r["method"] == m and r["max_grad_norm"] == clip
-                ]
-                if mine and not any(
-                    c["task"] == task and c["method"] == m and c["max_grad_norm"] == clip
-                    for c in counts
-                ):
-                    counts.append(
-                        {
-                            "task": task,
-                            "method": m,
-                            "max_grad_norm": clip,
-                            "runs": len(mine),
-                            "diverged": sum(r["status"] == "diverged" for r in mine),
-                            "spikes": sum(r["spikes"] for r in mine),
-                            "runs_with_spikes": sum(r["spikes"] > 0 for r in mine),
-                            "blew_up": sum(r["status"] == "blew_up" for r in mine),
-                        }
-                    )
+    big = scale.var_batch_size
+    stretch = lambda n: max(1, n * scale.var_steps // base.steps)  # warmup, evals: in proportion
+    large = dataclasses.replace(
+        base, batch_size=big, steps=scale.var_steps, warmup=stretch(base.warmup),
+        eval_interval=stretch(base.eval_interval),
+    )  # fmt: skip
+    points += [
+        Point(f"{LABELS[m]}, B={big}", dataclasses.replace(large, optimizer=m, lr=lr))
+        for m in LARGE_B_METHODS
+        for lr in scale.var_lrs
+    ]
+    rows, traces = execute("precond", points, seeds, out)
+    aggs = aggregate(rows, ("method", "lr"))
+    best_of = best(aggs, ("method",))
+    instability = []
+    for label in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == label]
+        instability.append(
+            {
+                "method": label,
+                "runs": len(mine),
+                "diverged": sum(r["status"] == "diverged" for r in mine),
+                "blew_up": sum(r["status"] == "blew_up" for r in mine),
+                "runs_with_spikes": sum(r["spikes"] > 0 for r in mine),
+                "spikes": sum(r["spikes"] for r in mine),
+            }
+        )
+    at = lambda label: best_of.get((label,))
+    clip = f"MicroAdam, clip {PAPER_CLIP:g}"
+    verdicts = [
+        compare(at("Adam"), at("MicroAdam"), "Adam", "MicroAdam"),
+        compare(at("MicroAdamVar"), at("MicroAdam"), "MicroAdamVar", "MicroAdam"),
+        compare(at("MicroAdamVar"), at("Adam"), "MicroAdamVar", "Adam"),
+        compare(at(clip), at("MicroAdam"), clip, "MicroAdam"),
+        compare(at("MicroAdamMSQ (tensor)"), at("Adam"), "MicroAdamMSQ (tensor)", "Adam"),
+        compare(at("MicroAdamMSQ (row)"), at("Adam"), "MicroAdamMSQ (row)", "Adam"),
+        compare(at("MicroAdamMSQ (row)"), at("MicroAdamMSQ (tensor)"), "MicroAdamMSQ (row)",
+                "MicroAdamMSQ (tensor)"),
+        compare(at(f"MicroAdamVar, B={big}"), at(f"Adam, B={big}"), f"MicroAdamVar, B={big}",
+                f"Adam, B={big}"),
+    ]  # fmt: skip
+    say(verdicts)
+    for c in instability:
+        print(
+            f"  {c['method']:<24} of {c['runs']} runs: diverged {c['diverged']}, blew up "
+            f"{c['blew_up']}, with spikes {c['runs_with_spikes']}",
+            flush=True,
+        )
+    # The fraction of mean-dominated coordinates over training, at each variant's best lr.
+    frac = {}
+    for label, a in ((k[0], v) for k, v in best_of.items()):
+        mine = traces_of(rows, traces, method=label, lr=a["lr"])
+        x, runs = curves_of(mine, "frac_snr_gt_1_over_B", bins=10)
+        frac[label] = {"steps": x.tolist(), "mean_over_seeds": np.nanmean(runs, 0).tolist()}
     summary = {
         "experiment": "precond",
-        "spike_definition": f"after warmup, logged train loss > {SPIKE_FACTOR:g} x running min",
-        "best": {k: {"lr": v["lr"], "final_loss": v["final_loss"]} for k, v in best.items()},
-        "instability": counts,
+        "task": task,
+        "seeds": seeds,
+        "spike_definition": f"after warmup, a step's loss > {SPIKE_FACTOR:g} x running min",
+        "settings": aggs,
+        "best": [dict(a) for a in best_of.values()],
+        "instability": instability,
+        "verdicts": verdicts,
+        "frac_mean_dominated_over_training": frac,
     }
     write_summary(out, rows, summary)
-    if plt := pyplot():
-        task_list = list(tasks or scale.precond_tasks)
-        fig, axes = plt.subplots(
-            len(task_list), 4, figsize=(20, 4.3 * len(task_list)), squeeze=False
-        )
-        for row_axes, task in zip(axes, task_list, strict=True):
-            name = TASK_NAMES[task]
-            for ax, clip in zip(row_axes[:2], scale.precond_clips, strict=False):
-                mine = [r for r in rows if r["task"] == task and r["max_grad_norm"] == clip]
-                title = "no clipping" if clip is None else f"clipped at ‖ḡ‖ ≤ {clip:g}"
-                plot_lr_sweep(
-                    ax,
-                    mine,
-                    [m for m in methods if any(r["method"] == m for r in mine)],
-                    f"{name}: final loss vs lr, {title}",
-                )
-            ax = row_axes[2]
-            for i, m in enumerate(methods):
-                for clip, style in zip(scale.precond_clips, ("-", "--"), strict=False):
-                    r = best.get(f"{task}/{m}/{clip}")
-                    if r is None:
-                        continue
-                    steps, losses = curve(r["run"])
-                    tag = "" if clip is None else f", clip {clip:g}"
-                    ax.plot(
-                        steps,
-                        smooth(losses, 0.5),
-                        style,
-                        color=f"C{i}",
-                        label=f"{LABELS.get(m, m)}{tag} (lr {fmt_lr(r['lr'])})",
-                    )
-            ax.set_xlabel("step")
-            ax.set_ylabel("training loss (lightly smoothed)")
-            firsts = [r["first_eval_loss"] for r in rows if r["first_eval_loss"] is not None]
-            if firsts:  # blown-up runs leave the axes at the top: keep the others readable
-                kept = [r["final_train_loss"] for r in rows if r["status"] == "ok"]
-                ax.set_ylim(0.9 * min(kept or firsts), 1.1 * max(firsts))
-            ax.set_title(f"{name}: curves at best lr (dashed: clipped)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-            ax = row_axes[3]
-            mine = [c for c in counts if c["task"] == task]
-            labels = [
-                f"{LABELS.get(c['method'], c['method'])}"
-                + ("" if c["max_grad_norm"] is None else f"\nclip {c['max_grad_norm']:g}")
-                for c in mine
-            ]
-            xs = np.arange(len(mine))
-            ax.bar(xs - 0.27, [c["runs_with_spikes"] for c in mine], 0.27, label="with spikes")
-            ax.bar(xs, [c["blew_up"] for c in mine], 0.27, label="blew up (final > initial)")
-            ax.bar(xs + 0.27, [c["diverged"] for c in mine], 0.27, label="diverged (NaN/Inf)")
-            ax.set_xticks(xs, labels, fontsize=7, rotation=45, ha="right")
-            ax.set_ylabel(f"runs, of {len(scale.precond_lrs[task])} learning rates")
-            ax.set_title(f"{name}: instability (spike: loss > {SPIKE_FACTOR:g}× running min)")
-            ax.grid(alpha=0.3, axis="y")
-            ax.legend(fontsize=8)
-        fig.suptitle(
-            f"Preconditioners: Adam vs MicroAdam vs MicroAdamVar vs MicroAdamMSQ (seed {seed})"
-        )
-        save(fig, out / "precond.png", plt)
+    unstable = [
+        "Instability over every lr and seed (spike: a step's loss > "
+        f"{SPIKE_FACTOR:g}× the running minimum; blew up: final loss > initial):",
+        "",
+        "| variant | runs | diverged | blew up | with spikes | mean-dominated at the end |",
+        "|---|---|---|---|---|---|",
+    ] + [
+        f"| {c['method']} | {c['runs']} | {c['diverged']} | {c['blew_up']} | "
+        f"{c['runs_with_spikes']} | "
+        + (f"{frac[c['method']]['mean_over_seeds'][-1]:.3f} |" if c["method"] in frac else "– |")
+        for c in instability
+    ]
+    markdown(out, f"Preconditioners ({TASK_NAMES[task]}, {seeds} seeds)",
+             list(best_of.values()), verdicts, *unstable)  # fmt: skip
+    if plt := plots.pyplot():
+        fig, axes = plt.subplots(1, 4, figsize=(24, 5.2))
+        series: dict[str, list[dict[str, Any]]] = {}
+        for a in aggs:
+            series.setdefault(a["method"], []).append(a)
+        color = plots.colors(list(series))
+        plots.lr_sweep(axes[0], series, f"{TASK_NAMES[task]}: final loss vs lr", color=color)
+        for ax, key, ylabel in (
+            (axes[1], "loss", "training loss (binned)"),
+            (axes[2], "frac_snr_gt_1_over_B", "fraction of coordinates"),
+        ):
+            for label, a in ((k[0], v) for k, v in best_of.items()):
+                mine = traces_of(rows, traces, method=label, lr=a["lr"])
+                x, runs = curves_of(mine, key)
+                style = "--" if "B=" in label else "-"
+                plots.band(ax, x, runs, color[label], f"{label} (lr {fmt_lr(a['lr'])})", ls=style)
+            if key == "loss":
+                ax.set_yscale("log")
+            plots.finish(ax, "at each best lr (band: seeds' min–max; dashed: larger B)"
+                         if key == "loss" else "mean-dominated coordinates: μ̂² > σ̂²/B", "step",
+                         ylabel)  # fmt: skip
+        ax = axes[3]
+        xs = np.arange(len(instability))
+        for j, (key, name) in enumerate(
+            (("runs_with_spikes", "with spikes"), ("blew_up", "blew up (final > initial)"),
+             ("diverged", "diverged (NaN/Inf)"))
+        ):  # fmt: skip
+            ax.bar(xs + (j - 1) * 0.27, [c[key] for c in instability], 0.27, label=name)
+        ax.set_xticks(xs, [c["method"] for c in instability], fontsize=7, rotation=40, ha="right")
+        plots.finish(ax, f"instability over all lrs × {seeds} seeds (spike: loss > "
+                     f"{SPIKE_FACTOR:g}× running min)", "", "runs")  # fmt: skip
+        fig.suptitle(f"Preconditioners on the {TASK_NAMES[task]}: mean-square vs variance "
+                     f"dominated, clipping, MSQ's blocks ({seeds} seeds)")  # fmt: skip
+        plots.save(fig, out / "precond.png", plt)
     return summary
 
 
@@ -715,153 +791,177 @@ def run_precond(scale: Scale, out: Path, seed: int, tasks: Sequence[str] | None)
 BATCH_POWER = {"adam": 0.5, "micro_adam": 1.0}
 
 
-def run_batch_scaling(
-    scale: Scale, out: Path, seed: int, tasks: Sequence[str] | None
-) -> dict[str, Any]:
-    task = (tasks or (scale.batch_task,))[0]
-    base = base_config(scale, task, seed)
-    rows: list[dict[str, Any]] = []
-    for method, power in BATCH_POWER.items():
-        for b in scale.batch_sizes:
-            steps = max(1, scale.batch_examples // b)
-            for mult in scale.batch_lr_mults:
-                lr = mult * scale.batch_lr0[method] * (b / scale.batch_base) ** power
-                tag = f"{task}-{method}-B{b}-x{mult:g}"
-                cfg = dataclasses.replace(
-                    base,
-                    optimizer=method,
-                    lr=lr,
-                    batch_size=b,
-                    steps=steps,
-                    warmup=max(1, steps // 10),
-                    log_interval=max(1, steps // 100),
-                    eval_interval=max(1, steps // 4),
-                    eval_batches=max(
-                        base.eval_batches, -(-base.eval_batches * base.batch_size // b)
-                    ),
-                    out=str(out / "runs" / tag),
-                )
-                row = run_one(cfg, experiment="batch-scaling", task=task, method=method)
-                rows.append({**row, "lr_mult": mult, "lr_power": power})
-    # Best multiplier per (method, B): flat across B if the scaling rule holds.
-    best = best_rows(rows, ("method", "batch_size"))
-    best_mult = {}
-    for method in BATCH_POWER:
-        at_base = best.get(f"{method}/{scale.batch_base}")
-        best_mult[method] = at_base["lr_mult"] if at_base else 1.0
-    table = [
-        {
-            "method": m,
-            "batch_size": b,
-            "best_lr": r["lr"],
-            "best_lr_mult": r["lr_mult"],
-            "final_loss": r["final_loss"],
-        }
+def batch_config(scale: Scale, method: str, b: int, mult: float) -> train.Config:
+    base = base_config(scale)
+    steps = max(1, scale.batch_examples // b)
+    return dataclasses.replace(
+        base,
+        optimizer=method,
+        lr=mult * scale.batch_lr0[method] * (b / scale.batch_base) ** BATCH_POWER[method],
+        batch_size=b,
+        steps=steps,
+        warmup=max(1, steps // 20),
+        eval_interval=max(1, steps // 4),
+        # The same held-out examples at every B: eval_batches·B stays the base's.
+        eval_batches=max(1, -(-base.eval_batches * base.batch_size // b)),
+    )
+
+
+def run_batch_scaling(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
+    task = scale.task
+    points = [
+        Point(LABELS[m], batch_config(scale, m, b, mult), (("lr_mult", mult),))
         for m in BATCH_POWER
         for b in scale.batch_sizes
-        if (r := best.get(f"{m}/{b}")) is not None
+        for mult in scale.batch_lr_mults
     ]
-    slopes = {}
+    rows, traces = execute("batch-scaling", points, seeds, out)
+    aggs = aggregate(rows, ("method", "optimizer", "batch_size", "lr_mult", "lr"))
+    best_of = best(aggs, ("optimizer", "batch_size"))
+    table = []
     for m in BATCH_POWER:
-        pts = [
-            (math.log(t["batch_size"]), math.log(t["best_lr"])) for t in table if t["method"] == m
-        ]
-        if len(pts) >= 2:
-            slopes[m] = float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0])
+        for b in scale.batch_sizes:
+            a = best_of.get((m, b))
+            # Per seed: the multiplier that seed alone would pick (do the seeds agree?).
+            per_seed = {}
+            for s in range(seeds):
+                mine = [r for r in rows if r["optimizer"] == m and r["batch_size"] == b
+                        and r["seed"] == s and r["final_loss"] is not None]  # fmt: skip
+                if mine:
+                    per_seed[s] = min(mine, key=lambda r: r["final_loss"])["lr_mult"]
+            table.append(
+                {
+                    "method": m,
+                    "batch_size": b,
+                    "best_lr_mult": None if a is None else a["lr_mult"],
+                    "best_lr": None if a is None else a["lr"],
+                    "final_loss": None if a is None else a["mean"],
+                    "sd": None if a is None else a["sd"],
+                    "best_lr_mult_per_seed": per_seed,
+                }
+            )
+    slopes: dict[str, Any] = {}
+    for m in BATCH_POWER:
+        mine = [t for t in table if t["method"] == m and t["best_lr"] is not None]
+        fit = lambda ts: float(np.polyfit(np.log([t["batch_size"] for t in ts]),
+                                          np.log([t["best_lr"] for t in ts]), 1)[0])  # fmt: skip
+        slopes[m] = {
+            "all": fit(mine) if len(mine) >= 2 else None,
+            "B<=64": fit([t for t in mine if t["batch_size"] <= 64])
+            if sum(t["batch_size"] <= 64 for t in mine) >= 2
+            else None,
+            "predicted": BATCH_POWER[m],
+        }
+    # At the base multiplier of each method's rule: how far the best multiplier drifts over B.
+    verdicts = []
+    for m, power in BATCH_POWER.items():
+        mults = {t["batch_size"]: t["best_lr_mult"] for t in table if t["method"] == m}
+        known = {b: v for b, v in mults.items() if v is not None}
+        small = [v for b, v in known.items() if b <= 64]
+        spread = max(small) / min(small) if small else math.nan
+        seeds_agree = sum(
+            len(set(t["best_lr_mult_per_seed"].values())) == 1
+            for t in table
+            if t["method"] == m and t["best_lr_mult_per_seed"]
+        )
+        verdicts.append(
+            {
+                "a": LABELS[m],
+                "b": f"lr ∝ B^{power:g}",
+                "best_mult_per_B": known,
+                "spread_B<=64": spread,
+                "batch_sizes_where_seeds_pick_the_same_mult": seeds_agree,
+                "verdict": (
+                    f"best multiplier over B ≤ 64 spans a factor {spread:g} "
+                    f"({'flat within one grid step: the rule holds' if spread <= 2 else 'drifts: the rule does not hold'}"  # noqa: E501
+                    f"); fitted exponent {slopes[m]['B<=64']} for B ≤ 64, {slopes[m]['all']} "
+                    f"for all B (predicted {power:g}); seeds pick the same multiplier at "
+                    f"{seeds_agree}/{len(scale.batch_sizes)} batch sizes"
+                ),
+            }
+        )
+    say(verdicts)
     summary = {
         "experiment": "batch-scaling",
         "task": task,
+        "seeds": seeds,
         "examples": scale.batch_examples,
         "batch_base": scale.batch_base,
         "lr0": scale.batch_lr0,
         "rule": "lr = mult * lr0 * (B / B0) ** p, p = 0.5 (adam), 1 (micro_adam)",
-        "curves_at_mult": best_mult,
+        "settings": aggs,
         "best_lr_per_batch": table,
         "fitted_exponent_of_best_lr_vs_B": slopes,
+        "verdicts": verdicts,
     }
     write_summary(out, rows, summary)
-    if plt := pyplot():
-        fig, axes = plt.subplots(1, 4, figsize=(21, 4.6))
+    lines = [
+        f"# Batch-size scaling ({TASK_NAMES[task]}, {seeds} seeds, {scale.batch_examples} "
+        "examples per run)\n",
+        f"lr = mult · lr₀ · (B/{scale.batch_base})^p; the best multiplier per B (mean over "
+        "seeds), each seed's own pick, and the final loss there:",
+        "",
+        "| method | B | best mult | per seed | best lr | final loss: mean ± sd (min–max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        a = best_of.get((t["method"], t["batch_size"]))
+        picks = ", ".join(f"{v:g}" for v in t["best_lr_mult_per_seed"].values())
+        lines.append(
+            f"| {LABELS[t['method']]} | {t['batch_size']} | "
+            + ("– | – | – | unstable |" if a is None else
+               f"{a['lr_mult']:g} | {picks} | {fmt_lr(a['lr'])} | {fmt_loss(a)} |")
+        )  # fmt: skip
+    lines += ["", "Verdicts:", ""] + [f"- {v['a']}, {v['b']}: {v['verdict']}" for v in verdicts]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    if plt := plots.pyplot():
+        fig, axes = plt.subplots(1, 4, figsize=(24, 4.8))
         cmap = plt.get_cmap("viridis")
-        for ax, (method, power) in zip(axes[:2], BATCH_POWER.items(), strict=True):
+        for ax, (m, power) in zip(axes[:2], BATCH_POWER.items(), strict=True):
+            at_base = best_of.get((m, scale.batch_base))
+            mult = at_base["lr_mult"] if at_base else 1.0
             for i, b in enumerate(scale.batch_sizes):
-                r = next(
-                    (
-                        r
-                        for r in rows
-                        if r["method"] == method
-                        and r["batch_size"] == b
-                        and r["lr_mult"] == best_mult[method]
-                    ),
-                    None,
-                )
-                if r is None:
-                    continue
-                steps, losses = curve(r["run"])
+                mine = traces_of(rows, traces, optimizer=m, batch_size=b, lr_mult=mult)
+                x, runs = curves_of(mine, bins=min(100, mine[0].cfg.steps))
                 color = cmap(i / max(1, len(scale.batch_sizes) - 1))
-                ax.plot(
-                    [s * b for s in steps],
-                    smooth(losses, 0.6),
-                    color=color,
-                    label=f"B={b}" + (" (diverged)" if r["status"] != "ok" else ""),
-                )
-            rule = "√(B/B₀)" if power == 0.5 else "(B/B₀)"
-            lr0 = best_mult[method] * scale.batch_lr0[method]
-            ax.set_title(f"{LABELS[method]}: lr = {fmt_lr(lr0)}·{rule}, B₀={scale.batch_base}")
-            ax.set_xlabel("examples seen")
-            ax.set_ylabel("training loss (smoothed)")
+                plots.band(ax, x * b, runs, color, f"B={b}")
             ax.set_yscale("log")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            rule = "√(B/B₀)" if power == 0.5 else "(B/B₀)"
+            lr0 = mult * scale.batch_lr0[m]
+            plots.finish(ax, f"{LABELS[m]}: lr = {fmt_lr(lr0)}·{rule}, B₀={scale.batch_base} "
+                         "(band: seeds)", "examples seen", "training loss (binned)")  # fmt: skip
         ax = axes[2]
         bs = np.array(scale.batch_sizes, dtype=float)
-        for i, (method, power) in enumerate(BATCH_POWER.items()):
-            mine = [t for t in table if t["method"] == method]
-            ax.plot(
-                [t["batch_size"] for t in mine],
-                [t["best_lr"] for t in mine],
-                "o-",
-                color=f"C{i}",
-                label=f"{LABELS[method]}: best lr (fit slope "
-                f"{slopes.get(method, float('nan')):.2f})",
-            )
-            ref = best_mult[method] * scale.batch_lr0[method]
-            ax.plot(
-                bs,
-                ref * (bs / scale.batch_base) ** power,
-                ":",
-                color=f"C{i}",
-                label=f"∝ B^{power:g} (predicted)",
-            )
+        for i, (m, power) in enumerate(BATCH_POWER.items()):
+            mine = [t for t in table if t["method"] == m and t["best_lr"] is not None]
+            ax.plot([t["batch_size"] for t in mine], [t["best_lr"] for t in mine], "o-",
+                    color=f"C{i}", label=f"{LABELS[m]}: best lr (mean over seeds)")  # fmt: skip
+            for t in mine:  # each seed's own pick, jittered
+                for s, mult in t["best_lr_mult_per_seed"].items():
+                    lr = mult * scale.batch_lr0[m] * (t["batch_size"] / scale.batch_base) ** power
+                    ax.plot(t["batch_size"] * (1 + 0.06 * (s - 1)), lr, ".", color=f"C{i}",
+                            alpha=0.5)  # fmt: skip
+            at_base = best_of.get((m, scale.batch_base))
+            ref = (at_base["lr_mult"] if at_base else 1.0) * scale.batch_lr0[m]
+            ax.plot(bs, ref * (bs / scale.batch_base) ** power, ":", color=f"C{i}",
+                    label=f"∝ B^{power:g} (predicted)")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("batch size B")
-        ax.set_ylabel("best peak learning rate")
-        ax.set_title(f"Best lr vs B (grid: ×{', ×'.join(f'{m:g}' for m in scale.batch_lr_mults)})")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        plots.finish(ax, f"best lr vs B (dots: each seed's pick; grid ×"
+                     f"{', ×'.join(f'{m:g}' for m in scale.batch_lr_mults)})", "batch size B",
+                     "best peak learning rate")  # fmt: skip
         ax = axes[3]
-        for i, method in enumerate(BATCH_POWER):
-            mine = [t for t in table if t["method"] == method]
-            ax.plot(
-                [t["batch_size"] for t in mine],
-                [t["final_loss"] for t in mine],
-                "o-",
-                color=f"C{i}",
-                label=f"{LABELS[method]} (best lr per B)",
-            )
+        for i, m in enumerate(BATCH_POWER):
+            mine = [t for t in table if t["method"] == m and t["final_loss"] is not None]
+            ax.errorbar([t["batch_size"] for t in mine], [t["final_loss"] for t in mine],
+                        yerr=[t["sd"] or 0.0 for t in mine], fmt="o-", capsize=3, color=f"C{i}",
+                        label=f"{LABELS[m]} (best lr per B; bars: seed sd)")  # fmt: skip
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size B")
-        ax.set_ylabel("final eval loss")
-        ax.set_title(f"Final loss after {scale.batch_examples} examples")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        name = TASK_NAMES[task]
-        fig.suptitle(
-            f"Batch-size scaling on the {name}: do curves collapse against examples "
-            f"seen? (seed {seed})"
-        )
-        save(fig, out / "batch_scaling.png", plt)
+        plots.finish(ax, f"final loss after {scale.batch_examples} examples", "batch size B",
+                     "final eval loss")  # fmt: skip
+        fig.suptitle(f"Batch-size scaling on the {TASK_NAMES[task]}: do curves collapse against "
+                     f"examples seen? ({seeds} seeds)")  # fmt: skip
+        plots.save(fig, out / "batch_scaling.png", plt)
     return summary
 
 
@@ -869,12 +969,12 @@ def run_batch_scaling(
 # 4. Overhead: bench.py's table.
 
 
-def run_overhead(scale: Scale, out: Path, seed: int) -> dict[str, Any]:
+def run_overhead(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
     import bench
 
     overrides = dict(scale.bench)
     base = bench.Config(**bench.QUICK) if overrides.pop("quick", False) else bench.Config()
-    config = dataclasses.replace(base, seed=seed, **overrides)
+    config = dataclasses.replace(base, seed=0, **overrides)
     t0 = time.perf_counter()
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -885,7 +985,7 @@ def run_overhead(scale: Scale, out: Path, seed: int) -> dict[str, Any]:
     for r in records:
         sections.setdefault((r["section"], r["model"], r["batch_size"]), []).append(r)
     text = [
-        f"# Overhead of per-example statistics (bench.py, {seconds:.0f} s, seed {seed})\n",
+        f"# Overhead of per-example statistics (bench.py, {seconds:.0f} s)\n",
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}\n",
     ]
     for (section, model, b), rs in sections.items():
@@ -916,7 +1016,7 @@ def run_overhead(scale: Scale, out: Path, seed: int) -> dict[str, Any]:
         "rows": rows,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if plt := pyplot():
+    if plt := plots.pyplot():
         timed = [r for r in rows if r["time_ratio"] is not None and r["stats"] == "mean+sq_mean"]
         mem = [r for r in rows if r["memory_ratio"] is not None and r["stats"] == "mean+sq_mean"]
         fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
@@ -933,71 +1033,134 @@ def run_overhead(scale: Scale, out: Path, seed: int) -> dict[str, Any]:
             ax.axhline(1.0, color="k", lw=0.8)
             ax.set_xticks(range(len(data)), labels, fontsize=6, rotation=60, ha="right")
             ax.set_yscale("log")
-            ax.set_ylabel(f"{title} / plain gradient's")
-            ax.set_title(f"mean+sq_mean: {title} relative to jax.value_and_grad")
-            ax.grid(alpha=0.3, axis="y")
-        save(fig, out / "overhead.png", plt)
+            plots.finish(ax, f"mean+sq_mean: {title} relative to jax.value_and_grad", "",
+                         f"{title} / plain gradient's", legend=False)  # fmt: skip
+        plots.save(fig, out / "overhead.png", plt)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Vectorize: the same runs as one vectorized program and one by one with train.main.
+
+
+def run_vectorize(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
+    """Runs/hour of one sweep group (`vectorize_runs` runs: lrs × seeds of MicroAdam on the
+    scale's task) trained by sweep.py, against `vectorize_sequential` of the same runs trained
+    one after another by train.main (each with its own compile, evaluation and checkpoint, as
+    a user would run them). Both wall times include compiling. The final held-out losses of the
+    runs done both ways are compared."""
+    base = dataclasses.replace(base_config(scale), optimizer="micro_adam")
+    lrs = [base.lr * 2.0**k for k in range(-(-scale.vectorize_runs // seeds))]
+    configs = [dataclasses.replace(base, lr=lr, seed=s) for lr in lrs for s in range(seeds)]
+    configs = configs[: scale.vectorize_runs]
+    t0 = time.perf_counter()
+    traces = sweep.run_group(configs)  # no cache: this is a timing
+    vectorized = time.perf_counter() - t0
+    sequential, diffs = [], []
+    for i, cfg in enumerate(configs[: scale.vectorize_sequential]):
+        run_dir = out / "sequential" / f"run{i}"
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = train.main(dataclasses.replace(cfg, out=str(run_dir)))
+        sequential.append(time.perf_counter() - t0)
+        diffs.append(abs(result["eval_loss"] - float(traces[i].eval_loss[-1])))
+    per_run_vec = vectorized / len(configs)
+    per_run_seq = float(np.mean(sequential))
+    summary = {
+        "experiment": "vectorize",
+        "task": scale.task,
+        "runs": len(configs),
+        "steps": base.steps,
+        "batch_size": base.batch_size,
+        "vectorized_seconds": vectorized,
+        "vectorized_runs_per_hour": 3600 / per_run_vec,
+        "sequential_runs_timed": len(sequential),
+        "sequential_seconds_per_run": sequential,
+        "sequential_runs_per_hour": 3600 / per_run_seq,
+        "speedup": per_run_seq / per_run_vec,
+        "max_final_loss_difference": max(diffs),
+        "device": jax.devices()[0].device_kind,
+    }
+    print(
+        f"  {len(configs)} runs vectorized in {vectorized:.0f}s: "
+        f"{summary['vectorized_runs_per_hour']:.0f} runs/hour; one by one (train.main) "
+        f"{per_run_seq:.0f}s a run: {summary['sequential_runs_per_hour']:.0f} runs/hour; speedup "
+        f"{summary['speedup']:.2f}×; final losses differ by at most {max(diffs):.2g}",
+        flush=True,
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(
+        f"# Vectorized vs one by one ({TASK_NAMES[scale.task]}, {base.steps} steps of batch "
+        f"{base.batch_size}, {summary['device']})\n\n"
+        f"| how | runs timed | seconds per run | runs/hour |\n|---|---|---|---|\n"
+        f"| sweep.py, one program | {len(configs)} | {per_run_vec:.1f} | "
+        f"{summary['vectorized_runs_per_hour']:.0f} |\n"
+        f"| train.main, one after another | {len(sequential)} | {per_run_seq:.1f} | "
+        f"{summary['sequential_runs_per_hour']:.0f} |\n\n"
+        f"Speedup {summary['speedup']:.2f}×, compiles included; the runs done both ways end at "
+        f"held-out losses that differ by at most {max(diffs):.2g}.\n"
+    )
     return summary
 
 
 # --------------------------------------------------------------------------------------------
 # Entry points.
 
-RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[Scale, Path, int], dict[str, Any]]] = {
     "sign": run_sign,
     "precond": run_precond,
     "batch-scaling": run_batch_scaling,
+    "overhead": run_overhead,
+    "vectorize": run_vectorize,
 }
 
 
-def run(
-    name: str, *, scale: str, out: str, seed: int = 0, tasks: Sequence[str] | None = None
-) -> dict[str, Any]:
-    """Run experiment `name` ("sign", "precond", "batch-scaling", "overhead" or "all") at
-    `scale` ("smoke", "tiny", "small", "paper") into `out`; returns its summary (for "all": a
-    dict of the four). `tasks` ("mlp", "lm") overrides the scale's choice of task."""
+def run(name: str, *, scale: str, out: str, seeds: int | None = None) -> dict[str, Any]:
+    """Run study `name` (EXPERIMENTS or "all") at `scale` ("smoke", "tiny", "small", "paper")
+    into `out`, each setting for seeds 0..seeds−1 (None: the scale's default); returns its
+    summary (for "all": a dict of them)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
     if name == "all":
-        return {
-            n: run(n, scale=scale, out=str(Path(out) / n), seed=seed, tasks=tasks)
-            for n in EXPERIMENTS
-        }
+        return {n: run(n, scale=scale, out=str(Path(out) / n), seeds=seeds) for n in EXPERIMENTS}
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {(*EXPERIMENTS, 'all')}")
-    for t in tasks or ():
-        if t not in ("mlp", "lm"):
-            raise ValueError(f"unknown task {t!r}: choose 'mlp' or 'lm'")
+    n_seeds = SCALES[scale].seeds if seeds is None else seeds
+    if n_seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {n_seeds}")
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    print(f"experiment {name}, scale {scale}, seed {seed} -> {path}", flush=True)
+    print(f"experiment {name}, scale {scale}, {n_seeds} seeds -> {path}", flush=True)
     t0 = time.perf_counter()
-    if name == "overhead":
-        summary = run_overhead(SCALES[scale], path, seed)
-    else:
-        summary = RUNNERS[name](SCALES[scale], path, seed, tasks)
+    summary = RUNNERS[name](SCALES[scale], path, n_seeds)
     seconds = time.perf_counter() - t0
-    summary = {**summary, "scale": scale, "seed": seed, "total_seconds": round(seconds, 1)}
+    summary = {**summary, "scale": scale, "total_seconds": round(seconds, 1)}
     data = json.loads((path / "summary.json").read_text())
     (path / "summary.json").write_text(json.dumps({**data, **summary}, indent=1))
-    print(f"experiment {name} done in {seconds:.0f}s: {path}/summary.csv, summary.json", flush=True)
+    print(f"experiment {name} done in {seconds:.0f}s: {path}", flush=True)
     return summary
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which experiment")
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="Every study, its scales and its definitions: see experiments.py's docstring.",
+    )
+    parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which study")
     parser.add_argument("--scale", choices=tuple(SCALES), default="tiny", help="sizes and steps")
     parser.add_argument("--out", default=None, help="output directory (default runs/exp-NAME)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every run")
     parser.add_argument(
-        "--tasks", nargs="+", choices=("mlp", "lm"), default=None, help="override the scale's tasks"
+        "--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: the scale's)"
     )
     args = parser.parse_args(argv)
     out = args.out or f"runs/exp-{args.name}"
     try:
-        run(args.name, scale=args.scale, out=out, seed=args.seed, tasks=args.tasks)
-    except train.ConfigError as err:
+        run(args.name, scale=args.scale, out=out, seeds=args.seeds)
+    except (train.ConfigError, ValueError) as err:
         sys.exit(f"error: {err}")
 
 

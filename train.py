@@ -7,15 +7,17 @@
     python train.py --model mlp --optimizer sign_ema --noise 1.0       # teacher-student MLP
     python train.py --out runs/adam --resume --steps 4000              # continue a run
     python train.py --help                                             # every knob
-    python train.py --experiment sign --scale tiny --out runs/sign     # a study of the paper
     python train.py --size paper --param-sharding fsdp --coordinator HOST0:1234 \
         --num-processes 2 --process-id I --out /shared/runs/paper   # on each of 2 hosts, I=0,1
 
+The paper's studies (many runs, vectorized) are experiments.py: `python experiments.py NAME`.
+
 Read top to bottom: the config (every knob, each with its help text), the data (random windows
-of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model,
-where arrays live (processes, the device mesh, shardings), the optimizer and one jitted training
-step that asks pegrad for the optimizer's statistics plus "mean" and "sq_mean" for the gradient
-diagnostics of SPEC §4, atomic checkpoints, the loop.
+of a byte string, or a teacher-student regression whose label noise `--noise` sets), the model
+and optimizer with one pure training step that asks pegrad for the optimizer's statistics plus
+"mean" and "sq_mean" for the gradient diagnostics of SPEC §4 (`build`, which experiments.py's
+vectorized sweeps share), where arrays live (processes, the device mesh, shardings), atomic
+checkpoints, the loop.
 
 Writes into --out (default runs/<timestamp>): config.json (the resolved config), metrics.jsonl
 (one object per logged step: step, loss, lr, grad_norm, frac_snr_gt_1_over_B (the fraction of
@@ -36,8 +38,9 @@ mesh spans all their devices. Process 0 prints and writes; checkpoints are gathe
 resume on any number of processes and devices.
 
 Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1.
-In-process, `main(Config(...))` returns the final metrics: the hook for experiment drivers and
-tests.
+In-process, `main(Config(...))` returns the final metrics; `build(Config(...))` is what a run
+is made of before any device or file (task, optimizer, step), for drivers that run many at
+once.
 """
 
 import argparse
@@ -50,7 +53,7 @@ import os
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple, get_args, get_origin
 
@@ -68,7 +71,6 @@ import models
 import optimizers
 import pegrad
 
-EXPERIMENTS = ("sign", "precond", "batch-scaling", "overhead", "all")  # see experiments.py
 AdamFamily = Literal["adam", "micro_adam", "micro_adam_var", "micro_adam_msq"]
 SignFamily = Literal["micro_sign_sgd", "sign_sgd", "sign_ema"]
 
@@ -109,6 +111,9 @@ class Config:
     b2: float = knob(0.999, "Adam family: second-moment decay")
     eps: float = knob(1e-8, "Adam family: epsilon outside the square root")
     momentum: float | None = knob(None, "sign family EMA decay (None: the optimizer's default)")
+    msq_block: Literal["none", "tensor", "row"] = knob(
+        "none", "micro_adam_msq: average v̂ over each tensor or row before the root"
+    )
     weight_decay: float = knob(0.0, "decoupled weight decay on matrices and embeddings", min=0)
     max_grad_norm: float | None = knob(None, "clip by the global norm of the mean gradient")
     # Run.
@@ -176,8 +181,7 @@ def parse_config(argv: list[str]) -> Config:
     parser = argparse.ArgumentParser(
         description="Train with pegrad's optimizers; see train.py's docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog=f"--experiment {{{','.join(EXPERIMENTS)}}} [--scale {{smoke,tiny,small,paper}}] "
-        "[--out DIR] [--seed N] runs one of the paper's studies instead (experiments.py).",
+        epilog="The paper's studies: python experiments.py --help",
     )
     for field in dataclasses.fields(Config):
         kwargs: dict[str, Any] = {"default": field.default, "help": field.metadata["help"]}
@@ -204,6 +208,8 @@ def check(cfg: Config) -> Config:
     if cfg.model == "mlp" and cfg.granularity == "token":
         raise ConfigError("--granularity token needs sequences: use --model transformer")
     units = cfg.batch_size * (cfg.seq_len if cfg.granularity == "token" else 1)
+    if cfg.msq_block != "none" and cfg.optimizer != "micro_adam_msq":
+        raise ConfigError(f"--msq-block {cfg.msq_block} is an option of micro_adam_msq only")
     if cfg.optimizer in ("micro_adam_var", "micro_adam_msq") and units < 2:
         raise ConfigError(f"{cfg.optimizer} divides by B - 1: needs --batch-size >= 2")
     me, processes = cfg.process_id, cfg.num_processes
@@ -433,12 +439,22 @@ def gather(tree: PyTree) -> PyTree:
 # Optimizer and the jitted step.
 
 
-def make_schedule(cfg: Config) -> Callable[[Int[Array, ""]], Float[Array, ""]]:
-    """Linear warmup to lr, then constant, or cosine decay to lr/10 at the last step."""
+# Config fields that may differ between the runs of one vectorized program (experiments.py):
+# numbers the optimizer reads only at run time, so each run may bring its own as a traced array.
+HYPERPARAMETERS = ("lr", "b1", "b2", "eps", "momentum", "max_grad_norm")
+
+
+def make_schedule(
+    cfg: Config, peak: float | Float[Array, ""] | None = None
+) -> Callable[[Int[Array, ""]], Float[Array, ""]]:
+    """Linear warmup to the peak lr (`peak`, else cfg.lr), then constant, or cosine decay to
+    a tenth of it at the last step."""
+    # float32 whatever the peak's dtype: a traced peak gives the numbers a Python float gives.
+    lr0 = jnp.asarray(cfg.lr if peak is None else peak).astype(jnp.float32)
 
     def schedule(count: Int[Array, ""]) -> Float[Array, ""]:
         t = jnp.asarray(count, jnp.float32)
-        lr = cfg.lr * jnp.minimum(1.0, (t + 1.0) / (cfg.warmup + 1.0))
+        lr = lr0 * jnp.minimum(1.0, (t + 1.0) / (cfg.warmup + 1.0))
         if cfg.schedule == "cosine":
             progress = jnp.clip((t - cfg.warmup) / max(1, cfg.steps - cfg.warmup), 0.0, 1.0)
             lr = lr * (0.1 + 0.45 * (1.0 + jnp.cos(jnp.pi * progress)))
@@ -447,22 +463,29 @@ def make_schedule(cfg: Config) -> Callable[[Int[Array, ""]], Float[Array, ""]]:
     return schedule
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(
+    cfg: Config, hyper: Mapping[str, Any] | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """The optimizer `cfg` names; `hyper` overrides fields in HYPERPARAMETERS with values that
+    may be traced (a vectorized sweep's per-run arrays); None stays None."""
+    h = {name: getattr(cfg, name) for name in HYPERPARAMETERS} | dict(hyper or {})
     # Decay matrices and embeddings, not biases or norm scales (optax.add_decayed_weights'
     # mask: a function of params, or a pytree of bools).
     kwargs: dict[str, Any] = dict(
-        learning_rate=make_schedule(cfg),
+        learning_rate=make_schedule(cfg, h["lr"]),
         weight_decay=cfg.weight_decay,
         weight_decay_mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
     if cfg.optimizer in get_args(AdamFamily):
-        kwargs |= dict(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, max_grad_norm=cfg.max_grad_norm)
+        kwargs |= dict(b1=h["b1"], b2=h["b2"], eps=h["eps"], max_grad_norm=h["max_grad_norm"])
     else:
-        kwargs |= {} if cfg.momentum is None else {"momentum": cfg.momentum}
-    if cfg.optimizer in ("micro_sign_sgd", "sign_sgd") and cfg.max_grad_norm is not None:
+        kwargs |= {} if h["momentum"] is None else {"momentum": h["momentum"]}
+    if cfg.optimizer in ("micro_sign_sgd", "sign_sgd") and h["max_grad_norm"] is not None:
         raise ConfigError(f"--max-grad-norm: {cfg.optimizer} is invariant to gradient scale")
     if cfg.optimizer == "sign_ema":
-        kwargs["max_grad_norm"] = cfg.max_grad_norm
+        kwargs["max_grad_norm"] = h["max_grad_norm"]
+    if cfg.optimizer == "micro_adam_msq" and cfg.msq_block != "none":
+        kwargs["block"] = cfg.msq_block
     try:
         return getattr(optimizers, cfg.optimizer)(**kwargs)
     except ValueError as err:  # e.g. b1 outside [0, 1)
@@ -486,16 +509,12 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
     }
 
 
-def make_train_step(
-    cfg: Config,
-    task: Task,
-    opt: optax.GradientTransformationExtraArgs,
-    mesh: Mesh,
-    shardings: PyTree,
-) -> Any:
-    """optimizers.make_train_step with the diagnostics' statistics added, and shardings: the
-    batch split along "data", parameters and optimizer state as `shardings` says (a tree of
-    {"params", "opt_state"}, from `placement`), losses and diagnostics replicated."""
+def make_step(
+    cfg: Config, task: Task, opt: optax.GradientTransformationExtraArgs
+) -> Callable[[PyTree, Any, Any], tuple[PyTree, Any, Array, dict]]:
+    """The pure training step `step(params, opt_state, batch) -> (params, opt_state, loss,
+    diagnostics)`: optimizers.make_train_step's, with the diagnostics' statistics added and a
+    "params_finite" flag. Not jitted: main jits it with shardings, sweeps vmap it first."""
     needs = optimizers.required_stats(opt, task.params)
     stats = tuple(dict.fromkeys((*needs, "mean", "sq_mean")))  # the union, in order
     stats_fn = pegrad.value_and_grad_stats(
@@ -510,10 +529,41 @@ def make_train_step(
         finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
         return params, state, loss, {**diagnostics(st), "params_finite": finite}
 
+    return step
+
+
+class Run(NamedTuple):
+    """A run before any device or file: what train.main and experiments.py's vectorized sweeps
+    are both made of."""
+
+    task: Task
+    opt: optax.GradientTransformationExtraArgs
+    step: Callable[[PyTree, Any, Any], tuple[PyTree, Any, Array, dict]]  # make_step's, pure
+    train_key: PRNGKeyArray  # the batch of step s: task.sample(data, key=fold_in(train_key, s))
+    eval_key: PRNGKeyArray  # held-out batch i: task.sample(eval_data, key=fold_in(eval_key, i))
+
+
+def build(cfg: Config) -> Run:
+    """The task (model, data, loss), optimizer and pure step of `cfg`, all from cfg.seed."""
+    model_key, train_key, eval_key = jax.random.split(jax.random.key(cfg.seed), 3)
+    task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
+    opt = make_optimizer(cfg)
+    return Run(task, opt, make_step(cfg, task, opt), train_key, eval_key)
+
+
+def eval_loss_fn(task: Task) -> Callable[[PyTree, Any], Float[Array, ""]]:
+    """The mean loss of one held-out batch."""
+    return lambda params, batch: jnp.mean(jax.vmap(task.loss_fn, (None, 0))(params, batch))
+
+
+def make_train_step(run: Run, mesh: Mesh, shardings: PyTree) -> Any:
+    """`run.step` jitted with shardings: the batch split along "data", parameters and optimizer
+    state as `shardings` says (a tree of {"params", "opt_state"}, from `placement`), losses and
+    diagnostics replicated."""
     everywhere, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     params, state = shardings["params"], shardings["opt_state"]
     return jax.jit(
-        step,
+        run.step,
         in_shardings=(params, state, split),
         out_shardings=(params, state, everywhere, everywhere),
     )
@@ -627,10 +677,9 @@ def main(cfg: Config) -> dict[str, Any]:
     lead = jax.process_index() == 0
     say = print if lead else lambda *args, **kwargs: None
 
-    model_key, train_key, eval_key = jax.random.split(jax.random.key(cfg.seed), 3)
     with on_host():
-        task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
-        opt = make_optimizer(cfg)
+        run = build(cfg)
+        task, opt, train_key, eval_key = run.task, run.opt, run.train_key, run.eval_key
         tree = {"params": task.params, "opt_state": opt.init(task.params)}
     out, start = Path(str(cfg.out)), 0
     if cfg.resume:
@@ -651,14 +700,12 @@ def main(cfg: Config) -> dict[str, Any]:
     tree = place(tree, shardings)
     data = (task.train_data, task.eval_data)
     train_data, eval_data = place(data, jax.tree.map(lambda _: everywhere, data))
-    train_step = make_train_step(cfg, task, opt, mesh, shardings)
+    train_step = make_train_step(run, mesh, shardings)
     sample = make_sampler(task, mesh)
     eval_sets = [
         sample(eval_data, key=jax.random.fold_in(eval_key, i)) for i in range(cfg.eval_batches)
     ]
-    eval_loss = jax.jit(
-        lambda p, b: jnp.mean(jax.vmap(task.loss_fn, (None, 0))(p, b)), out_shardings=everywhere
-    )
+    eval_loss = jax.jit(eval_loss_fn(task), out_shardings=everywhere)
     schedule = make_schedule(cfg)
 
     # A resumed run keeps the metrics of the steps before its checkpoint and redoes the rest.
@@ -723,17 +770,7 @@ def main(cfg: Config) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # `--experiment NAME [--scale S --out DIR --seed N]` runs one of the paper's studies
-    # (experiments.py, which imports this file) instead of a single training run.
-    chooser = argparse.ArgumentParser(add_help=False)
-    chooser.add_argument("--experiment", choices=EXPERIMENTS)
-    chosen, rest = chooser.parse_known_args(sys.argv[1:])
     try:
-        if chosen.experiment:
-            import experiments
-
-            experiments.main([chosen.experiment, *rest])
-        else:
-            main(parse_config(rest))
+        main(parse_config(sys.argv[1:]))
     except (ConfigError, Diverged) as err:
         sys.exit(f"error: {err}")

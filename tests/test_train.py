@@ -79,7 +79,8 @@ def run_script(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
 def test_cli_round_trip():
     cfg = train.Config(
         model="mlp", optimizer="sign_ema", impl="vmap", lr=0.5, batch_size=8, steps=7,
-        max_grad_norm=0.01, momentum=0.8, data="x.txt", out="runs/x", resume=True,
+        max_grad_norm=0.01, momentum=0.8, msq_block="tensor", data="x.txt", out="runs/x",
+        resume=True,
     )  # fmt: skip
     assert train.parse_config(argv(cfg)) == cfg
     assert train.parse_config([]) == train.Config()
@@ -220,6 +221,8 @@ def test_bad_input_is_a_config_error(tmp_path: Path):
         train.main(tiny(tmp_path / "d", model="mlp", steps=2, lr=0.5, resume=True))
     with pytest.raises(train.ConfigError, match="max-grad-norm"):
         train.main(tiny(tmp_path / "e", optimizer="sign_sgd", max_grad_norm=1.0))
+    with pytest.raises(train.ConfigError, match="option of micro_adam_msq only"):
+        train.main(tiny(tmp_path / "f", optimizer="adam", msq_block="row"))
 
 
 @pytest.mark.parametrize(
