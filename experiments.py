@@ -164,9 +164,8 @@ SCALES: dict[str, Scale] = {
         lm=_lm("mini", seq_len=32, steps=1000, warmup=50, batch_size=16, eval_interval=200,
                eval_batches=16),
         seeds=3,
-        # Grown after a first pass found the best lr at the grid's lower edge for SignEMA
-        # and MicroSignSGD.
-        sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2, 3e-2),
+        # Grown (twice) where a pass found a best lr at the grid's lower edge.
+        sign_lrs={"micro_sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
                   "sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2),
                   "sign_ema": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)},
         sign_momenta=(0.9, 0.99),

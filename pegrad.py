@@ -2227,6 +2227,50 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
     return Refusal("a part no route proves")
 
 
+class HeadValue(Route):
+    """Example granularity: the gradient needs no op of its own after the backward pass (a
+    bias, a norm layer's scale used once per example): g_i is a value the batched head
+    computes anyway — plain grad holds it too, as the cotangent it sums. Every statistic reads
+    it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the variance in two passes; nothing is formed
+    again, and the value dies where plain grad's does."""
+
+    name = "head-value"
+
+    def match(self, graph, leaf, var=None):
+        if graph.token:
+            return Refusal("token granularity: a unit is a position, not an example")
+        if graph.exclusive_tail(leaf.grad):
+            return Refusal("the gradient needs ops of its own after the backward pass")
+        if not (isinstance(leaf.grad, jcore.Var) and graph.is_batched(leaf.grad)):
+            return Refusal("the gradient does not depend on the example")
+        return Match("its per-example gradient is a value of the backward pass", grad=leaf.grad)
+
+    def reads(self, graph, m):
+        return [m.grad]
+
+    def cost(self, graph, leaf, m, methods):
+        n = graph.n_examples * leaf.size
+        return Cost(3.0 * n * len(methods), 4.0 * n)
+
+    def compute(self, graph, leaf, m, env, what):
+        dtype, n = leaf.stat_dtype, graph.n_examples
+        g = jnp.asarray(_read(env, m.grad)).astype(dtype).reshape(n, -1)
+        ones = jnp.full((n,), 1.0 / n, dtype)  # a dot: XLA:CPU reduces over a leading axis slowly
+        if what in _PHI:
+            return (ones @ _PHI[what](g)).reshape(leaf.shape)
+        if what == "norms":
+            return jnp.sum(g * g, axis=1)
+        assert what == "var"
+        centred = g - ones @ g
+        return (ones @ (centred * centred) * (n / (n - 1))).reshape(leaf.shape)
+
+    def clipped(self, graph, leaf, m, env, weights):
+        return _linear_sum(graph, leaf, m, env, weights)
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        return jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)[None]
+
+
 class Fallback(Route):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient tail (the ops
     only its gradient needs) evaluated per example, a bounded chunk of examples at a time.
@@ -2369,6 +2413,7 @@ ROUTES: tuple[Route, ...] = (
     _UNIT_ROUTES[2],
     Terms(),
     DisjointParts(),
+    HeadValue(),
     Fallback(),
 )
 _ROUTE = {route.name: route for route in ROUTES}

@@ -373,7 +373,7 @@ def _kind(leaf: str) -> str:
     """What a parameter leaf is, by its key path."""
     if re.search(r"\.(q|k)_proj\.", leaf):  # rotated by RoPE when positions are rotary
         return "q bias" if leaf.endswith(".bias") else "q/k weight"  # keys have no bias
-    for kind in ("tok_emb", "pos_emb", "norm"):
+    for kind in ("tok_emb", "pos_emb", "final_norm", "norm"):
         if kind in leaf:
             return kind
     return "bias" if leaf.endswith(".bias") else "weight"
@@ -385,6 +385,7 @@ _EXAMPLE = {  # a weight reads every position of the example: sum of rank-one te
     "pos_emb": "row-scatter",  # each position reads its own row
     "tok_emb": "fallback",  # a token may recur in a sequence: rows are sums, squared whole
     "norm": "fallback",  # a per-example gradient of size d: materialized, cheaply
+    "final_norm": "fallback",
     "bias": "fallback",
     "q bias": "fallback",
 }
@@ -394,6 +395,7 @@ _TOKEN = {  # each position is a unit: every weight gradient is rank one
     "pos_emb": "row-scatter",
     "tok_emb": "row-scatter",
     "norm": "unit-sum",
+    "final_norm": "unit-sum",
     "bias": "unit-sum",
     "q bias": "unit-sum",
 }
@@ -401,7 +403,7 @@ _ROTARY_EXAMPLE = {kind: route for kind, route in _EXAMPLE.items() if kind != "p
 _ROTARY_TOKEN = {kind: route for kind, route in _TOKEN.items() if kind != "pos_emb"}
 # The first route that matches each leaf, by (case, granularity) and leaf kind.
 ROUTES = {
-    ("mlp", "example"): {"weight": "outer-product", "bias": "fallback"},
+    ("mlp", "example"): {"weight": "outer-product", "bias": "head-value"},
     ("lm-learned-untied", "example"): _EXAMPLE,
     ("lm-learned-untied", "token"): _TOKEN,
     ("lm-rotary-tied-gqa", "example"): _ROTARY_EXAMPLE,
@@ -413,7 +415,12 @@ ROUTES = {
         "q/k weight": "fallback",
         "q bias": "fallback",
     },
-    ("lm-learned-untied-scan", "example"): _EXAMPLE,  # per layer, as the unrolled model
+    # Per layer as the unrolled model, but the backward scan sums a bias's (or a norm's)
+    # gradient over positions inside its body: the per-example gradient leaves it complete.
+    ("lm-learned-untied-scan", "example"): {
+        **_EXAMPLE,
+        **{kind: "head-value" for kind in ("bias", "q bias", "norm")},
+    },
 }
 
 

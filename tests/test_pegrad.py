@@ -62,7 +62,8 @@ def test_explain_names_the_route_of_every_leaf():
         assert plans[f"[{i}]['w']"].route == "outer-product"
         assert plans[f"[{i}]['w']"].status == "factorized"
     for i in range(2):  # a bias gradient is δ itself, a value of the backward pass
-        assert plans[f"[{i}]['b']"].status == "fallback"
+        assert plans[f"[{i}]['b']"].route == "head-value"
+        assert plans[f"[{i}]['b']"].status == "factorized"
     assert all(isinstance(p.cost, pegrad.Cost) and p.cost.flops > 0 for p in plans.values())
     assert "outer-product" in str(plans["[0]['w']"])
 
