@@ -2255,9 +2255,9 @@ class HeadValue(Route):
     def compute(self, graph, leaf, m, env, what):
         dtype, n = leaf.stat_dtype, graph.n_examples
         g = jnp.asarray(_read(env, m.grad)).astype(dtype).reshape(n, -1)
-        ones = jnp.full((n,), 1.0 / n, dtype)  # a dot: XLA:CPU reduces over a leading axis slowly
-        if what in _PHI:
-            return (ones @ _PHI[what](g)).reshape(leaf.shape)
+        ones = jnp.full((n,), 1.0 / n, dtype)
+        if what in _PHI:  # a mean, not a dot with ones: here XLA then holds fewer buffers
+            return jnp.mean(_PHI[what](g), axis=0).reshape(leaf.shape)
         if what == "norms":
             return jnp.sum(g * g, axis=1)
         assert what == "var"
