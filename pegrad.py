@@ -2255,20 +2255,17 @@ class HeadValue(Route):
     def compute(self, graph, leaf, m, env, what):
         dtype, n = leaf.stat_dtype, graph.n_examples
         g = jnp.asarray(_read(env, m.grad)).astype(dtype).reshape(n, -1)
-        ones = jnp.full((n,), 1.0 / n, dtype)
         if what in _PHI:  # a mean, not a dot with ones: here XLA then holds fewer buffers
             return jnp.mean(_PHI[what](g), axis=0).reshape(leaf.shape)
         if what == "norms":
             return jnp.sum(g * g, axis=1)
         assert what == "var"
+        ones = jnp.full((n,), 1.0 / n, dtype)
         centred = g - ones @ g
         return (ones @ (centred * centred) * (n / (n - 1))).reshape(leaf.shape)
 
     def clipped(self, graph, leaf, m, env, weights):
         return _linear_sum(graph, leaf, m, env, weights)
-
-    def per_unit(self, graph, leaf, m, env, example, params):
-        return jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)[None]
 
 
 class Fallback(Route):
