@@ -474,7 +474,7 @@ def make_optimizer(
     kwargs: dict[str, Any] = dict(
         learning_rate=make_schedule(cfg, h["lr"]),
         weight_decay=cfg.weight_decay,
-        weight_decay_mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
     if cfg.optimizer in get_args(AdamFamily):
         kwargs |= dict(b1=h["b1"], b2=h["b2"], eps=h["eps"], max_grad_norm=h["max_grad_norm"])
