@@ -66,7 +66,8 @@ formula. Proof, at float64, for impl="vmap" and impl="factorized", against optax
 the formulas fed by a naive per-example loop: tests/test_optimizers.py and
 tests/test_optimizers_compose.py.
 
-Depends on jax, optax and jaxtyping only (`make_train_step` imports pegrad when called).
+Depends on jax (and its numpy), optax and jaxtyping only; `make_train_step` imports pegrad when
+called.
 """
 
 import functools
@@ -86,6 +87,8 @@ Block = Literal["tensor", "row"] | None
 # A hyperparameter: a number, or a scalar array when optax.inject_hyperparams passes it.
 Hyper = float | Float[Array, ""]
 Transformation = optax.GradientTransformationExtraArgs
+# What the functions here accept: any optax transformation (optax.MultiSteps is an object).
+AnyTransformation = optax.GradientTransformation | optax.MultiSteps
 
 
 class MissingStatistics(ValueError):
@@ -209,6 +212,14 @@ def _strict_clean(learning_rate: LearningRate) -> LearningRate:
             return learning_rate(count)
 
     return schedule
+
+
+def _with_stats(optimizer: Any) -> Any:
+    """`optimizer` with an update that takes stats=: optax's wrapper drops extra arguments of a
+    plain GradientTransformation; optax.MultiSteps forwards them itself."""
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer
+    return optax.with_extra_args_support(optimizer)
 
 
 def _finish(
@@ -1037,7 +1048,7 @@ class MultiStepsState(NamedTuple):
     inner_state: Any  # the inner transformation's
 
 
-def multi_steps(optimizer: Transformation, every_k: int) -> Transformation:
+def multi_steps(optimizer: AnyTransformation, every_k: int) -> Transformation:
     """Gradient accumulation that keeps the statistics exact: `optimizer` updates once per
     `every_k` micro-batches, with ḡ AND every statistic it reads those of the union of the
     micro-batches, so k micro-batches of B equal one step on kB examples. The other steps
@@ -1073,9 +1084,10 @@ def multi_steps(optimizer: Transformation, every_k: int) -> Transformation:
     if not (isinstance(every_k, int) and every_k >= 1):
         raise ValueError(f"multi_steps: every_k must be an int >= 1, got {every_k!r}")
     rule = "multi_steps"
+    inner_tx = _with_stats(optimizer)
 
     def init(params: PyTree) -> MultiStepsState:
-        names = required_stats(optimizer, params)
+        names = required_stats(inner_tx, params)
         cannot = [n for n in names if n not in _MERGEABLE]
         if cannot:
             raise ValueError(
@@ -1084,7 +1096,7 @@ def multi_steps(optimizer: Transformation, every_k: int) -> Transformation:
             )
         zero = jnp.zeros([], _widest(jax.tree.leaves(params)))
         acc = {n: _zeros(params) for n in names}
-        return MultiStepsState(jnp.zeros([], jnp.int32), zero, acc, optimizer.init(params))
+        return MultiStepsState(jnp.zeros([], jnp.int32), zero, acc, inner_tx.init(params))
 
     def update(
         updates: PyTree,
@@ -1125,7 +1137,7 @@ def multi_steps(optimizer: Transformation, every_k: int) -> Transformation:
 
         def apply() -> tuple[PyTree, Any]:
             inner = state.inner_state
-            return optimizer.update(mean, inner, params, stats=inner_stats, **extra_args)
+            return inner_tx.update(mean, inner, params, stats=inner_stats, **extra_args)
 
         shapes = jax.eval_shape(apply)
 
@@ -1183,7 +1195,7 @@ def _combine(part: PyTree, whole: PyTree) -> PyTree:
     )
 
 
-def required_stats(optimizer: Transformation, params: PyTree) -> tuple[str, ...]:
+def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, ...]:
     """The statistics to ask `pegrad.value_and_grad_stats` for so that `optimizer` can run:
     "mean" (ḡ, passed as the updates) and whatever its rules read from `stats=`.
 
@@ -1211,17 +1223,18 @@ def required_stats(optimizer: Transformation, params: PyTree) -> tuple[str, ...]
         ('mean', 'sign_mean')
     """
     params = trainable(params)
+    tx = _with_stats(optimizer)
     grads = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _moment_dtype(p.dtype)), params
     )
-    state = jax.eval_shape(optimizer.init, params)
+    state = jax.eval_shape(tx.init, params)
     names = ["mean"]
     while True:
         # Every statistic the rules here read is shaped like the parameters.
         probe = {**dict.fromkeys(names, grads), "batch_size": jax.ShapeDtypeStruct((), jnp.int32)}
         try:
             jax.eval_shape(
-                lambda u, s, p, st: optimizer.update(u, s, p, stats=st), grads, state, params, probe
+                lambda u, s, p, st: tx.update(u, s, p, stats=st), grads, state, params, probe
             )
             return tuple(names)
         except MissingStatistics as err:
@@ -1251,7 +1264,7 @@ Step = Callable[[PyTree, Any, PyTree], tuple[PyTree, Any, Float[Array, ""], Stat
 
 def make_train_step(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
-    optimizer: Transformation,
+    optimizer: AnyTransformation,
     impl: Literal["factorized", "vmap"] = "factorized",
     chunk_size: int | None = None,
     stats: Sequence[str] | None = None,
@@ -1298,16 +1311,18 @@ def make_train_step(
     """
     import pegrad  # here, so that this file can be copied without pegrad for the rest
 
+    tx = _with_stats(optimizer)
+
     def pure(params: PyTree, state: Any, batch: PyTree) -> tuple[PyTree, Any, Any, Stats]:
         p = trainable(params)
-        names = required_stats(optimizer, p) if stats is None else stats
+        names = required_stats(tx, p) if stats is None else stats
         names = tuple(dict.fromkeys(("mean", *names, *extra_stats)))
         loss = lambda p, example: loss_fn(_combine(p, params), example)
         stats_fn = pegrad.value_and_grad_stats(
             loss, names, impl=impl, chunk_size=chunk_size, **stats_options
         )
         value, st = stats_fn(p, batch)
-        updates, state = optimizer.update(st["mean"], state, p, stats=st)
+        updates, state = tx.update(st["mean"], state, p, stats=st)
         return _combine(optax.apply_updates(p, updates), params), state, value, st
 
     if not jit:

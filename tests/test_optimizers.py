@@ -151,7 +151,7 @@ def block_mean(v: np.ndarray, block: str | None) -> np.ndarray:
 
 
 def reference(
-    name: str,
+    name: str | dict[str, str],
     loss_fn: Callable,
     params: dict,
     batches: list,
@@ -164,11 +164,16 @@ def reference(
     max_grad_norm: float | None = None,
     block: str | None = None,
 ) -> list:
-    """The trajectory of SPEC §4's formula; learning_rate may be a function of the step t ≥ 1."""
+    """The trajectory of SPEC §4's formula; learning_rate may be a function of the step t ≥ 1;
+    `name` one rule, or a rule per leaf (as optax.partition assigns them)."""
     lr_at = learning_rate if callable(learning_rate) else lambda t: learning_rate
-    eps = HPARAMS.get(name, {}).get("eps", eps)
-    if momentum is None:
-        momentum = 0.9 if name == "sign_ema" else 0.0
+    rules = name
+    rule_of = (lambda k: rules[k]) if isinstance(rules, dict) else (lambda k: rules)
+    eps_given, momentum_given = eps, momentum
+    eps_of = lambda k: HPARAMS.get(rule_of(k), {}).get("eps", eps_given)
+    beta_of = lambda k: (
+        momentum_given if momentum_given is not None else (0.9 if rule_of(k) == "sign_ema" else 0.0)
+    )
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in p.items()}
     v = {k: np.zeros_like(x) for k, x in p.items()}
@@ -181,6 +186,7 @@ def reference(
         if max_grad_norm is not None:
             c = min(1.0, max_grad_norm / np.sqrt(sum(np.sum(x**2) for x in gbar.values())))
         for k in p:
+            name, eps, momentum = rule_of(k), eps_of(k), beta_of(k)
             gi, mean = c * g[k], c * gbar[k]  # clipping scales every per-example gradient
             if name in ADAM_FAMILY:
                 if name == "adam":
