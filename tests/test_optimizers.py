@@ -167,13 +167,7 @@ def reference(
     """The trajectory of SPEC §4's formula; learning_rate may be a function of the step t ≥ 1;
     `name` one rule, or a rule per leaf (as optax.partition assigns them)."""
     lr_at = learning_rate if callable(learning_rate) else lambda t: learning_rate
-    rules = name
-    rule_of = (lambda k: rules[k]) if isinstance(rules, dict) else (lambda k: rules)
-    eps_given, momentum_given = eps, momentum
-    eps_of = lambda k: HPARAMS.get(rule_of(k), {}).get("eps", eps_given)
-    beta_of = lambda k: (
-        momentum_given if momentum_given is not None else (0.9 if rule_of(k) == "sign_ema" else 0.0)
-    )
+    rule_of = (lambda k: name[k]) if isinstance(name, dict) else (lambda k: name)
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in p.items()}
     v = {k: np.zeros_like(x) for k, x in p.items()}
@@ -186,26 +180,28 @@ def reference(
         if max_grad_norm is not None:
             c = min(1.0, max_grad_norm / np.sqrt(sum(np.sum(x**2) for x in gbar.values())))
         for k in p:
-            name, eps, momentum = rule_of(k), eps_of(k), beta_of(k)
+            rule = rule_of(k)
+            eps_k = HPARAMS.get(rule, {}).get("eps", eps)
+            beta = momentum if momentum is not None else (0.9 if rule == "sign_ema" else 0.0)
             gi, mean = c * g[k], c * gbar[k]  # clipping scales every per-example gradient
-            if name in ADAM_FAMILY:
-                if name == "adam":
+            if rule in ADAM_FAMILY:
+                if rule == "adam":
                     second = mean**2
-                elif name == "micro_adam":
+                elif rule == "micro_adam":
                     second = np.mean(gi**2, 0)
                 else:
                     var = np.sum((gi - mean) ** 2, 0) / (n - 1)  # two-pass, as in SPEC §2
-                    second = var if name == "micro_adam_var" else mean**2 - var / n
+                    second = var if rule == "micro_adam_var" else mean**2 - var / n
                 m[k] = b1 * m[k] + (1 - b1) * mean
                 v[k] = b2 * v[k] + (1 - b2) * second
                 v_hat = v[k] / (1 - b2**t)
-                if name == "micro_adam_msq":
+                if rule == "micro_adam_msq":
                     v_hat = np.maximum(block_mean(v_hat, block), 0.0)
-                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps)
+                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps_k)
             else:
                 x = {"micro_sign_sgd": np.mean(np.sign(gi), 0), "sign_sgd": np.sign(mean)}
-                m[k] = momentum * m[k] + (1 - momentum) * x.get(name, mean)
-                direction = np.sign(m[k]) if name == "sign_ema" else m[k]
+                m[k] = beta * m[k] + (1 - beta) * x.get(rule, mean)
+                direction = np.sign(m[k]) if rule == "sign_ema" else m[k]
             p[k] = p[k] - lr_at(t) * (direction + weight_decay * p[k])
         trajectory.append({k: x.copy() for k, x in p.items()})
     return trajectory
