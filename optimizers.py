@@ -1291,8 +1291,8 @@ def make_train_step(
         stats: the statistics to compute; None: `required_stats(optimizer, params)`, found
             while the step is traced. "mean" is always added.
         extra_stats: statistics computed besides those (e.g. for diagnostics), returned too.
-        jit: False returns the pure function (to jit with shardings, or vmap, yourself); params
-            must then be arrays only.
+        jit: False returns the pure function, to jit (with shardings) or vmap yourself; for a
+            model with leaves that are not arrays, with a filtered jit such as eqx.filter_jit.
         **stats_options: for pegrad.value_and_grad_stats, e.g. granularity="token".
 
     Returns:
