@@ -14,53 +14,71 @@ own machinery applies unchanged:
     opt = optax.chain(micro_adam(1e-3), optax.clip(1e-2))        # optax.chain forwards stats=
     opt = optax.inject_hyperparams(micro_adam)(learning_rate=1e-3)  # lr settable mid-run
     opt = optax.apply_if_finite(micro_adam(1e-3), max_consecutive_errors=5)
+    opt = optax.partition({"m": micro_adam(1e-3), "e": adam(1e-3)}, labels)  # or optax.masked
+    opt = multi_steps(micro_adam(1e-3), every_k=4)  # accumulation: ḡ AND its statistics
     step = make_train_step(loss_fn, opt, impl="factorized")      # one jitted step, any wrapping
     params, state, loss, stats = step(params, opt.init(params), batch)
 
-`make_train_step` learns which statistics to ask pegrad for with `required_stats(opt, params)`,
-which traces `opt.update` abstractly and so sees through any wrapper that forwards `stats=`
-(attributes on the returned NamedTuple would not survive optax.chain or inject_hyperparams).
-
-Each factory is optax's adamw pattern, `optax.chain(core, optax.add_decayed_weights(λ, mask),
-optax.scale_by_learning_rate(lr))`: the update is −lr_t·(direction + λ·p), λ on the leaves the
+Each alias is a `scale_by_*` block (the direction, public, to chain with optax's own blocks)
+followed by optax.adamw's tail, `optax.add_decayed_weights(λ, mask)` and
+`optax.scale_by_learning_rate(lr)`: the update is −lr_t·(direction + λ·p), λ on the leaves the
 mask (a pytree of bools shaped like params, or a function of params returning one) selects,
-lr_t an optax schedule evaluated at the step count before the update, or a number. The sign
-is `optax.scale_by_sign`, sign_ema's clipping `optax.clip_by_global_norm`, the states optax's
-NamedTuples. The cores (direction before decay) are written here, from optax's moment helpers,
-where optax's blocks would differ:
+lr_t an optax schedule evaluated at the step count before the update, or a number. The sign is
+`optax.scale_by_sign`, sign_ema's clipping `optax.clip_by_global_norm`, the states optax's
+NamedTuples. The blocks are written here, from optax's moment helpers, where optax's would
+differ: moments stay in float32 (or the parameter dtype when wider) for bfloat16 parameters,
+and the direction comes back in the parameter dtype (optax.scale_by_adam keeps ν in the
+parameter dtype; optax.ema mixes a float32 EMA with bf16 updates by implicit promotion; this
+file is clean under jax_numpy_dtype_promotion="strict").
 
-* moments stay in float32 (or the parameter dtype when wider) for bfloat16 parameters, and the
-  direction comes back in the parameter dtype; optax.scale_by_adam keeps ν in the parameter
-  dtype, optax.ema mixes a float32 EMA with bf16 updates by implicit promotion (this file is
-  clean under jax_numpy_dtype_promotion="strict");
-* `max_grad_norm` C clips by the global norm of ḡ with c = min(1, C/‖ḡ‖) as if every
-  per-example gradient were scaled by c: ḡ → c·ḡ and q → c²·q (the paper tames MicroAdam's
-  loss spikes with C = 1e-2). An `optax.clip_by_global_norm` chained before a rule clips ḡ
-  only, not q. Sign-only rules (micro_sign_sgd, sign_sgd) are invariant to that scaling and
-  take no clipping option.
+The statistics beside the updates (the contract every rule that reads `stats=` enforces):
+
+* They follow the updates' tree. Under `optax.masked` and `optax.partition` (`multi_transform`)
+  a rule sees the updates with `optax.MaskedNode` where the mask is False; it cuts every
+  statistic it reads to the same tree, so micro_adam on the matrices and adam on the rest work
+  with the one `stats` dict pegrad returns (no `mask_compatible_extra_args` needed).
+* The updates must be the mean gradient the statistics were taken with, `stats["mean"]`, or one
+  global multiple c·ḡ of it (c ≠ 1: optax.clip_by_global_norm, optax.scale, a schedule chained
+  before the rule). A multiple is read as every per-example gradient scaled by c: q → c²·q,
+  sign_mean → sign(c)·sign_mean, exactly as `max_grad_norm` does. So
+  `optax.chain(optax.clip_by_global_norm(C), micro_adam(lr))` equals
+  `micro_adam(lr, max_grad_norm=C)`. Anything else, e.g. `optax.MultiSteps` (which accumulates
+  ḡ over micro-batches beside one micro-batch's statistics) or an elementwise transform before
+  the rule (optax.clip), is refused with an error naming the fix (`multi_steps`, or the
+  transform after the rule). The check is free when the updates are the very arrays of
+  stats["mean"] (the case in `make_train_step`, with or without wrappers that pass them on:
+  chain, masked, partition, inject_hyperparams, apply_if_finite, multi_steps); otherwise it is
+  one dot product over the parameters, and a jitted update that fails it raises (a
+  JaxRuntimeError carrying the message) when its result is read.
+* `max_grad_norm` and the global-norm check read the leaves the rule sees (under a mask: its
+  part), as optax.clip_by_global_norm inside optax.masked would.
 
 Wrapping notes. `optax.inject_hyperparams` treats every callable argument as a schedule: pass
-`static_args="weight_decay_mask"` when the mask is a function; it also casts hyperparameters
-to the parameter dtype, where bf16 rounds b2 = 0.999 to 1: pass hyperparam_dtype=jnp.float32
-for bf16 parameters. `optax.MultiSteps` accumulates the
-updates (ḡ) only: rules that read `stats` would see the last micro-batch's q, so use it with
-adam, sign_sgd or sign_ema.
+`static_args="mask"` when the mask is a function; it also casts hyperparameters to the
+parameter dtype, where bf16 rounds b2 = 0.999 to 1: pass hyperparam_dtype=jnp.float32 for bf16
+parameters. Accumulate with `multi_steps`, not `optax.MultiSteps` (refused above, except with
+adam, sign_sgd and sign_ema, which read no statistics and so are right under either).
 
 Exact references: `adam` equals `optax.adamw` (bitwise on the same ḡ at float64), sign_sgd at
 momentum 0 equals `optax.sign_sgd`, sign_ema equals optax's Signum with decoupled weight decay;
-every other rule equals its formula. Proof, at float64, for impl="vmap" and impl="factorized",
-against optax and against the formulas fed by a naive per-example loop: tests/test_optimizers.py.
+`multi_steps` over k micro-batches equals one step on their union; every other rule equals its
+formula. Proof, at float64, for impl="vmap" and impl="factorized", against optax and against
+the formulas fed by a naive per-example loop: tests/test_optimizers.py and
+tests/test_optimizers_compose.py.
 
-Depends on jax, optax and jaxtyping only (`make_train_step` imports pegrad when called).
+Depends on jax (and its numpy), optax and jaxtyping only; `make_train_step` imports pegrad when
+called.
 """
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
 Stats = dict[str, Any]
 LearningRate = optax.ScalarOrSchedule  # a float, or a function of the step count
@@ -68,15 +86,29 @@ Mask = PyTree | Callable[[PyTree], PyTree] | None
 Block = Literal["tensor", "row"] | None
 # A hyperparameter: a number, or a scalar array when optax.inject_hyperparams passes it.
 Hyper = float | Float[Array, ""]
+Transformation = optax.GradientTransformationExtraArgs
+# What the functions here accept: any optax transformation (optax.MultiSteps is an object).
+AnyTransformation = optax.GradientTransformation | optax.MultiSteps
 
 
 class MissingStatistics(ValueError):
-    """`update` was called without statistics its rule reads; `names` lists all of them."""
+    """`update` was called without statistics its rule reads; `names` lists all of them.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> opt = optimizers.micro_adam(0.1)
+        >>> p = {"w": jnp.ones(2)}
+        >>> try:
+        ...     opt.update(p, opt.init(p), p)
+        ... except optimizers.MissingStatistics as err:
+        ...     print(err.names)
+        ('mean', 'sq_mean')
+    """
 
     def __init__(self, rule: str, names: tuple[str, ...], got: Stats | None):
         self.names = names
         have = "no stats=" if got is None else f"stats with {sorted(got)}"
-        ask = tuple(n for n in ("mean", *names) if n != "batch_size")  # pegrad always has B
+        ask = tuple(n for n in names if n != "batch_size")  # pegrad always has B
         super().__init__(
             f"{rule} reads the statistics {names} besides ḡ (the updates) but got {have}: call "
             f"update(ḡ, state, params, stats=stats) with the stats of "
@@ -98,6 +130,11 @@ def _zeros(params: PyTree) -> PyTree:
     return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _moment_dtype(p.dtype)), params)
 
 
+def _widest(leaves: Sequence[Any]) -> jnp.dtype:
+    dtypes = [_moment_dtype(jnp.asarray(x).dtype) for x in leaves]
+    return max(dtypes, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+
+
 def _hyper(x: Any, dtype: Any) -> Any:
     """A hyperparameter for arithmetic in `dtype`. Python numbers stay weak, as in optax, so
     that results match optax bitwise; arrays (from optax.inject_hyperparams, in the widest
@@ -113,12 +150,6 @@ def _cast(tree: PyTree, like: PyTree, scale: Array | None = None) -> PyTree:
         return x if scale is None else x * scale.astype(m.dtype)
 
     return jax.tree.map(leaf, tree, like)
-
-
-def _read(rule: str, stats: Stats | None, needs: tuple[str, ...]) -> Stats:
-    if needs and (stats is None or any(name not in stats for name in needs)):
-        raise MissingStatistics(rule, needs, stats)
-    return stats or {}
 
 
 def _check_params(rule: str, params: PyTree) -> None:
@@ -149,7 +180,7 @@ def _clip_factor(mean: PyTree, max_grad_norm: Any) -> Array | None:
     if max_grad_norm is None:
         return None
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(mean)]
-    dtype = max((_moment_dtype(x.dtype) for x in leaves), key=lambda d: d.itemsize)
+    dtype = _widest(leaves)
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(dtype))) for x in leaves))
     return jnp.minimum(1.0, _hyper(max_grad_norm, dtype) / norm)
 
@@ -183,20 +214,153 @@ def _strict_clean(learning_rate: LearningRate) -> LearningRate:
     return schedule
 
 
+def _with_stats(optimizer: Any) -> Any:
+    """`optimizer` with an update that takes stats=: optax's wrapper drops extra arguments of a
+    plain GradientTransformation; optax.MultiSteps forwards them itself."""
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer
+    return optax.with_extra_args_support(optimizer)
+
+
 def _finish(
     rule: str,
-    core: optax.GradientTransformationExtraArgs,
+    direction: Transformation,
     learning_rate: LearningRate,
     weight_decay: optax.ScalarOrSchedule,
-    weight_decay_mask: Mask,
-) -> optax.GradientTransformationExtraArgs:
-    """core, then −lr_t·(direction + λ·p) from optax's own blocks (optax.adamw's tail)."""
+    mask: Mask,
+) -> Transformation:
+    """direction, then −lr_t·(direction + λ·p) from optax's own blocks (optax.adamw's tail)."""
     _check(rule, "weight_decay", weight_decay, lambda x: x >= 0.0, ">= 0")
     return optax.chain(
-        core,
-        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        direction,
+        optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(_strict_clean(learning_rate)),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The statistics beside the updates: cut to the updates' tree, and consistent with them.
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _align(rule: str, name: str, stat: PyTree, updates: PyTree) -> PyTree:
+    """`stat` (shaped like the whole parameter tree) cut to the updates' tree: where a wrapper
+    (optax.masked, optax.partition) put a MaskedNode in place of a leaf or subtree, so here."""
+
+    def leaf(u: Any, s: Any) -> Any:
+        if _is_masked(u):
+            return u
+        if jnp.shape(s) != jnp.shape(u):
+            raise ValueError(
+                f"{rule}: stats[{name!r}] is not shaped like the updates: a leaf of shape "
+                f"{jnp.shape(s)} beside an update of shape {jnp.shape(u)}"
+            )
+        return s
+
+    try:
+        return jax.tree.map(leaf, updates, stat, is_leaf=_is_masked)
+    except (ValueError, TypeError) as err:
+        if str(err).startswith(rule):
+            raise
+        raise ValueError(
+            f"{rule}: stats[{name!r}] does not have the updates' tree (the parameters', or their "
+            f"part under optax.masked / optax.partition): {err}"
+        ) from None
+
+
+# Relative tolerance of "the updates are c·ḡ": √eps of the dtype the check runs in. A global
+# rescaling (clip_by_global_norm's ḡ/‖ḡ‖·C) is within a few ulps of c·ḡ; an accumulated or
+# elementwise-changed gradient is off by O(1).
+def _tolerance(dtype: Any) -> float:
+    return float(np.sqrt(np.finfo(dtype).eps))
+
+
+def _refuse(rule: str, bad: Any, residual: Any, size: Any) -> None:
+    """The host side of the runtime check: raise for the runs (under vmap) that failed it."""
+    bad = np.asarray(bad)
+    if not bad.any():
+        return
+    i = np.unravel_index(np.argmax(bad), bad.shape) if bad.ndim else ()
+    raise ValueError(
+        _inconsistent(rule, float(np.asarray(residual)[i]), float(np.asarray(size)[i]))
+    )
+
+
+def _inconsistent(rule: str, residual: float, size: float) -> str:
+    return (
+        f"{rule}: the updates it was given are not the mean gradient ḡ its statistics were taken "
+        f"with (stats['mean']), nor one global multiple c·ḡ of it (max |u − c·ḡ| = {residual:.3g}"
+        f" against max |u| = {size:.3g}). A transformation before it changed ḡ across batches "
+        "or per coordinate. optax.MultiSteps accumulates ḡ beside one micro-batch's statistics: "
+        "use optimizers.multi_steps(opt, every_k), which accumulates both. An elementwise "
+        "transform (e.g. optax.clip): chain it after the rule, or clip by the global norm "
+        "(max_grad_norm=, or optax.clip_by_global_norm before the rule)."
+    )
+
+
+def _scale_of(rule: str, updates: PyTree, mean: PyTree) -> Array | None:
+    """c with updates = c·ḡ, checked; None when the updates are the very arrays of ḡ."""
+    u_leaves, m_leaves = jax.tree.leaves(updates), jax.tree.leaves(mean)
+    if len(u_leaves) == len(m_leaves) and all(
+        u is m for u, m in zip(u_leaves, m_leaves, strict=True)
+    ):
+        return None  # passed on unchanged, as make_train_step does: nothing to check
+    dtype = _widest(u_leaves)
+    u = [jnp.asarray(x).astype(dtype) for x in u_leaves]
+    m = [jnp.asarray(x).astype(dtype) for x in m_leaves]
+    total = lambda xs: sum((jnp.sum(x) for x in xs), jnp.zeros([], dtype))
+    largest = lambda xs: functools.reduce(
+        jnp.maximum, (jnp.max(jnp.abs(x), initial=0.0) for x in xs), jnp.zeros([], dtype)
+    )
+    equal = jnp.all(
+        jnp.stack([jnp.array_equal(a, b) for a, b in zip(u, m, strict=True)] or [jnp.bool_(True)])
+    )
+    dot, norm2 = total([a * b for a, b in zip(u, m, strict=True)]), total([b * b for b in m])
+    fit = jnp.where(norm2 > 0, dot / jnp.where(norm2 > 0, norm2, 1.0), 1.0)
+    c = jnp.where(equal, jnp.ones([], dtype), fit)  # bitwise equal: c = 1 exactly
+    residual, size = largest([a - c * b for a, b in zip(u, m, strict=True)]), largest(u)
+    bad = residual > _tolerance(dtype) * size
+    try:
+        failed = bool(bad)
+    except jax.errors.ConcretizationTypeError:  # traced: checked when the step runs
+        failed = None
+    if failed:
+        raise ValueError(_inconsistent(rule, float(residual), float(size)))
+    if failed is not None:
+        return c
+    raise_ = lambda: jax.debug.callback(functools.partial(_refuse, rule), bad, residual, size)
+    jax.lax.cond(bad, raise_, lambda: None)
+    return c
+
+
+def _statistics(rule: str, updates: PyTree, stats: Stats | None, reads: tuple[str, ...]) -> Stats:
+    """The statistics `reads` (and "mean", and "batch_size" if read) cut to the updates' tree
+    and made consistent with them (see the module docstring); MissingStatistics if absent."""
+    needs = ("mean", *reads)
+    if stats is None or any(name not in stats for name in needs):
+        raise MissingStatistics(rule, needs, stats)
+    trees = [n for n in needs if n != "batch_size"]
+    out = {n: _align(rule, n, stats[n], updates) for n in trees}
+    c = _scale_of(rule, updates, out["mean"])
+    if c is not None:
+        out["mean"] = updates
+
+        def scaled(name: str, x: Array) -> Array:
+            x = jnp.asarray(x)
+            if name in ("sq_mean", "var"):
+                return x * jnp.square(c).astype(x.dtype)
+            if name == "sign_mean":
+                return x * jnp.sign(c).astype(x.dtype)
+            return x * c.astype(x.dtype)  # a linear statistic, e.g. clipped_mean
+
+        for n in trees[1:]:
+            out[n] = jax.tree.map(functools.partial(scaled, n), out[n])
+    if "batch_size" in reads:
+        out["batch_size"] = stats["batch_size"]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +379,7 @@ def _block_mean(v: Array, block: Block) -> Array:
 
 def _scale_by_adam_family(
     rule: str,
-    needs: tuple[str, ...],
+    reads: tuple[str, ...],
     second_moment: SecondMoment,
     b1: Any,
     b2: Any,
@@ -223,7 +387,7 @@ def _scale_by_adam_family(
     max_grad_norm: Any,
     relu_preconditioner: bool = False,
     block: Block = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> Transformation:
     """The direction m̂/(√v̂ + ε) with v fed by second_moment(ḡ, q, B); state as optax.adam's."""
     _check(rule, "b1", b1, _unit_interval, "in [0, 1)")
     _check(rule, "b2", b2, _unit_interval, "in [0, 1)")
@@ -243,13 +407,13 @@ def _scale_by_adam_family(
         stats: Stats | None = None,
         **extra_args: Any,
     ) -> tuple[PyTree, optax.ScaleByAdamState]:
-        stats = _read(rule, stats, needs)
+        st = _statistics(rule, updates, stats, reads) if reads else {}
         _check_params(rule, params)
-        b = _batch_size(rule, stats) if "batch_size" in needs else None
+        b = _batch_size(rule, st) if "batch_size" in reads else None
         c = _clip_factor(updates, max_grad_norm)
         g = _cast(updates, state.mu, c)
-        if "sq_mean" in needs:
-            q = _cast(stats["sq_mean"], state.nu, None if c is None else c * c)
+        if "sq_mean" in reads:
+            q = _cast(st["sq_mean"], state.nu, None if c is None else c * c)
             nu_in = jax.tree.map(lambda gl, ql: second_moment(gl, ql, b), g, q)
         else:
             nu_in = jax.tree.map(lambda gl: second_moment(gl, None, b), g)
@@ -260,8 +424,7 @@ def _scale_by_adam_family(
 
         mu = jax.tree.map(lambda x, m: ema(x, m, b1), g, state.mu)
         nu = jax.tree.map(lambda x, v: ema(x, v, b2), nu_in, state.nu)
-        widest = max((m.dtype for m in jax.tree.leaves(mu)), key=lambda d: d.itemsize,
-                      default=jnp.dtype(jnp.float32))  # fmt: skip
+        widest = _widest(jax.tree.leaves(mu))
 
         def debias(moments: PyTree, beta: Any) -> PyTree:
             # optax's helper on the whole tree, as optax.scale_by_adam calls it: XLA compiles
@@ -287,23 +450,203 @@ def _as_float(b: Any, like: Array) -> Any:
     return b if isinstance(b, int) else jnp.asarray(b).astype(like.dtype)
 
 
+def _sigma2(g: Array, q: Any, b: Any) -> Array:
+    bf = _as_float(b, g)
+    return bf / (bf - 1.0) * jnp.maximum(q - g * g, 0.0)
+
+
+def _mu2(g: Array, q: Any, b: Any) -> Array:
+    bf = _as_float(b, g)
+    return (bf * (g * g) - q) / (bf - 1.0)
+
+
+def scale_by_adam(
+    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, max_grad_norm: Hyper | None = None
+) -> Transformation:
+    """Adam's direction m̂/(√v̂ + ε) on the mean gradient ḡ (reads no stats): optax.scale_by_adam
+    with moments in float32 for bfloat16 parameters, and optional clipping.
+
+    m ← β1·m + (1−β1)·c·ḡ,   v ← β2·v + (1−β2)·(c·ḡ)²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
+    with c = min(1, C/‖ḡ‖) (1 without C).
+
+    Args:
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root (optax's convention).
+        max_grad_norm: C, clipping ḡ by its global norm; None: no clipping.
+
+    Returns:
+        A transformation whose state is `optax.ScaleByAdamState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_adam()
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))  # step 1: m̂ = ḡ, v̂ = ḡ², so ḡ/(|ḡ| + ε)
+        [ 1. -1.]
+    """
+    return _scale_by_adam_family("Adam", (), lambda g, q, b: g * g, b1, b2, eps, max_grad_norm)
+
+
+def scale_by_micro_adam(
+    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, max_grad_norm: Hyper | None = None
+) -> Transformation:
+    """MicroAdam's direction: Adam with the per-example second moment q = (1/B) Σ_i g_i²
+    (reads stats "mean", "sq_mean").
+
+    m ← β1·m + (1−β1)·c·ḡ,   v ← β2·v + (1−β2)·c²·q,   direction m̂/(√v̂ + ε)
+    with c = min(1, C/‖ḡ‖) applied as if to every per-example gradient.
+
+    Args:
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
+
+    Returns:
+        A transformation whose state is `optax.ScaleByAdamState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_micro_adam()
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # step 1: ḡ/(√q + ε)
+        [ 0.7071 -1.    ]
+    """
+    return _scale_by_adam_family(
+        "MicroAdam", ("sq_mean",), lambda g, q, b: q, b1, b2, eps, max_grad_norm
+    )
+
+
+def scale_by_micro_adam_var(
+    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, max_grad_norm: Hyper | None = None
+) -> Transformation:
+    """MicroAdamVar's direction: preconditioned by the unbiased variance alone (reads stats
+    "mean", "sq_mean", "batch_size"; B ≥ 2, else ValueError).
+
+    σ̂² = B/(B−1)·(q − ḡ²),   v ← β2·v + (1−β2)·σ̂²,   direction m̂/(√v̂ + ε)
+
+    q ≥ ḡ² holds exactly (Jensen); q − ḡ² is clamped at 0 so that rounding cannot make √v̂ NaN.
+
+    Args:
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
+
+    Returns:
+        A transformation whose state is `optax.ScaleByAdamState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_micro_adam_var()
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # step 1: ḡ/(√σ̂² + ε), σ̂² = 4/3·(q − ḡ²) = [1/3, 0]
+        [ 8.66e-01 -5.00e+07]
+    """
+    return _scale_by_adam_family(
+        "MicroAdamVar", ("sq_mean", "batch_size"), _sigma2, b1, b2, eps, max_grad_norm
+    )
+
+
+def scale_by_micro_adam_msq(
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    max_grad_norm: Hyper | None = None,
+    block: Block = None,
+) -> Transformation:
+    """MicroAdamMSQ's direction: preconditioned by the unbiased squared mean alone (reads stats
+    "mean", "sq_mean", "batch_size"; B ≥ 2, else ValueError).
+
+    μ̂² = (B·ḡ² − q)/(B−1)  (unbiased for μ², can be negative),  v ← β2·v + (1−β2)·μ̂²,
+    direction m̂/(√ReLU(⟨v̂⟩) + ε)
+
+    ⟨v̂⟩ is v̂ averaged over a block of coordinates of one leaf, then broadcast back over it:
+    the paper's open question, whether pooling the noisy estimate μ̂² stabilizes the rule.
+    block=None: each coordinate alone, ⟨v̂⟩ = v̂. block="tensor": the mean over all elements of
+    the leaf. block="row": the mean over its last axis, one value per index of the other axes.
+    For `eqx.nn.Linear`'s weight, shaped [out, in] (y = W @ x), a row is one OUTPUT unit: the
+    weights into it from every input. An embedding [vocab, d]: one per token; a stacked
+    [L, out, in]: one per layer and output unit; a vector is one row, so "row" averages it
+    whole; a scalar is its own block. The average is taken before the ReLU, so negative and
+    positive estimates in a block cancel. v itself is kept per coordinate (the mean commutes
+    with the EMA and the debiasing).
+
+    Args:
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
+        block: None, "tensor" or "row" (above).
+
+    Returns:
+        A transformation whose state is `optax.ScaleByAdamState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_micro_adam_msq(eps=0.1, block="tensor")
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # μ̂² = [1/6, 1/4], ⟨v̂⟩ = 5/24 per tensor
+        [ 0.8986 -0.8986]
+    """
+    return _scale_by_adam_family(
+        "MicroAdamMSQ", ("sq_mean", "batch_size"), _mu2, b1, b2, eps, max_grad_norm,
+        relu_preconditioner=True, block=block,
+    )  # fmt: skip
+
+
 def adam(
     learning_rate: LearningRate,
     b1: Hyper = 0.9,
     b2: Hyper = 0.999,
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
+    mask: Mask = None,
     max_grad_norm: Hyper | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> Transformation:
     """Adam on the mean gradient ḡ (reads no stats); equals `optax.adamw` (`optax.adam` at λ=0).
 
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·ḡ²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
     u = −lr_t·( m̂/(√v̂ + ε) + λ·p )
+
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to: a pytree of bools like params, or a function of params
+            returning one (optax.add_decayed_weights'); None: all.
+        max_grad_norm: C, clipping ḡ by its global norm first; None: no clipping.
+
+    Returns:
+        `chain(scale_by_adam(...), add_decayed_weights(λ, mask), scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.adam(learning_rate=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))
+        [-0.1  0.1]
     """
-    rule = "Adam"
-    core = _scale_by_adam_family(rule, (), lambda g, q, b: g * g, b1, b2, eps, max_grad_norm)
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_adam(b1, b2, eps, max_grad_norm)
+    return _finish("Adam", core, learning_rate, weight_decay, mask)
 
 
 def micro_adam(
@@ -312,18 +655,41 @@ def micro_adam(
     b2: Hyper = 0.999,
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
+    mask: Mask = None,
     max_grad_norm: Hyper | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> Transformation:
     """MicroAdam: Adam with the per-example second moment q = (1/B) Σ_i g_i² = ḡ² + σ²(B−1)/B
-    (reads stats "sq_mean").
+    (reads stats "mean", "sq_mean").
 
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·q,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
     u = −lr_t·( m̂/(√v̂ + ε) + λ·p )
+
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to (as in `adam`); None: all.
+        max_grad_norm: C, clipping every per-example gradient by c = min(1, C/‖ḡ‖): ḡ → c·ḡ,
+            q → c²·q (the paper tames MicroAdam's loss spikes with C = 1e-2); None: none.
+
+    Returns:
+        `chain(scale_by_micro_adam(...), add_decayed_weights(λ, mask),
+        scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.micro_adam(learning_rate=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))
+        [-0.0707  0.1   ]
     """
-    rule = "MicroAdam"
-    core = _scale_by_adam_family(rule, ("sq_mean",), lambda g, q, b: q, b1, b2, eps, max_grad_norm)
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_micro_adam(b1, b2, eps, max_grad_norm)
+    return _finish("MicroAdam", core, learning_rate, weight_decay, mask)
 
 
 def micro_adam_var(
@@ -332,28 +698,41 @@ def micro_adam_var(
     b2: Hyper = 0.999,
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
+    mask: Mask = None,
     max_grad_norm: Hyper | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    """MicroAdamVar: preconditioned by the unbiased variance alone (reads stats "sq_mean" and
-    "batch_size"; B ≥ 2, else ValueError).
+) -> Transformation:
+    """MicroAdamVar: preconditioned by the unbiased variance alone (reads stats "mean",
+    "sq_mean" and "batch_size"; B ≥ 2, else ValueError).
 
     σ̂² = B/(B−1)·(q − ḡ²)
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·σ̂²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
     u = −lr_t·( m̂/(√v̂ + ε) + λ·p )
 
-    q ≥ ḡ² holds exactly (Jensen); q − ḡ² is clamped at 0 so that rounding cannot make √v̂ NaN.
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to (as in `adam`); None: all.
+        max_grad_norm: C, clipping every per-example gradient (as in `micro_adam`).
+
+    Returns:
+        `chain(scale_by_micro_adam_var(...), add_decayed_weights(λ, mask),
+        scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.micro_adam_var(learning_rate=0.1, eps=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # ḡ/(√σ̂² + ε), σ̂² = [1/3, 0]
+        [-0.0738  0.5   ]
     """
-
-    def sigma2(g: Array, q: Any, b: Any) -> Array:
-        bf = _as_float(b, g)
-        return bf / (bf - 1.0) * jnp.maximum(q - g * g, 0.0)
-
-    rule = "MicroAdamVar"
-    core = _scale_by_adam_family(
-        rule, ("sq_mean", "batch_size"), sigma2, b1, b2, eps, max_grad_norm
-    )
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_micro_adam_var(b1, b2, eps, max_grad_norm)
+    return _finish("MicroAdamVar", core, learning_rate, weight_decay, mask)
 
 
 def micro_adam_msq(
@@ -362,53 +741,56 @@ def micro_adam_msq(
     b2: Hyper = 0.999,
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
+    mask: Mask = None,
     max_grad_norm: Hyper | None = None,
     block: Block = None,
-) -> optax.GradientTransformationExtraArgs:
-    """MicroAdamMSQ: preconditioned by the unbiased squared mean alone (reads stats "sq_mean"
-    and "batch_size"; B ≥ 2, else ValueError).
+) -> Transformation:
+    """MicroAdamMSQ: preconditioned by the unbiased squared mean alone (reads stats "mean",
+    "sq_mean" and "batch_size"; B ≥ 2, else ValueError).
 
     μ̂² = (B·ḡ² − q)/(B−1)          (unbiased for μ², can be negative)
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·μ̂²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
-    u = −lr_t·( m̂/(√ReLU(⟨v̂⟩) + ε) + λ·p )
+    u = −lr_t·( m̂/(√ReLU(⟨v̂⟩) + ε) + λ·p ),   ⟨v̂⟩: see `scale_by_micro_adam_msq`
 
-    ⟨v̂⟩ is v̂ averaged over a block of coordinates of one leaf, then broadcast back over it:
-    the paper's open question, whether pooling the noisy estimate μ̂² stabilizes the rule.
-    block=None: each coordinate alone, ⟨v̂⟩ = v̂. block="tensor": the mean over all elements of
-    the leaf. block="row": the mean over its last axis, one value per index of the other axes
-    (W in x @ W, shaped [d_in, d_out] as in models.Linear: one value per input unit; an
-    embedding [vocab, d]: one per token; a stacked [L, n, m]: one per layer and row); a vector
-    is one row, so "row" averages it whole; a scalar is its own block. The average is taken
-    before the ReLU, so negative and positive estimates in a block cancel. v itself is kept per
-    coordinate (the mean commutes with the EMA and the debiasing).
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        b1: first-moment decay β1, in [0, 1).
+        b2: second-moment decay β2, in [0, 1).
+        eps: ε, added outside the square root.
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to (as in `adam`); None: all.
+        max_grad_norm: C, clipping every per-example gradient (as in `micro_adam`).
+        block: v̂ averaged per None (coordinate), "tensor" (leaf) or "row" (output unit of an
+            [out, in] weight) before the root.
+
+    Returns:
+        `chain(scale_by_micro_adam_msq(...), add_decayed_weights(λ, mask),
+        scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.micro_adam_msq(learning_rate=0.1, eps=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # ḡ/(√μ̂² + ε), μ̂² = [1/6, 1/4]
+        [-0.0984  0.0833]
     """
-
-    def mu2(g: Array, q: Any, b: Any) -> Array:
-        bf = _as_float(b, g)
-        return (bf * (g * g) - q) / (bf - 1.0)
-
-    rule = "MicroAdamMSQ"
-    core = _scale_by_adam_family(
-        rule, ("sq_mean", "batch_size"), mu2, b1, b2, eps, max_grad_norm,
-        relu_preconditioner=True, block=block,
-    )  # fmt: skip
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_micro_adam_msq(b1, b2, eps, max_grad_norm, block)
+    return _finish("MicroAdamMSQ", core, learning_rate, weight_decay, mask)
 
 
 # --------------------------------------------------------------------------------------------
 # The sign family: where the sign sits in per-example → batch average → EMA.
 
 
-def _ema(
-    rule: str, momentum: Any, read: str | None = None
-) -> optax.GradientTransformationExtraArgs:
+def _ema(rule: str, momentum: Any, read: str | None = None) -> Transformation:
     """e ← β·e + (1−β)·x with x the updates, or stats[read]; returns e in the parameter dtype.
 
     optax.ema(β, debias=False) computes the same but keeps e in one given dtype and mixes a
     float32 e with bf16 updates by implicit promotion; here e is per leaf float32 or wider."""
     _check(rule, "momentum", momentum, _unit_interval, "in [0, 1)")
-    needs = () if read is None else (read,)
 
     def init(params: PyTree) -> optax.EmaState:
         return optax.EmaState(jnp.zeros([], jnp.int32), _zeros(params))
@@ -421,9 +803,9 @@ def _ema(
         stats: Stats | None = None,
         **extra_args: Any,
     ) -> tuple[PyTree, optax.EmaState]:
-        stats = _read(rule, stats, needs)
+        x = updates if read is None else _statistics(rule, updates, stats, (read,))[read]
         _check_params(rule, params)
-        x = _cast(updates if read is None else stats[read], state.ema)
+        x = _cast(x, state.ema)
 
         def leaf(xl: Array, e: Array) -> Array:
             return optax.tree.update_moment(xl, e, _hyper(momentum, e.dtype), 1)
@@ -436,66 +818,384 @@ def _ema(
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
+def scale_by_ema(momentum: Hyper = 0.9) -> Transformation:
+    """The EMA of the updates without debiasing, e ← β·e + (1−β)·u (reads no stats):
+    optax.ema(β, debias=False) with e in float32 for bfloat16 parameters.
+
+    Args:
+        momentum: β, in [0, 1); 0 passes the updates through.
+
+    Returns:
+        A transformation whose state is `optax.EmaState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_ema(0.5)
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))  # (1 − β)·ḡ
+        [ 0.25 -0.25]
+    """
+    return _ema("EMA", momentum)
+
+
+def scale_by_micro_sign_sgd(momentum: Hyper = 0.0) -> Transformation:
+    """MicroSignSGD's direction, the sign before the batch average: the EMA of
+    s = (1/B) Σ_i sign(g_i) (reads stats "mean", "sign_mean"; ḡ only for the consistency check).
+
+    e ← β·e + (1−β)·s                                     (β = 0: e = s, no EMA)
+
+    Args:
+        momentum: β, in [0, 1).
+
+    Returns:
+        A transformation whose state is `optax.EmaState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_micro_sign_sgd()
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))
+        [ 0.5 -1. ]
+    """
+    return _ema("MicroSignSGD", momentum, read="sign_mean")
+
+
+def scale_by_sign_sgd(momentum: Hyper = 0.0) -> Transformation:
+    """SignSGD's direction, the sign after the batch average and before the EMA (reads no
+    stats): `chain(optax.scale_by_sign(), scale_by_ema(β))`.
+
+    e ← β·e + (1−β)·sign(ḡ)                                (β = 0: plain signSGD)
+
+    Args:
+        momentum: β, in [0, 1).
+
+    Returns:
+        A chain whose states are optax.scale_by_sign's and `optax.EmaState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_sign_sgd()
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))
+        [ 1. -1.]
+    """
+    return optax.chain(optax.scale_by_sign(), _ema("SignSGD", momentum))
+
+
+def scale_by_sign_ema(momentum: Hyper = 0.9, max_grad_norm: Hyper | None = None) -> Transformation:
+    """SignEMA's direction, the sign last, after the EMA (reads no stats):
+    `chain(optax.clip_by_global_norm(C), scale_by_ema(β), optax.scale_by_sign())`.
+
+    e ← β·e + (1−β)·c·ḡ,   c = min(1, C/‖ḡ‖) (1 without C),   direction sign(e)
+
+    Args:
+        momentum: β, in [0, 1).
+        max_grad_norm: C for the clipping before the EMA; None: no clipping.
+
+    Returns:
+        A chain of optax's blocks and `scale_by_ema`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.scale_by_sign_ema()
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))
+        [ 1. -1.]
+    """
+    rule = "SignEMA"
+    _check(rule, "max_grad_norm", max_grad_norm, lambda x: x > 0.0, "> 0 or None")
+    clip = [] if max_grad_norm is None else [optax.clip_by_global_norm(max_grad_norm)]
+    return optax.chain(*clip, _ema(rule, momentum), optax.scale_by_sign())
+
+
 def micro_sign_sgd(
     learning_rate: LearningRate,
     momentum: Hyper = 0.0,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
-) -> optax.GradientTransformationExtraArgs:
-    """MicroSignSGD: the sign before the batch average (reads stats "sign_mean", not ḡ).
+    mask: Mask = None,
+) -> Transformation:
+    """MicroSignSGD: the sign before the batch average (reads stats "mean", "sign_mean").
 
     e ← β·e + (1−β)·s,   s = (1/B) Σ_i sign(g_i)          (β = 0: e = s, no EMA)
     u = −lr_t·( e + λ·p )
+
+    Sign-only rules are invariant to a positive scale of the gradients and take no clipping.
+
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        momentum: β, in [0, 1).
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to (as in `adam`); None: all.
+
+    Returns:
+        `chain(scale_by_micro_sign_sgd(β), add_decayed_weights(λ, mask),
+        scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.micro_sign_sgd(learning_rate=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))
+        [-0.05  0.1 ]
     """
-    rule = "MicroSignSGD"
-    core = _ema(rule, momentum, read="sign_mean")
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_micro_sign_sgd(momentum)
+    return _finish("MicroSignSGD", core, learning_rate, weight_decay, mask)
 
 
 def sign_sgd(
     learning_rate: LearningRate,
     momentum: Hyper = 0.0,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
-) -> optax.GradientTransformationExtraArgs:
+    mask: Mask = None,
+) -> Transformation:
     """SignSGD: the sign after the batch average, before the EMA (reads no stats). At β = 0
     and λ = 0 it is `optax.sign_sgd`.
 
     e ← β·e + (1−β)·sign(ḡ)                                (β = 0: plain signSGD)
     u = −lr_t·( e + λ·p )
+
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        momentum: β, in [0, 1).
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to (as in `adam`); None: all.
+
+    Returns:
+        `chain(scale_by_sign_sgd(β), add_decayed_weights(λ, mask), scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.sign_sgd(learning_rate=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))
+        [-0.1  0.1]
     """
-    rule = "SignSGD"
-    core = optax.chain(optax.scale_by_sign(), _ema(rule, momentum))
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_sign_sgd(momentum)
+    return _finish("SignSGD", core, learning_rate, weight_decay, mask)
 
 
 def sign_ema(
     learning_rate: LearningRate,
     momentum: Hyper = 0.9,
     weight_decay: Hyper = 0.0,
-    weight_decay_mask: Mask = None,
+    mask: Mask = None,
     max_grad_norm: Hyper | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> Transformation:
     """SignEMA: the sign last, after the EMA (reads no stats): `optax.signum` with decoupled
     weight decay, and clipping c·ḡ = `optax.clip_by_global_norm(C)` first when C is given.
 
     e ← β·e + (1−β)·c·ḡ,   c = min(1, C/‖ḡ‖) (1 without C)
     u = −lr_t·( sign(e) + λ·p )
+
+    Args:
+        learning_rate: lr, a number or an optax schedule of the step count.
+        momentum: β, in [0, 1).
+        weight_decay: λ, decoupled weight decay.
+        mask: the leaves λ applies to (as in `adam`); None: all.
+        max_grad_norm: C; None: no clipping.
+
+    Returns:
+        `chain(scale_by_sign_ema(β, C), add_decayed_weights(λ, mask),
+        scale_by_learning_rate(lr))`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
+        >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
+        ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
+        >>> opt = optimizers.sign_ema(learning_rate=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> print(updates["w"].round(4))
+        [-0.1  0.1]
     """
-    rule = "SignEMA"
-    _check(rule, "max_grad_norm", max_grad_norm, lambda x: x > 0.0, "> 0 or None")
-    clip = [] if max_grad_norm is None else [optax.clip_by_global_norm(max_grad_norm)]
-    core = optax.chain(*clip, _ema(rule, momentum), optax.scale_by_sign())
-    return _finish(rule, core, learning_rate, weight_decay, weight_decay_mask)
+    core = scale_by_sign_ema(momentum, max_grad_norm)
+    return _finish("SignEMA", core, learning_rate, weight_decay, mask)
 
 
 # --------------------------------------------------------------------------------------------
-# Which statistics an optimizer reads, and one jitted training step.
+# Accumulation: k micro-batches, one update, the statistics of their union.
+
+# How each statistic of a union of micro-batches follows from theirs: per-unit averages merge
+# weighted by their unit counts; the variance by the pooled (Chan) formula below.
+_AVERAGES = ("mean", "sq_mean", "sign_mean", "clipped_mean")
+_MERGEABLE = (*_AVERAGES, "var")
 
 
-def required_stats(
-    optimizer: optax.GradientTransformationExtraArgs, params: PyTree
-) -> tuple[str, ...]:
+class MultiStepsState(NamedTuple):
+    """The state of `multi_steps`."""
+
+    mini_step: Int[Array, ""]  # micro-batches accumulated since the last update, 0 .. k−1
+    units: Array  # the units (examples) in them, N = Σ_j B_j
+    acc: dict[str, PyTree]  # per statistic the inner rule reads, its value on their union
+    inner_state: Any  # the inner transformation's
+
+
+def multi_steps(optimizer: AnyTransformation, every_k: int) -> Transformation:
+    """Gradient accumulation that keeps the statistics exact: `optimizer` updates once per
+    `every_k` micro-batches, with ḡ AND every statistic it reads those of the union of the
+    micro-batches, so k micro-batches of B equal one step on kB examples. The other steps
+    return zero updates and leave the inner state alone (as optax.MultiSteps).
+
+    Over micro-batches j with B_j units each (stats["batch_size"], 1 when no stats are given),
+    N = Σ_j B_j, and for ḡ, "sq_mean", "sign_mean", "clipped_mean" (averages over units):
+    x = Σ_j B_j·x_j / N; B = N; "var" (unbiased) by the pooled (Chan) merge of two groups,
+    (N−1)·σ² = (N_a−1)·σ_a² + (N_b−1)·σ_b² + (ḡ_b − ḡ_a)²·N_a·N_b/N. Per-example statistics
+    ("sq_norms") cannot be accumulated in a fixed-size state: an inner rule reading them is
+    refused. Incoming updates are checked against their statistics as the rules check them
+    (one global multiple c·ḡ allowed, which scales the statistics alike), per micro-batch.
+
+    Args:
+        optimizer: the inner transformation (any composition of the rules here and optax's).
+        every_k: micro-batches per update, ≥ 1.
+
+    Returns:
+        A transformation whose state is `MultiStepsState`.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> p = {"w": jnp.zeros(1)}
+        >>> opt = optimizers.multi_steps(optimizers.micro_adam(1.0, b1=0.0, b2=0.0), 2)
+        >>> state = opt.init(p)
+        >>> for g, q in [(1.0, 2.0), (3.0, 10.0)]:  # two micro-batches of 1 example
+        ...     st = {"mean": {"w": jnp.array([g])}, "sq_mean": {"w": jnp.array([q])},
+        ...           "batch_size": 1}
+        ...     u, state = opt.update(st["mean"], state, p, stats=st)
+        >>> round(u["w"].tolist()[0], 4)  # −ḡ/√q on the union: ḡ = 2, q = 6
+        -0.8165
+    """
+    if not (isinstance(every_k, int) and every_k >= 1):
+        raise ValueError(f"multi_steps: every_k must be an int >= 1, got {every_k!r}")
+    rule = "multi_steps"
+    inner_tx = _with_stats(optimizer)
+
+    def init(params: PyTree) -> MultiStepsState:
+        names = required_stats(inner_tx, params)
+        cannot = [n for n in names if n not in _MERGEABLE]
+        if cannot:
+            raise ValueError(
+                f"multi_steps: the inner optimizer reads {cannot}, per-example statistics that "
+                f"have no fixed-size accumulation; it can accumulate {_MERGEABLE}"
+            )
+        zero = jnp.zeros([], _widest(jax.tree.leaves(params)))
+        acc = {n: _zeros(params) for n in names}
+        return MultiStepsState(jnp.zeros([], jnp.int32), zero, acc, inner_tx.init(params))
+
+    def update(
+        updates: PyTree,
+        state: MultiStepsState,
+        params: PyTree = None,
+        *,
+        stats: Stats | None = None,
+        **extra_args: Any,
+    ) -> tuple[PyTree, MultiStepsState]:
+        reads = tuple(n for n in state.acc if n != "mean")
+        if reads:
+            st = _statistics(rule, updates, stats, (*reads, "batch_size"))
+        else:  # an inner rule that reads ḡ only: count-weighted if B is known
+            st = {"mean": updates, "batch_size": (stats or {}).get("batch_size", 1)}
+        old = state.units
+        b = jnp.asarray(st["batch_size"]).astype(old.dtype)
+        units = old + b
+        w = b / units
+
+        def average(a: Array, x: Array) -> Array:
+            return a + (jnp.asarray(x).astype(a.dtype) - a) * w.astype(a.dtype)
+
+        acc = {n: jax.tree.map(average, state.acc[n], st[n]) for n in state.acc if n != "var"}
+        if "var" in state.acc:
+            # Chan: the sums of squared deviations add, plus the spread of the two means.
+            def pooled(va: Array, vb: Array, ma: Array, mb: Array) -> Array:
+                vb, mb, f = vb.astype(va.dtype), mb.astype(va.dtype), lambda x: x.astype(va.dtype)
+                m2 = va * f(jnp.maximum(old - 1, 0)) + vb * f(b - 1)
+                m2 = m2 + jnp.square(mb - ma) * f(old * b / units)
+                return m2 / f(jnp.maximum(units - 1, 1))
+
+            acc["var"] = jax.tree.map(
+                pooled, state.acc["var"], st["var"], state.acc["mean"], st["mean"]
+            )
+        emit = state.mini_step == every_k - 1
+        mean = jax.tree.map(lambda a, u: a.astype(jnp.asarray(u).dtype), acc["mean"], updates)
+        inner_stats = {**acc, "mean": mean, "batch_size": units}
+
+        def apply() -> tuple[PyTree, Any]:
+            inner = state.inner_state
+            return inner_tx.update(mean, inner, params, stats=inner_stats, **extra_args)
+
+        shapes = jax.eval_shape(apply)
+
+        def skip() -> tuple[PyTree, Any]:
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+            return zeros, state.inner_state
+
+        new_updates, inner_state = jax.lax.cond(emit, apply, skip)
+        restart = lambda x: jnp.where(emit, jnp.zeros_like(x), x)
+        return new_updates, MultiStepsState(
+            jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+            restart(units),
+            jax.tree.map(restart, acc),
+            inner_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+# --------------------------------------------------------------------------------------------
+# Which statistics an optimizer reads, and one training step.
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _is_float_array(x: Any) -> bool:
+    return _is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def trainable(tree: PyTree) -> PyTree:
+    """The floating-point arrays of a pytree (e.g. an `eqx.Module`), None in place of every
+    other leaf: what the optimizers update, as Equinox's `eqx.filter(m, eqx.is_inexact_array)`.
+
+    Args:
+        tree: parameters, or a model holding them beside other leaves (functions, ints, ...).
+
+    Returns:
+        The same tree with None at each leaf that is not a floating-point array.
+
+    Example:
+        >>> import jax.numpy as jnp, optimizers
+        >>> model = {"w": jnp.ones(2), "steps": jnp.array(3), "act": jnp.tanh, "eps": 1e-5}
+        >>> sorted(k for k, v in optimizers.trainable(model).items() if v is not None)
+        ['w']
+    """
+    return jax.tree.map(lambda x: x if _is_float_array(x) else None, tree)
+
+
+def _combine(part: PyTree, whole: PyTree) -> PyTree:
+    """`whole` with its leaves replaced by `part`'s where `part` is not None."""
+    return jax.tree.map(
+        lambda p, w: w if p is None else p, part, whole, is_leaf=lambda x: x is None
+    )
+
+
+def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, ...]:
     """The statistics to ask `pegrad.value_and_grad_stats` for so that `optimizer` can run:
     "mean" (ḡ, passed as the updates) and whatever its rules read from `stats=`.
 
@@ -503,20 +1203,38 @@ def required_stats(
     NamedTuples, which drop them): `optimizer.update` is traced abstractly (jax.eval_shape, so
     nothing is computed) with a stats dict holding the names found so far; a rule that lacks
     some raises MissingStatistics naming all it reads, and the trace is repeated with those
-    added. Sees through every wrapper that forwards `stats=` (optax.chain, inject_hyperparams,
-    apply_if_finite, MultiSteps). "batch_size" is left out: pegrad always returns it.
+    added. Sees through every wrapper that forwards `stats=` (optax.chain, named_chain,
+    masked, partition, inject_hyperparams, apply_if_finite, multi_steps). "batch_size" is left
+    out: pegrad always returns it.
+
+    Args:
+        optimizer: any transformation, composed of the rules here and optax's blocks.
+        params: the parameters, or a model holding them (its `trainable` part is used).
+
+    Returns:
+        The statistics' names, "mean" first.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, optimizers
+        >>> params = {"emb": jnp.ones((3, 2)), "w": jnp.ones((2, 2))}
+        >>> opt = optax.partition({"a": optimizers.adam(1e-3),
+        ...                        "s": optimizers.micro_sign_sgd(1e-3)}, {"emb": "a", "w": "s"})
+        >>> optimizers.required_stats(opt, params)
+        ('mean', 'sign_mean')
     """
+    params = trainable(params)
+    tx = _with_stats(optimizer)
     grads = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _moment_dtype(p.dtype)), params
     )
-    state = jax.eval_shape(optimizer.init, params)
+    state = jax.eval_shape(tx.init, params)
     names = ["mean"]
     while True:
         # Every statistic the rules here read is shaped like the parameters.
         probe = {**dict.fromkeys(names, grads), "batch_size": jax.ShapeDtypeStruct((), jnp.int32)}
         try:
             jax.eval_shape(
-                lambda u, s, p, st: optimizer.update(u, s, p, stats=st), grads, state, params, probe
+                lambda u, s, p, st: tx.update(u, s, p, stats=st), grads, state, params, probe
             )
             return tuple(names)
         except MissingStatistics as err:
@@ -526,32 +1244,100 @@ def required_stats(
             names += new
 
 
+class _Static:
+    """The leaves of a model that are not arrays, hashable: a static argument of jax.jit."""
+
+    def __init__(self, tree: PyTree):
+        self.tree = tree
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.key = (self.treedef, tuple(leaves))
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self.key == other.key
+
+
+Step = Callable[[PyTree, Any, PyTree], tuple[PyTree, Any, Float[Array, ""], Stats]]
+
+
 def make_train_step(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
-    optimizer: optax.GradientTransformationExtraArgs,
+    optimizer: AnyTransformation,
     impl: Literal["factorized", "vmap"] = "factorized",
     chunk_size: int | None = None,
     stats: Sequence[str] | None = None,
+    *,
+    extra_stats: Sequence[str] = (),
+    jit: bool = True,
     **stats_options: Any,
-) -> Callable[[PyTree, Any, PyTree], tuple[PyTree, Any, Float[Array, ""], Stats]]:
-    """One jitted `step(params, state, batch) -> (params, state, mean_loss, stats)`.
+) -> Step:
+    """One training step, `step(params, state, batch) -> (params, state, mean_loss, stats)`:
+    the statistics from `pegrad.value_and_grad_stats`, then `optimizer.update(stats["mean"],
+    state, params, stats=stats)` and `optax.apply_updates`. The one step train.py, its
+    vectorized sweeps and the tests build on.
 
-    `impl` switches between the exact ("vmap") and the factorized statistics; `chunk_size` and
-    `stats_options` (e.g. granularity="token") go to `pegrad.value_and_grad_stats`. `stats`
-    names the statistics to compute ("mean" is always added); None: `required_stats(optimizer,
-    params)`, found while the step is traced.
+    `params` may be a model (an `eqx.Module`, any pytree): its floating-point arrays
+    (`trainable`) are the parameters, its other leaves pass through unchanged; initialize the
+    optimizer with `optimizer.init(trainable(model))`.
+
+    Args:
+        loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example (params as given
+            to the step: the model itself for a model).
+        optimizer: any transformation composed of the rules here and optax's blocks.
+        impl: "factorized" or "vmap" (pegrad's exact reference): the same numbers.
+        chunk_size: at most this many per-example gradients at once (pegrad).
+        stats: the statistics to compute; None: `required_stats(optimizer, params)`, found
+            while the step is traced. "mean" is always added.
+        extra_stats: statistics computed besides those (e.g. for diagnostics), returned too.
+        jit: False returns the pure function, to jit (with shardings) or vmap yourself; for a
+            model with leaves that are not arrays, with a filtered jit such as eqx.filter_jit.
+        **stats_options: for pegrad.value_and_grad_stats, e.g. granularity="token".
+
+    Returns:
+        The step function; its stats dict is pegrad's.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optimizers
+        >>> loss_fn = lambda p, ex: 0.5 * jnp.sum((ex["x"] @ p["w"] - ex["y"]) ** 2)
+        >>> params = {"w": jnp.zeros((3, 2))}
+        >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones((8, 2))}
+        >>> opt = optimizers.micro_adam(1e-2)
+        >>> step = optimizers.make_train_step(loss_fn, opt, impl="vmap")
+        >>> params, state, loss, stats = step(params, opt.init(params), batch)
+        >>> float(loss), sorted(stats)
+        (1.0, ['batch_size', 'mean', 'sq_mean'])
     """
     import pegrad  # here, so that this file can be copied without pegrad for the rest
 
-    @jax.jit
-    def step(params: PyTree, state: Any, batch: PyTree) -> tuple[PyTree, Any, Any, Stats]:
-        names = required_stats(optimizer, params) if stats is None else stats
-        stats_fn = pegrad.value_and_grad_stats(
-            loss_fn, tuple(dict.fromkeys(("mean", *names))), impl=impl, chunk_size=chunk_size,
-            **stats_options,
-        )  # fmt: skip
-        loss, st = stats_fn(params, batch)
-        updates, state = optimizer.update(st["mean"], state, params, stats=st)
-        return optax.apply_updates(params, updates), state, loss, st
+    tx = _with_stats(optimizer)
 
+    def pure(params: PyTree, state: Any, batch: PyTree) -> tuple[PyTree, Any, Any, Stats]:
+        p = trainable(params)
+        names = required_stats(tx, p) if stats is None else stats
+        names = tuple(dict.fromkeys(("mean", *names, *extra_stats)))
+        loss = lambda p, example: loss_fn(_combine(p, params), example)
+        stats_fn = pegrad.value_and_grad_stats(
+            loss, names, impl=impl, chunk_size=chunk_size, **stats_options
+        )
+        value, st = stats_fn(p, batch)
+        updates, state = tx.update(st["mean"], state, p, stats=st)
+        return _combine(optax.apply_updates(p, updates), params), state, value, st
+
+    if not jit:
+        return pure
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def jitted(arrays: PyTree, state: Any, batch: PyTree, static: _Static) -> tuple:
+        params, state, value, st = pure(_combine(arrays, static.tree), state, batch)
+        return jax.tree.map(lambda x: x if _is_array(x) else None, params), state, value, st
+
+    def step(params: PyTree, state: Any, batch: PyTree) -> tuple[PyTree, Any, Any, Stats]:
+        arrays = jax.tree.map(lambda x: x if _is_array(x) else None, params)
+        static = _Static(jax.tree.map(lambda x: None if _is_array(x) else x, params))
+        new, state, value, st = jitted(arrays, state, batch, static)
+        return _combine(new, params), state, value, st
+
+    step._cache_size = jitted._cache_size  # pyright: ignore  # the tests count compilations
     return step

@@ -10,7 +10,8 @@ gets a leading run axis: parameters and optimizer state (each seed's `train.buil
 hyperparameters (arrays, traced: the optimizer is built inside the vmapped function by
 `train.make_optimizer(cfg, hyper)`), the PRNG keys of the batches and held-out sets, and the
 data where it depends on the seed (the MLP's teacher; the LM's text is shared). One jitted
-`lax.scan` over `eval_interval` steps of `train.make_step`'s step, vmapped over runs, advances
+`lax.scan` over `eval_interval` steps of `train.make_step` (optimizers.make_train_step's step and
+the diagnostics), vmapped over runs, advances
 all runs at once: the batch of step s is `task.sample(data, key=fold_in(train_key, s))`, as in
 train.main, so a run here equals the same config trained by train.main alone (tests: float64,
 to 1e-11; the vmapped matmuls may sum in another order).
@@ -111,8 +112,6 @@ def run_group(configs: Sequence[train.Config], *, log: Log | None = None) -> lis
     cfg0 = configs[0]
     if any(group_key(c) != group_key(cfg0) for c in configs):
         raise ValueError("run_group: the configs differ in more than hyperparameters and seed")
-    if cfg0.dtype == "float64":
-        jax.config.update("jax_enable_x64", True)
     for c in configs:
         train.check(dataclasses.replace(c, out=None))
     t0 = time.perf_counter()

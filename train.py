@@ -69,7 +69,6 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 import models
 import optimizers
-import pegrad
 
 AdamFamily = Literal["adam", "micro_adam", "micro_adam_var", "micro_adam_msq"]
 SignFamily = Literal["micro_sign_sgd", "sign_sgd", "sign_ema"]
@@ -447,18 +446,24 @@ HYPERPARAMETERS = ("lr", "b1", "b2", "eps", "momentum", "max_grad_norm")
 def make_schedule(
     cfg: Config, peak: float | Float[Array, ""] | None = None
 ) -> Callable[[Int[Array, ""]], Float[Array, ""]]:
-    """Linear warmup to the peak lr (`peak`, else cfg.lr), then constant, or cosine decay to
-    a tenth of it at the last step."""
+    """Linear warmup to the peak lr (`peak`, else cfg.lr) from peak/(warmup+1) at step 0, then
+    constant, or cosine decay to a tenth of it at the last step: the peak times optax's
+    schedule of a unit peak, so that the peak may be traced (a vectorized sweep's per-run lr)."""
+    w = cfg.warmup
+    if cfg.schedule == "cosine":
+        # Past `steps` nothing is trained: decay_steps > warmup keeps optax's cosine defined.
+        unit = optax.warmup_cosine_decay_schedule(
+            1.0 / (w + 1), 1.0, w, max(cfg.steps, w + 1), end_value=0.1
+        )
+    else:
+        unit = optax.linear_schedule(1.0 / (w + 1), 1.0, w)
     # float32 whatever the peak's dtype: a traced peak gives the numbers a Python float gives.
     lr0 = jnp.asarray(cfg.lr if peak is None else peak).astype(jnp.float32)
 
     def schedule(count: Int[Array, ""]) -> Float[Array, ""]:
-        t = jnp.asarray(count, jnp.float32)
-        lr = lr0 * jnp.minimum(1.0, (t + 1.0) / (cfg.warmup + 1.0))
-        if cfg.schedule == "cosine":
-            progress = jnp.clip((t - cfg.warmup) / max(1, cfg.steps - cfg.warmup), 0.0, 1.0)
-            lr = lr * (0.1 + 0.45 * (1.0 + jnp.cos(jnp.pi * progress)))
-        return lr
+        with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix ints and floats
+            factor = jnp.asarray(unit(count))
+        return lr0 * factor.astype(jnp.float32)
 
     return schedule
 
@@ -474,7 +479,7 @@ def make_optimizer(
     kwargs: dict[str, Any] = dict(
         learning_rate=make_schedule(cfg, h["lr"]),
         weight_decay=cfg.weight_decay,
-        weight_decay_mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
     if cfg.optimizer in get_args(AdamFamily):
         kwargs |= dict(b1=h["b1"], b2=h["b2"], eps=h["eps"], max_grad_norm=h["max_grad_norm"])
@@ -513,18 +518,16 @@ def make_step(
     cfg: Config, task: Task, opt: optax.GradientTransformationExtraArgs
 ) -> Callable[[PyTree, Any, Any], tuple[PyTree, Any, Array, dict]]:
     """The pure training step `step(params, opt_state, batch) -> (params, opt_state, loss,
-    diagnostics)`: optimizers.make_train_step's, with the diagnostics' statistics added and a
-    "params_finite" flag. Not jitted: main jits it with shardings, sweeps vmap it first."""
-    needs = optimizers.required_stats(opt, task.params)
-    stats = tuple(dict.fromkeys((*needs, "mean", "sq_mean")))  # the union, in order
-    stats_fn = pegrad.value_and_grad_stats(
-        task.loss_fn, stats, impl=cfg.impl, chunk_size=cfg.chunk_size, granularity=cfg.granularity
-    )
+    diagnostics)`: `optimizers.make_train_step`'s step (the one step of this repository), asked
+    also for "sq_mean", which the diagnostics read, and followed by them and a "params_finite"
+    flag. Not jitted: main jits it with shardings (`jit_step`), sweeps vmap it first."""
+    core = optimizers.make_train_step(
+        task.loss_fn, opt, impl=cfg.impl, chunk_size=cfg.chunk_size, extra_stats=("sq_mean",),
+        jit=False, granularity=cfg.granularity,
+    )  # fmt: skip
 
     def step(params: PyTree, state: Any, batch: Any) -> tuple[PyTree, Any, Array, dict]:
-        loss, st = stats_fn(params, batch)
-        updates, state = opt.update(st["mean"], state, params, stats=st)
-        params = optax.apply_updates(params, updates)
+        params, state, loss, st = core(params, state, batch)
         # An update can overflow while the loss it came from is finite: flag it at its step.
         finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
         return params, state, loss, {**diagnostics(st), "params_finite": finite}
@@ -543,8 +546,18 @@ class Run(NamedTuple):
     eval_key: PRNGKeyArray  # held-out batch i: task.sample(eval_data, key=fold_in(eval_key, i))
 
 
+def numeric_policy(cfg: Config) -> None:
+    """The one place that sets JAX's numerics for a run: float64 parameters need 64-bit JAX
+    (a process-wide switch; `build` sets it, so train.main, sweep.py and experiments.py share
+    it). It is never switched back off: a driver that ran a float64 run keeps 64-bit types."""
+    if cfg.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+
+
 def build(cfg: Config) -> Run:
-    """The task (model, data, loss), optimizer and pure step of `cfg`, all from cfg.seed."""
+    """The task (model, data, loss), optimizer and pure step of `cfg`, all from cfg.seed, under
+    `numeric_policy(cfg)`."""
+    numeric_policy(cfg)
     model_key, train_key, eval_key = jax.random.split(jax.random.key(cfg.seed), 3)
     task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
     opt = make_optimizer(cfg)
@@ -556,7 +569,7 @@ def eval_loss_fn(task: Task) -> Callable[[PyTree, Any], Float[Array, ""]]:
     return lambda params, batch: jnp.mean(jax.vmap(task.loss_fn, (None, 0))(params, batch))
 
 
-def make_train_step(run: Run, mesh: Mesh, shardings: PyTree) -> Any:
+def jit_step(run: Run, mesh: Mesh, shardings: PyTree) -> Any:
     """`run.step` jitted with shardings: the batch split along "data", parameters and optimizer
     state as `shardings` says (a tree of {"params", "opt_state"}, from `placement`), losses and
     diagnostics replicated."""
@@ -666,8 +679,6 @@ class Progress:
 def main(cfg: Config) -> dict[str, Any]:
     """Train per `cfg` and return the final metrics: {"out", "steps", "loss", "eval_loss",
     "first_eval_loss", "seconds"}. Raises ConfigError on bad input, Diverged on NaN/Inf."""
-    if cfg.dtype == "float64":
-        jax.config.update("jax_enable_x64", True)  # float64 parameters need 64-bit JAX
     cfg = check(cfg)
     join_processes(cfg)
     mesh = make_mesh(cfg)
@@ -700,7 +711,7 @@ def main(cfg: Config) -> dict[str, Any]:
     tree = place(tree, shardings)
     data = (task.train_data, task.eval_data)
     train_data, eval_data = place(data, jax.tree.map(lambda _: everywhere, data))
-    train_step = make_train_step(run, mesh, shardings)
+    train_step = jit_step(run, mesh, shardings)
     sample = make_sampler(task, mesh)
     eval_sets = [
         sample(eval_data, key=jax.random.fold_in(eval_key, i)) for i in range(cfg.eval_batches)

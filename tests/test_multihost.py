@@ -228,10 +228,10 @@ if __name__ == "__main__":
 
     cfg = train.Config(**json.loads(sys.argv[1]))
     seen: dict[str, str] = {}
-    make_train_step = train.make_train_step
+    jit_step = train.jit_step
 
-    def spying_make_train_step(*args: Any, **kwargs: Any) -> Any:
-        step = make_train_step(*args, **kwargs)
+    def spying_jit_step(*args: Any, **kwargs: Any) -> Any:
+        step = jit_step(*args, **kwargs)
 
         def spied(*inputs: Any) -> Any:
             outputs = step(*inputs)
@@ -243,7 +243,7 @@ if __name__ == "__main__":
 
         return spied
 
-    train.make_train_step = spying_make_train_step
+    train.jit_step = spying_jit_step
     train.main(cfg)
     task = train.lm_task(cfg, key=jax.random.key(0))
     sampler = train.make_sampler(task, train.make_mesh(cfg))

@@ -151,7 +151,7 @@ def block_mean(v: np.ndarray, block: str | None) -> np.ndarray:
 
 
 def reference(
-    name: str,
+    name: str | dict[str, str],
     loss_fn: Callable,
     params: dict,
     batches: list,
@@ -164,11 +164,10 @@ def reference(
     max_grad_norm: float | None = None,
     block: str | None = None,
 ) -> list:
-    """The trajectory of SPEC §4's formula; learning_rate may be a function of the step t ≥ 1."""
+    """The trajectory of SPEC §4's formula; learning_rate may be a function of the step t ≥ 1;
+    `name` one rule, or a rule per leaf (as optax.partition assigns them)."""
     lr_at = learning_rate if callable(learning_rate) else lambda t: learning_rate
-    eps = HPARAMS.get(name, {}).get("eps", eps)
-    if momentum is None:
-        momentum = 0.9 if name == "sign_ema" else 0.0
+    rule_of = (lambda k: name[k]) if isinstance(name, dict) else (lambda k: name)
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in p.items()}
     v = {k: np.zeros_like(x) for k, x in p.items()}
@@ -181,25 +180,28 @@ def reference(
         if max_grad_norm is not None:
             c = min(1.0, max_grad_norm / np.sqrt(sum(np.sum(x**2) for x in gbar.values())))
         for k in p:
+            rule = rule_of(k)
+            eps_k = HPARAMS.get(rule, {}).get("eps", eps)
+            beta = momentum if momentum is not None else (0.9 if rule == "sign_ema" else 0.0)
             gi, mean = c * g[k], c * gbar[k]  # clipping scales every per-example gradient
-            if name in ADAM_FAMILY:
-                if name == "adam":
+            if rule in ADAM_FAMILY:
+                if rule == "adam":
                     second = mean**2
-                elif name == "micro_adam":
+                elif rule == "micro_adam":
                     second = np.mean(gi**2, 0)
                 else:
                     var = np.sum((gi - mean) ** 2, 0) / (n - 1)  # two-pass, as in SPEC §2
-                    second = var if name == "micro_adam_var" else mean**2 - var / n
+                    second = var if rule == "micro_adam_var" else mean**2 - var / n
                 m[k] = b1 * m[k] + (1 - b1) * mean
                 v[k] = b2 * v[k] + (1 - b2) * second
                 v_hat = v[k] / (1 - b2**t)
-                if name == "micro_adam_msq":
+                if rule == "micro_adam_msq":
                     v_hat = np.maximum(block_mean(v_hat, block), 0.0)
-                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps)
+                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps_k)
             else:
                 x = {"micro_sign_sgd": np.mean(np.sign(gi), 0), "sign_sgd": np.sign(mean)}
-                m[k] = momentum * m[k] + (1 - momentum) * x.get(name, mean)
-                direction = np.sign(m[k]) if name == "sign_ema" else m[k]
+                m[k] = beta * m[k] + (1 - beta) * x.get(rule, mean)
+                direction = np.sign(m[k]) if rule == "sign_ema" else m[k]
             p[k] = p[k] - lr_at(t) * (direction + weight_decay * p[k])
         trajectory.append({k: x.copy() for k, x in p.items()})
     return trajectory
@@ -239,11 +241,11 @@ def median_grad_norm(model: str) -> float:
     )
 
 
-def test_adam_with_weight_decay_mask_and_clipping_matches_optax():
+def test_adam_with_mask_and_clipping_matches_optax():
     loss_fn, params, batches = problem("mlp")
     clip = median_grad_norm("mlp")
     mask = {"w1": True, "b1": False, "w2": True, "b2": False}
-    opt = optimizers.adam(LR, weight_decay=0.1, weight_decay_mask=mask, max_grad_norm=clip)
+    opt = optimizers.adam(LR, weight_decay=0.1, mask=mask, max_grad_norm=clip)
     tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(LR, weight_decay=0.1, mask=mask))
     ours = run(optimizers.make_train_step(loss_fn, opt), opt, params, batches)
     assert_trajectories_close(ours, run_optax(tx, loss_fn, params, batches))
@@ -290,8 +292,9 @@ def test_msq_block_definition_on_every_rank(block: optimizers.Block):
     for t in range(1, 4):
         g = {k: rng.normal(size=s) for k, s in shapes.items()}
         q = {k: g[k] ** 2 + rng.uniform(0.0, 2.0, size=s) for k, s in shapes.items()}
-        stats = {"sq_mean": jax.tree.map(jnp.asarray, q), "batch_size": jnp.asarray(b)}
-        updates, state = opt.update(jax.tree.map(jnp.asarray, g), state, params, stats=stats)
+        mean = jax.tree.map(jnp.asarray, g)
+        stats = {"mean": mean, "sq_mean": jax.tree.map(jnp.asarray, q), "batch_size": b}
+        updates, state = opt.update(mean, state, params, stats=stats)
         got = jax.tree.map(np.asarray, updates)
         for k in shapes:
             m[k] = b1 * m[k] + (1 - b1) * g[k]
@@ -319,13 +322,13 @@ def optax_pairs(case: str) -> tuple[optax.GradientTransformation, optax.Gradient
         "adam": (optimizers.adam(LR), optax.adam(LR)),
         "adam_schedule": (optimizers.adam(schedule), optax.adam(schedule)),
         "adamw_masked": (
-            optimizers.adam(LR, weight_decay=0.1, weight_decay_mask=mask),
+            optimizers.adam(LR, weight_decay=0.1, mask=mask),
             optax.adamw(LR, weight_decay=0.1, mask=mask),
         ),
         "sign_sgd": (optimizers.sign_sgd(LR), optax.sign_sgd(LR)),
         "sign_ema_is_signum": (optimizers.sign_ema(LR), optax.signum(LR)),
         "sign_ema_with_decay": (
-            optimizers.sign_ema(LR, weight_decay=0.1, weight_decay_mask=mask),
+            optimizers.sign_ema(LR, weight_decay=0.1, mask=mask),
             signum_with_decay,
         ),
         "sign_ema_clipped": (
@@ -421,7 +424,7 @@ def test_wrapped_optimizers_read_their_stats_and_match_formula(name: str, wrappe
         ("micro_sign_sgd", {}),
         ("sign_ema", {"momentum": 0.8}),
         # A function as mask: inject_hyperparams must be told it is no schedule.
-        ("micro_adam", {"weight_decay": 0.05, "weight_decay_mask": "all"}),
+        ("micro_adam", {"weight_decay": 0.05, "mask": "all"}),
     ],
     ids=["micro_adam", "micro_adam_msq", "micro_sign_sgd", "sign_ema", "micro_adam_mask_fn"],
 )
@@ -429,9 +432,9 @@ def test_inject_hyperparams_changes_the_learning_rate_mid_run(name: str, options
     loss_fn, params, batches = problem("seq")
     switch, lr_after = 4, LR / 4
     static = ()
-    if options.get("weight_decay_mask") == "all":
-        options = {**options, "weight_decay_mask": lambda p: jax.tree.map(lambda _: True, p)}
-        static = ("weight_decay_mask",)
+    if options.get("mask") == "all":
+        options = {**options, "mask": lambda p: jax.tree.map(lambda _: True, p)}
+        static = ("mask",)
     factory = optax.inject_hyperparams(getattr(optimizers, name), static_args=static)
     opt = factory(learning_rate=LR, **options)
     step = optimizers.make_train_step(loss_fn, opt, impl="factorized")
@@ -444,7 +447,7 @@ def test_inject_hyperparams_changes_the_learning_rate_mid_run(name: str, options
         params, state, _, _ = step(params, state, batch)
         ours.append(jax.tree.map(np.asarray, params))
     assert step._cache_size() == 1  # pyright: ignore[reportFunctionMemberAccess]
-    formula = {k: v for k, v in options.items() if k != "weight_decay_mask"}
+    formula = {k: v for k, v in options.items() if k != "mask"}
     lr_at = lambda t: LR if t <= switch else lr_after
     want = reference(name, loss_fn, *problem("seq")[1:], learning_rate=lr_at, **formula)
     assert_trajectories_close(ours, want, rtol=1e-9)
@@ -454,7 +457,9 @@ def test_missing_stats_is_a_clear_error():
     _, params, batches = problem("mlp")
     opt = optax.chain(optax.identity(), optimizers.micro_adam(LR))
     state = opt.init(params)
-    with pytest.raises(optimizers.MissingStatistics, match=r"MicroAdam reads .*\('sq_mean',\)"):
+    with pytest.raises(
+        optimizers.MissingStatistics, match=r"MicroAdam reads .*\('mean', 'sq_mean'\)"
+    ):
         opt.update(params, state, params)
     with pytest.raises(ValueError, match=r"pegrad.value_and_grad_stats\(loss_fn, \('mean', 'sq"):
         opt.update(params, state, params, stats={"mean": params})
@@ -585,7 +590,7 @@ def test_equinox_parameters_with_weight_decay(mask: str):
     model = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=jnp.float64)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     decay_mask = None if mask == "default" else jax.tree.map(lambda _: True, params)
-    opt = optimizers.adam(0.1, weight_decay=0.5, weight_decay_mask=decay_mask)
+    opt = optimizers.adam(0.1, weight_decay=0.5, mask=decay_mask)
     state = opt.init(params)
     zero = jax.tree.map(jnp.zeros_like, params)
     updates, _ = opt.update(zero, state, params)
