@@ -1238,13 +1238,19 @@ class Graph:
         """Proven zero: static, and every entry 0."""
         return self.is_static(var) and not np.any(self.static_value(var))
 
-    def nonlinear_in_seed(self, eqns: Sequence[Any]) -> str:
-        """Why `eqns` are not proven linear in their cotangent (seeded) inputs, or "".
+    def nonlinear_in_seed(self, eqns: Sequence[Any], out: Any = None) -> str:
+        """Why `eqns` (computing `out`) are not proven linear in their cotangent (seeded)
+        inputs, or "".
 
         Each equation that reads a cotangent must be linear in the cotangents it reads, the
         other operands fixed: a sum of cotangents (or proven zeros), a product or contraction
         with exactly one cotangent factor, a division of one, and the ops that only move or
-        add up entries of one (a custom_vjp backward need not be any of these)."""
+        add up entries of one, with parameters that add nothing (a gather fills with 0, a pad
+        pads with 0). By induction every seeded value is then linear in the cotangents, and
+        a value that is not seeded is a constant of the map: `out` must be seeded, or the map
+        is affine (a custom_vjp backward that ignores its cotangent)."""
+        if out is not None and not (isinstance(out, jcore.Var) and out in self.seeded):
+            return "the gradient does not depend on the cotangent: affine, not linear"
         for eqn in eqns:
             seeded = [isinstance(v, jcore.Var) and v in self.seeded for v in eqn.invars]
             if not any(seeded):
@@ -1269,6 +1275,9 @@ class Graph:
                 )
                 if name == "pad":
                     ok = ok and self.is_zero(eqn.invars[1])
+                why = _gather_affine(eqn) if name == "gather" else ""
+                if why:
+                    return why
             else:
                 return f"'{name}' is not known to be linear"
             if not ok:
@@ -1368,6 +1377,18 @@ _LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "dynamic_update_slice": ((0, 1), (0, 1)),
     "scatter-add": ((0, 2), (0, 2)),
 }
+
+
+def _gather_affine(eqn: Any) -> str:
+    """Why a gather is not linear in its operand, or "": out-of-bounds entries filled with a
+    non-zero value (None is NaN for floats) make it affine; a mode not known here is refused."""
+    mode = str(eqn.params["mode"]).rsplit(".", 1)[-1]
+    fill = eqn.params.get("fill_value")
+    if mode == "FILL_OR_DROP" and (fill is None or fill != 0):
+        return f"'gather' fills out-of-bounds entries with {fill}: affine, not linear"
+    if mode not in ("CLIP", "PROMISE_IN_BOUNDS", "FILL_OR_DROP"):
+        return f"'gather' in mode {mode} is not known to be linear"
+    return ""
 
 
 def _is_layout(eqn: Any) -> bool:
@@ -2282,7 +2303,7 @@ class Fallback(Route):
         if not tail:
             reason = "exact: its per-example gradient is a value of the backward pass"
             return Match(reason, grad=leaf.grad, linear=True)
-        why = graph.nonlinear_in_seed(tail)
+        why = graph.nonlinear_in_seed(tail, leaf.grad)
         linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
         reason = f"exact: its own gradient ops ({len(tail)}) per example"
         reason += (
