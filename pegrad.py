@@ -1360,12 +1360,14 @@ _LINEAR_UNARY = frozenset(
         "rev",
         "cumsum",
         "slice",
+        "split",
+        "unstack",
         "convert_element_type",
         "real",
         "imag",
     ]
 )
-_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate"})  # every operand linear
+_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate", "stack"})  # all linear
 _LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
 # name -> (operands that may be cotangents, those of them that may instead be proven zero)
 _LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
@@ -2141,6 +2143,8 @@ class DisjointParts(Route):
         parts = _placed_parts(graph, leaf, core)
         if isinstance(parts, Refusal):
             return parts
+        if not parts:
+            return Refusal("every placed part is zero")
         windows = [w for _, w, _, _ in parts]
         for i, a in enumerate(windows):
             for b in windows[:i]:
@@ -2175,9 +2179,12 @@ class DisjointParts(Route):
 
     def _assemble(self, m: Match, parts: list[Array], phi: Callable, env: Mapping) -> Array:
         """The parts put in place (with any leading unit axes), then the ops after the sum."""
-        lead = parts[0].shape[: parts[0].ndim - len(m.tail[0].part_shape)]
+        first = m.tail[0]
+        lead = parts[0].shape[: parts[0].ndim - len(first.part_shape) + (first.stacked is not None)]
         out = jnp.zeros((*lead, *_shape(m.core.outvars[0])), parts[0].dtype)
         for part, place in zip(parts, m.tail, strict=True):
+            if place.stacked is not None:
+                part = jnp.expand_dims(part, len(lead) + place.stacked)
             out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
         if lead:
             return jax.vmap(lambda x: _replay(m.post, x, env, phi))(out)
@@ -2198,20 +2205,23 @@ class DisjointParts(Route):
         return self._assemble(m, parts, _PHI["sum"], env)
 
 
-_PLACEMENTS = ("pad", "dynamic_update_slice")
+# The ops that put a part into a zero table: the transposes of slicing, indexing and
+# splitting (`concatenate` with proven-zero operands is how jnp.split's unused parts come back).
+_PLACEMENTS = ("pad", "dynamic_update_slice", "concatenate", "stack")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
     starts: tuple[int, ...]
-    part_shape: tuple[int, ...]
+    part_shape: tuple[int, ...]  # in the leaf (with the stacked axis, if any)
+    stacked: int | None = None  # `stack` places the part as index starts[axis] of this axis
 
 
 def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
     """The parts of a sum of placements: (route, window, match, placing eqn) each, the part
     proven by a route of its own; windows as ((lo, hi) per axis) after clamping."""
+    found: list[tuple] = []
     if core.primitive.name == "add_any":
-        found: list[tuple] = []
         for operand in core.invars:
             inner, post = graph.core(operand)
             if inner is None or post:
@@ -2221,6 +2231,23 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
                 return sub
             found += sub
         return found
+    if core.primitive.name in ("concatenate", "stack"):  # each operand not proven 0 is a part
+        stacked = core.primitive.name == "stack"
+        dim = int(core.params["axis" if stacked else "dimension"])
+        offset = 0
+        for operand in core.invars:
+            at = [0] * len(_shape(core.outvars[0]))
+            at[dim] = offset
+            offset += 1 if stacked else _shape(operand)[dim]
+            if graph.is_zero(operand):
+                continue
+            placed = _placed_part(graph, leaf, operand, at, dim if stacked else None)
+            if isinstance(placed, Refusal):
+                return placed
+            found.append(placed)
+        return found
+    if core.primitive.name not in _PLACEMENTS:
+        return Refusal(f"a summand made by '{core.primitive.name}', not a placement")
     shape = _shape(core.outvars[0])
     part = core.invars[0] if core.primitive.name == "pad" else core.invars[1]
     size = _shape(part)
@@ -2240,11 +2267,23 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
             int(np.clip(graph.static_value(v), 0, n - k))
             for v, n, k in zip(core.invars[2:], shape, size, strict=True)
         ]
+    placed = _placed_part(graph, leaf, part, starts)
+    return placed if isinstance(placed, Refusal) else [placed]
+
+
+def _placed_part(
+    graph: Graph, leaf: Leaf, part: Any, starts: Sequence[int], stacked: int | None = None
+) -> tuple | Refusal:
+    """A part placed at `starts` (as one index of axis `stacked`), proven by a route of its
+    own."""
+    size = _shape(part)
+    if stacked is not None:
+        size = (*size[:stacked], 1, *size[stacked:])
     for route in (_ROUTE["outer-product"], _ROUTE["contraction"]):
         m = route.match(graph, leaf, part)
         if isinstance(m, Match):
             window = tuple((s, s + k) for s, k in zip(starts, size, strict=True))
-            return [(route, window, m, _Placement(tuple(starts), size))]
+            return (route, window, m, _Placement(tuple(starts), size, stacked))
     return Refusal("a part no route proves")
 
 
@@ -2453,7 +2492,10 @@ def plan(graph: Graph, stats: Sequence[str]) -> tuple[LeafPlan, ...]:
         refused: list[tuple[str, str]] = []
         best: tuple[float, Route, Match, dict[str, str], Cost] | None = None
         for route in ROUTES:
-            m = route.match(graph, leaf)
+            try:
+                m = route.match(graph, leaf)
+            except Exception as error:  # a route that cannot prove its case refuses it
+                m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
             if isinstance(m, Refusal):
                 refused.append((route.name, m.reason))
                 continue
