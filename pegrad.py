@@ -180,7 +180,9 @@ def explain(
     """The plan impl="factorized" follows for these statistics: one `LeafPlan` per parameter
     leaf (route, what its match proved, per-ingredient method, cost estimate, refusals), in a
     `Plan` (a tuple) whose `str` opens with a one-line summary. Traces `loss_fn` abstractly;
-    runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model."""
+    runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model. This is
+    the plan without a mask: with a mask (or nonfinite="drop") no leaf takes "constant", "var"
+    is chunked, and the fallback does not transpose."""
     stats = (stats,) if isinstance(stats, str) else tuple(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
