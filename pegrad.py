@@ -29,10 +29,27 @@ Two implementations, equal by contract:
   in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
   the other routes refused — without running anything; the executor reads the same plan.
 
+Conventions a JAX user brings (§1): `stats` may be one name; `has_aux=True` (the loss returns
+(loss, aux); aux comes back stacked [B, ...]); `fn(params, batch, mask=...)` with a bool [B] mask
+(a masked example counts in no statistic and not in N); `nonfinite="drop"` (an example with a
+non-finite loss or ‖g_i‖² is masked; the default propagates NaN as jax.grad does); `params` may
+be a model as it is (eqx.Module, flax nnx.Module: its floating-array leaves are the parameters,
+statistics are None elsewhere; a BatchNorm in training mode couples the examples and is
+refused). `Accumulator` combines the statistics of k micro-batches into the whole batch's
+(count-weighted means, Chan's merge for the variance). `explain` returns a `Plan` whose text
+opens with a one-line summary.
+
+A rewrite that moves a sum over examples through a gradient's own operations (the fallback's
+transposition) is taken only where those operations are proven linear in the cotangent, per
+primitive and parameter (`Graph.nonlinear_in_seed`): a gather that fills with a non-zero value,
+a pad with one, a constant added or selected, an output that does not depend on the cotangent
+at all (a custom_vjp backward that ignores it) make the map affine, and the leaf is computed per
+example instead. A route whose proof cannot be completed refuses; it never raises.
+
 Sections (the definition first, then the machinery; "SPEC §N" is the repository's SPEC.md):
-  §1 public API      value_and_grad_stats, explain, LeafPlan (the report)
+  §1 public API      value_and_grad_stats, explain (a Plan of LeafPlans), Accumulator
   §2 statistics      the ingredients per leaf, φ, how means become var / sq_norms / clipped mean
-  §3 input checks    SPEC §6's clear errors, before any work
+  §3 input checks    SPEC §6's clear errors, before any work; models, masks, auxiliary outputs
   §4 the references  vmap(grad) in chunks, two-pass variance; the untied per-token reference
   §5 the graph       grad of ONE example as a flat jaxpr: producers, users, batched, static,
                      position axes, linearity in the cotangent, a leaf's exclusive tail
@@ -43,13 +60,15 @@ Sections (the definition first, then the machinery; "SPEC §N" is the repository
 
 Proof of equality (float64; every statistic × implementation × granularity × batch size against
 a naive per-example loop; one test per precondition, broken): tests/test_pegrad.py and
-tests/test_zoo.py. Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
+tests/test_zoo.py; the conventions above: tests/test_api.py, tests/test_accumulate.py.
+Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
 """
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +80,7 @@ STATISTICS = ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean")
 Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
 Choose = Literal["cheapest", "first"]
+NonFinite = Literal["propagate", "drop"]
 Stats = dict[str, Any]
 Atom = jcore.Var | jcore.Literal  # a jaxpr operand
 Phi = Callable[[Array], Array]  # φ: identity, square or sign (multiplicative)
@@ -72,20 +92,23 @@ _NONE: Axes = frozenset()
 
 
 def value_and_grad_stats(
-    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
-    stats: Sequence[str] = ("mean",),
+    loss_fn: Callable[[PyTree, PyTree], Any],
+    stats: str | Sequence[str] = ("mean",),
     *,
     impl: Impl = "factorized",
     chunk_size: int | None = None,
     granularity: Granularity = "example",
     clip_norm: float | None = None,
     choose: Choose = "cheapest",
-) -> Callable[[PyTree, PyTree], tuple[Float[Array, ""], Stats]]:
-    """Build `fn(params, batch) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
+    has_aux: bool = False,
+    nonfinite: NonFinite = "propagate",
+) -> Callable[..., tuple[Any, Stats]]:
+    """Build `fn(params, batch, mask=None) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
 
     Args:
-        loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example.
-        stats: any subset of `STATISTICS`, computed in one pass.
+        loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example
+            (`-> (scalar, aux)` with `has_aux`).
+        stats: a name or any subset of `STATISTICS`, computed in one pass.
         impl: "vmap" (the exact reference) or "factorized" (the rewrite; the same numbers).
         chunk_size: at most this many examples' per-example gradients exist at once. None: the
             reference materializes the whole batch; the rewrite bounds what it materializes by
@@ -95,42 +118,89 @@ def value_and_grad_stats(
         choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
             precedence order (a testing and inspection knob: every route a leaf can prove then
             runs even on models so small that materializing is as cheap). Same numbers.
+        has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`
+            with every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
+        nonfinite: "propagate" (default): a NaN or Inf in any example's loss or gradient
+            reaches the statistics it enters, as in `jax.grad` of the mean loss (and, where
+            vmap batches a convolution's weight gradients, other examples'). "drop": an
+            example whose loss (one extra batched forward pass) or ‖g_i‖² is not finite is
+            masked (below): what it holds is replaced, not multiplied by 0. A gradient that
+            is non-finite while its loss is finite may, in a batched convolution, reach the
+            other examples of its chunk, which are then dropped too.
+
+    `fn(params, batch, mask=None)`: `params` is a pytree of floating arrays, or a model as it
+    is (an `eqx.Module`, a flax `nnx.Module`: any pytree object that is not a dict, list or
+    tuple), whose floating-array leaves are the parameters and whose other leaves are held
+    fixed; statistics then have the model's structure with None at those leaves (as
+    Equinox's `filter_grad`). A layer that couples the examples (BatchNorm in training mode)
+    is refused: per-example gradients are undefined there. `mask`, a bool [B]: an example
+    with mask False counts in no statistic and not in N, whatever it holds (its inputs are
+    replaced by a kept example's before anything runs) — the mean loss and every statistic
+    are those of the kept examples, "batch_size" is their count N_eff (a traced value), and
+    "sq_norms" is 0 at masked units. With a mask, or nonfinite="drop", "var" divides by
+    N_eff − 1: NaN when fewer than 2 units are kept (an error if the mask is concrete), and
+    the factorized path computes it (and the sums of leaves whose rewrite would transpose
+    through a masked example) from per-example gradients in chunks.
 
     Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
     [N] with unit i·T + t at token granularity.
     """
     stats = _check_options(stats, impl, granularity, chunk_size, clip_norm, choose)
+    if nonfinite not in ("propagate", "drop"):
+        raise ValueError(f"nonfinite must be 'propagate' or 'drop', got {nonfinite!r}")
+    drop = nonfinite == "drop"
 
-    def fn(params: PyTree, batch: PyTree) -> tuple[Float[Array, ""], Stats]:
-        per_example = _check_inputs(loss_fn, params, batch, stats, granularity)
+    def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
+        floats, loss = _as_parameters(params, loss_fn, has_aux)
+        per_example = _check_inputs(loss, floats, batch, stats, granularity)
+        keep = _check_mask(mask, batch, stats, per_example)
+        if drop:  # one batched forward pass: examples with a non-finite loss
+            losses = jax.vmap(lambda example: loss(floats, example)[0])(batch)
+            keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
+        if keep is not None:
+            batch = _substitute(batch, keep)
         if impl == "vmap":
-            return _reference(loss_fn, stats, chunk_size, clip_norm, params, batch, per_example)
-        graph = Graph.build(loss_fn, params, batch, per_example)
-        plans = plan(graph, stats, choose=choose)
-        return _execute(graph, plans, stats, chunk_size, clip_norm, params, batch)
+            out = _reference(
+                loss, stats, chunk_size, clip_norm, floats, batch, per_example, keep, drop
+            )
+        else:
+            graph = Graph.build(loss, floats, batch, per_example)
+            graph = dataclasses.replace(graph, weighted=keep is not None or drop)
+            wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
+            plans = plan(graph, wanted, choose=choose)
+            out = _execute(graph, plans, stats, chunk_size, clip_norm, floats, batch, keep, drop)
+        value, stats_out, aux = out
+        return ((value, aux) if has_aux else value), stats_out
 
     return fn
 
 
 def explain(
-    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    loss_fn: Callable[[PyTree, PyTree], Any],
     params: PyTree,
     batch: PyTree,
-    stats: Sequence[str] = ("mean",),
+    stats: str | Sequence[str] = ("mean",),
     *,
     granularity: Granularity = "example",
     clip_norm: float | None = None,
     choose: Choose = "cheapest",
-) -> tuple["LeafPlan", ...]:
+    has_aux: bool = False,
+) -> "Plan":
     """The plan impl="factorized" follows for these statistics (and `choose`): one `LeafPlan`
     per parameter leaf (route, what its match proved, per-ingredient method, cost estimate,
-    refusals). Traces `loss_fn` abstractly; runs nothing. `batch` may hold ShapeDtypeStructs."""
-    stats = tuple(stats)
+    refusals), in a `Plan` (a tuple) whose `str` opens with a one-line summary. Traces `loss_fn`
+    abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model.
+    This is the plan without a mask: with a mask (or nonfinite="drop") no leaf takes "constant",
+    "var" is chunked, and the fallback does not transpose."""
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
     stats = _check_options(stats, "factorized", granularity, None, clip_norm, choose)
-    per_example = _check_inputs(loss_fn, params, batch, stats, granularity)
-    return plan(Graph.build(loss_fn, params, batch, per_example), stats, choose=choose)
+    floats, loss = _as_parameters(params, loss_fn, has_aux)
+    per_example = _check_inputs(loss, floats, batch, stats, granularity)
+    graph = Graph.build(loss, floats, batch, per_example)
+    plans = plan(graph, stats, choose=choose)
+    return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -168,10 +238,146 @@ class LeafPlan:
 
     def __str__(self) -> str:
         methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
-        return (
-            f"{self.leaf:36s} {str(self.shape):16s} {self.route:14s} {self.status:10s} "
-            f"{self.reason} [{methods}] ~{self.cost.flops:.2g} flop"
+        head = (
+            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
         )
+        body = f"{self.reason} [{methods}]"
+        lines = textwrap.wrap(head, 100, subsequent_indent="    ")
+        return "\n".join(
+            lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
+        )
+
+
+class Plan(tuple):
+    """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
+    opens with a one-line summary: leaves per route and the estimated cost against plain grad
+    (floating-point operations from shapes: a rough guide, not a measurement)."""
+
+    plain_flops: float
+
+    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
+        self = super().__new__(cls, leaves)
+        self.plain_flops = plain_flops
+        return self
+
+    @property
+    def summary(self) -> str:
+        routes: dict[str, int] = {}
+        for p in self:
+            routes[p.route] = routes.get(p.route, 0) + 1
+        counts = ", ".join(f"{n} {r}" for r, n in routes.items())
+        extra = sum(float(p.cost.flops) for p in self)
+        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
+        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary, *map(str, self)])
+
+
+# -- Accumulation over micro-batches ----------------------------------------------------------
+
+_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
+
+
+class Accumulator(NamedTuple):
+    """The statistics of k micro-batches combined into those of their union (gradient
+    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+
+        acc = Accumulator.init(params, ("mean", "var"))
+        for micro in batches:                       # or jax.lax.scan
+            acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
+        loss, stats = acc.finalize()
+
+    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
+    a clip factor depends on its own unit only) and the mean loss are count-weighted,
+    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
+    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) with M2_k = var_k·(N_k − 1)
+    (no cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may
+    differ in size or be masked (N_k = their "batch_size"; one with N_k = 0 changes nothing,
+    one with N_k = 1 contributes its mean and M2_k = 0). "sq_norms" (one entry per unit) is
+    not combined: it is refused.
+    """
+
+    count: Array  # N: units so far
+    loss: Array  # their mean loss
+    means: dict[str, PyTree]  # the averaged statistics so far
+    m2: PyTree  # Σ_u (g_u − ḡ)² so far when "var" is accumulated, else None
+
+    @staticmethod
+    def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
+        """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
+        stats = (stats,) if isinstance(stats, str) else tuple(stats)
+        unknown = [s for s in stats if s not in STATISTICS]
+        if unknown:
+            raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+        if "sq_norms" in stats:
+            raise ValueError(
+                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
+                "combined; collect it from each micro-batch's statistics instead"
+            )
+        if "var" in stats and "mean" not in stats:
+            raise ValueError(
+                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
+                "'var': accumulate 'mean' too"
+            )
+        zeros = jax.tree.map(
+            lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
+            params,
+        )
+        dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
+        if not dtypes:
+            raise ValueError("Accumulator.init: params has no floating array leaves")
+        dtype = _widest(dtypes)
+        return Accumulator(
+            count=jnp.zeros((), dtype),
+            loss=jnp.zeros((), dtype),
+            means={s: zeros for s in stats if s in _AVERAGED},
+            m2=zeros if "var" in stats else None,
+        )
+
+    def update(self, loss: Any, stats: Stats) -> "Accumulator":
+        """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
+        `value_and_grad_stats(...)(params, micro_batch)` returns them."""
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        missing = [
+            s for s in (*self.means, *(["var"] if self.m2 is not None else [])) if s not in stats
+        ]
+        if missing:
+            raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
+        n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
+        total = self.count + n_k
+        share = n_k / jnp.maximum(total, 1.0)
+
+        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
+            x = jnp.asarray(x).astype(m.dtype)
+            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
+
+        m2 = self.m2
+        if m2 is not None:
+
+            def chan(s: Array, mean: Array, mean_k: Array, var_k: Array) -> Array:
+                dtype = s.dtype
+                own = jnp.where(n_k > 1, var_k.astype(dtype) * (n_k - 1).astype(dtype), 0.0)
+                delta = mean_k.astype(dtype) - mean
+                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
+                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
+
+            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats["var"])
+        return Accumulator(
+            count=total,
+            loss=merge(self.loss, loss),
+            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
+            m2=m2,
+        )
+
+    def finalize(self) -> tuple[Array, Stats]:
+        """(mean loss, statistics) of all units added, with "batch_size" N (var needs N ≥ 2:
+        NaN otherwise)."""
+        out: Stats = dict(self.means)
+        if self.m2 is not None:
+            out["var"] = jax.tree.map(lambda s: s / (self.count - 1.0).astype(s.dtype), self.m2)
+        out["batch_size"] = self.count.astype(jnp.int32)
+        return self.loss, out
 
 
 # ============================================================================================
@@ -215,7 +421,7 @@ def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
 
 
 def _publish(
-    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: int
+    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: Any
 ) -> Stats:
     """The statistics dict from the ingredients (already divided by N, or N − 1 for var)."""
     names = {"mean": "sum", "sq_mean": "sq", "sign_mean": "sign", "var": "var"}
@@ -246,7 +452,8 @@ def _chan(a: tuple, b: tuple) -> tuple:
     nb, mb, sb = b
     n = na + nb
     delta = mb - ma
-    return n, ma + delta * (nb / n), sa + sb + delta * delta * (na * nb / n)
+    safe = jnp.maximum(n, 1.0)  # two empty groups (every example masked) stay empty
+    return n, ma + delta * (nb / safe), sa + sb + delta * delta * (na * nb / safe)
 
 
 # ============================================================================================
@@ -254,14 +461,14 @@ def _chan(a: tuple, b: tuple) -> tuple:
 
 
 def _check_options(
-    stats: Sequence[str],
+    stats: str | Sequence[str],
     impl: str,
     granularity: str,
     chunk_size: int | None,
     clip_norm: float | None,
     choose: str = "cheapest",
 ) -> tuple[str, ...]:
-    stats = tuple(stats)
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
     unknown = [s for s in stats if s not in STATISTICS]
     if unknown:
         raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
@@ -334,7 +541,7 @@ def _check_inputs(
             "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
             f"batch of {n_examples * per_example} unit(s); use B ≥ 2"
         )
-    loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))
+    loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))[0]
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
             "loss_fn(params, example) must return a scalar loss for ONE example; it returned "
@@ -344,6 +551,108 @@ def _check_inputs(
         raise TypeError(f"loss_fn must return a floating scalar, got dtype {loss_shape.dtype}")
     # One position is one example: both granularities are then the same quantity.
     return per_example
+
+
+# -- Models as they are, masks, auxiliary outputs. ------------------------------------------------
+
+
+def _is_parameter(x: Any) -> bool:
+    """A floating array: what Equinox's `is_inexact_array` selects (keys, counters, integer
+    buffers and Python values are held fixed)."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[PyTree, Callable]:
+    """(the parameters, the loss as a function of them returning (loss, aux)).
+
+    A dict, list or tuple is a pytree of parameters, checked leaf by leaf (an integer leaf is
+    an error). Any other pytree object is a model (an `eqx.Module`, a flax `nnx.Module`): its
+    floating-array leaves are the parameters, the rest is held fixed, and the parameters are
+    the model with None elsewhere — no framework is imported to tell."""
+    _refuse_coupled(params)
+    if isinstance(params, (dict, list, tuple)):
+        model = None
+    else:
+        leaves, model = jax.tree.flatten(params)
+        if not leaves:
+            raise TypeError(
+                f"params is a {type(params).__name__} with no array leaves: pass the model, a "
+                "pytree (an eqx.Module, or for flax nnx the model itself or nnx.state(model)) "
+                "whose floating arrays are the parameters; flax linen: the params dict"
+            )
+        fixed = [None if _is_parameter(x) else x for x in leaves]
+        params = jax.tree.unflatten(model, [x if _is_parameter(x) else None for x in leaves])
+
+    def loss(p: PyTree, example: PyTree) -> tuple[Any, PyTree]:
+        if model is not None:
+            values = iter(jax.tree.leaves(p))
+            p = jax.tree.unflatten(model, [next(values) if f is None else f for f in fixed])
+        out = loss_fn(p, example)
+        if not has_aux:
+            return out, ()
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"has_aux=True: loss_fn must return (loss, aux), got {type(out)}")
+        return out
+
+    return params, loss
+
+
+def _refuse_coupled(params: PyTree) -> None:
+    """A layer that normalizes with the batch's own statistics couples the examples: the loss
+    of one example is not a function of that example, and per-example gradients are
+    undefined. Recognised by the flags BatchNorm layers carry (flax nnx, Equinox)."""
+    for path, node in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: hasattr(x, "use_running_average") or hasattr(x, "inference")
+    ):
+        framework = type(node).__module__.split(".")[0]
+        where = f"params{jax.tree_util.keystr(path)}"
+        if getattr(node, "use_running_average", None) is False:
+            raise ValueError(
+                f"{where} is a {framework} {type(node).__name__} in training mode "
+                "(use_running_average=False): it normalizes with the batch's statistics, which "
+                "couples the examples, so per-example gradients are undefined. Use model.eval() "
+                "(flax nnx) or a per-example normalization (LayerNorm, GroupNorm)"
+            )
+        if type(node).__name__ == "BatchNorm" and getattr(node, "inference", None) is False:
+            raise ValueError(
+                f"{where} is a {framework} BatchNorm in training mode (inference=False): it "
+                "couples the examples, so per-example gradients are undefined. Use "
+                "eqx.nn.inference_mode(model) or a per-example normalization (LayerNorm)"
+            )
+
+
+def _check_mask(mask: Any, batch: PyTree, stats: tuple[str, ...], per_example: int) -> Any:
+    """The mask as a bool [B] array (or None); a concrete one is checked against 'var'."""
+    if mask is None:
+        return None
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if jnp.shape(mask) != (n,) or jnp.asarray(mask).dtype != jnp.bool_:
+        raise ValueError(
+            f"mask must be a bool array of shape ({n},) (one entry per example), got "
+            f"{getattr(mask, 'dtype', type(mask))}{tuple(jnp.shape(mask))}"
+        )
+    try:
+        kept = int(np.sum(np.asarray(mask))) * per_example
+    except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
+        kept = 2
+    if "var" in stats and kept < 2:
+        raise ValueError(
+            f"'var' is undefined for {kept} kept unit(s): the mask keeps too few; use ≥ 2"
+        )
+    return jnp.asarray(mask)
+
+
+def _substitute(batch: PyTree, keep: Array) -> PyTree:
+    """The batch with each example not kept replaced by the first kept one. What a masked
+    example holds (NaN padding) must not reach the others, and it can: vmap computes a
+    convolution's per-example weight gradients as one grouped convolution, in which 0·NaN
+    from one example's block is NaN in all of them."""
+    first = jnp.argmax(keep)
+    return jax.tree.map(
+        lambda x: jnp.where(keep.reshape(-1, *[1] * (jnp.ndim(x) - 1)), x, x[first]), batch
+    )
 
 
 def _one_example(batch: PyTree) -> PyTree:
@@ -392,58 +701,96 @@ def _reference(
     params: PyTree,
     batch: PyTree,
     per_example: int,
-) -> tuple[Float[Array, ""], Stats]:
-    """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients."""
-    untie = None if per_example == 1 else Untie.build(loss_fn, params, batch)
+    keep: Array | None = None,
+    drop: bool = False,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients.
+    `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
+    loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
+    multiplied by 0) and N counts the others."""
+    untie = None
+    if per_example > 1:
+        untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
 
-    def unit_grads(example: PyTree) -> tuple[Array, PyTree]:
+    def unit_grads(example: PyTree) -> tuple[tuple[Array, PyTree], PyTree]:
         if untie is not None:
-            return untie.value_and_grad(params, example)
-        loss, grads = jax.value_and_grad(loss_fn)(params, example)
-        return loss, jax.tree.map(lambda g: g[None], grads)
+            loss, grads = untie.value_and_grad(params, example)
+            return (loss, loss_fn(params, example)[1]), grads
+        out, grads = jax.value_and_grad(loss_fn, has_aux=True)(params, example)
+        return out, jax.tree.map(lambda g: g[None], grads)
 
-    def per_unit(rows: PyTree) -> tuple[Array, PyTree]:
-        losses, grads = jax.vmap(unit_grads)(rows)
-        return losses, jax.tree.map(lambda g: _merge01(g).astype(stat_dtype(g.dtype)), grads)
+    def per_unit(rows: PyTree, kept: Array) -> tuple[Array, PyTree, PyTree, Array]:
+        (losses, aux), grads = jax.vmap(unit_grads)(rows)
+        grads = jax.tree.map(lambda g: _merge01(g).astype(stat_dtype(g.dtype)), grads)
+        if drop:
+            raw = _unit_sq_norms(grads).reshape(-1, per_example)
+            kept = kept & jnp.isfinite(losses) & jnp.all(jnp.isfinite(raw), axis=1)
+        if weighted:
+            units = jnp.repeat(kept, per_example)
+            grads = jax.tree.map(lambda g: _where_units(units, g), grads)
+            losses = jnp.where(kept, losses, 0.0)
+        return losses, aux, grads, kept
 
     n_examples = jax.tree.leaves(batch)[0].shape[0]
-    n_units = n_examples * per_example
+    weighted = keep is not None or drop
+    rows_kept = jnp.ones((n_examples,), bool) if keep is None else keep
     need = _ingredients(stats)
     sums_of = [w for w in ("sum", "sq", "sign") if w in need or (w == "sum" and "var" in need)]
 
-    def first_pass(rows: PyTree) -> tuple[dict[str, Any], Array]:
-        losses, grads = per_unit(rows)
+    def first_pass(xs: tuple) -> tuple[dict[str, Any], tuple]:
+        losses, aux, grads, kept = per_unit(*xs)
         sums: dict[str, Any] = {
             w: jax.tree.map(lambda g, w=w: _sum0(_PHI[w](g)), grads) for w in sums_of
         }
         sums["loss"] = losses.sum()
-        leaves = jax.tree.leaves(grads)
-        dtype = _widest([g.dtype for g in leaves])
-        sq_norms = sum(
-            (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in leaves),
-            jnp.zeros(leaves[0].shape[:1], dtype),
-        )
+        sq_norms = _unit_sq_norms(grads)
         if "clipped" in need:
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
             sums["clipped"] = jax.tree.map(
                 lambda g: jnp.tensordot(factors.astype(g.dtype), g, axes=1), grads
             )
-        return sums, sq_norms
+        return sums, (sq_norms, aux, kept)
 
-    sums, sq_norms = _chunked(first_pass, batch, n_examples, chunk_size)
+    sums, (sq_norms, aux, rows_kept) = _chunked(
+        first_pass, (batch, rows_kept), n_examples, chunk_size
+    )
     loss_sum = sums.pop("loss")
-    loss = (loss_sum / n_examples).astype(stat_dtype(loss_sum.dtype))
-    means = {w: jax.tree.map(lambda s: s / n_units, v) for w, v in sums.items()}
+    kept_examples = jnp.sum(rows_kept) if weighted else n_examples
+    n_units = kept_examples * per_example
+    loss = _over(loss_sum, kept_examples).astype(stat_dtype(loss_sum.dtype))
+    means = {w: jax.tree.map(lambda s: _over(s, n_units), v) for w, v in sums.items()}
     if "var" in need:
         # The definition, two passes: Σ_u (g_u − ḡ)² with ḡ from the first pass.
-        def second_pass(rows: PyTree) -> tuple[PyTree, None]:
-            _, grads = per_unit(rows)
-            return jax.tree.map(lambda g, m: jnp.sum((g - m) ** 2, 0), grads, means["sum"]), None
+        def second_pass(xs: tuple) -> tuple[PyTree, None]:
+            _, _, grads, kept = per_unit(*xs)
+            units = jnp.repeat(kept, per_example)
+            centred = jax.tree.map(lambda g, m: _where_units(units, g - m), grads, means["sum"])
+            return jax.tree.map(lambda c: jnp.sum(c * c, 0), centred), None
 
-        centered, _ = _chunked(second_pass, batch, n_examples, chunk_size)
-        means["var"] = jax.tree.map(lambda s: s / (n_units - 1), centered)
-    return loss, _publish(stats, means, sq_norms, n_units)
+        centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk_size)
+        means["var"] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
+    return loss, _publish(stats, means, sq_norms, n_units), aux
+
+
+def _unit_sq_norms(grads: PyTree) -> Array:
+    """‖g_u‖² over every leaf of [N, ...] per-unit gradients, in the widest statistic dtype."""
+    leaves = jax.tree.leaves(grads)
+    dtype = _widest([g.dtype for g in leaves])
+    return sum(
+        (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in leaves),
+        jnp.zeros(leaves[0].shape[:1], dtype),
+    )
+
+
+def _over(x: Array, n: Any) -> Array:
+    """x / n, for a count n that is an int or (with a mask) a traced integer."""
+    return x / jnp.asarray(n).astype(x.dtype)
+
+
+def _where_units(keep: Array, x: Array) -> Array:
+    """x [N, ...] with the rows of units not kept replaced by 0 (NaN there included)."""
+    return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 # -- The token reference: untie the parameters, one copy per position. ---------------------------
@@ -941,6 +1288,8 @@ class Graph:
     positions: Mapping[Any, Axes]
     untie: Untie | None
     param_tree: Any
+    aux_tree: Any = None  # the auxiliary outputs' structure (outputs after the gradients)
+    weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
 
     @property
     def token(self) -> bool:
@@ -958,17 +1307,21 @@ class Graph:
         example_leaves, example_def = jax.tree.flatten(example)
         n_params, n_example = len(leaves), len(example_leaves)
 
+        aux_tree = []
+
         def flat_value_and_grad(*inputs: Any) -> list[Any]:
             *flat, seed = inputs
             p = jax.tree.unflatten(param_tree, flat[:n_params])
             e = jax.tree.unflatten(example_def, flat[n_params:])
 
-            def seeded(p: PyTree) -> tuple[Array, Array]:
-                loss = loss_fn(p, e)
-                return loss * seed.astype(loss.dtype), loss
+            def seeded(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
+                loss, aux = loss_fn(p, e)
+                return loss * seed.astype(loss.dtype), (loss, aux)
 
-            (_, loss), grads = jax.value_and_grad(seeded, has_aux=True)(p)
-            return [loss, *jax.tree.leaves(grads)]
+            (_, (loss, aux)), grads = jax.value_and_grad(seeded, has_aux=True)(p)
+            aux_leaves, tree = jax.tree.flatten(aux)
+            aux_tree[:] = [tree]
+            return [loss, *jax.tree.leaves(grads), *aux_leaves]
 
         seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
         shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
@@ -991,7 +1344,8 @@ class Graph:
         positions: Mapping[Any, Axes] = {}
         untie = None
         if per_example > 1:
-            untie = Untie.build(loss_fn, params, batch)  # raises for a leaf not position-wise
+            # raises for a leaf not position-wise
+            untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
             positions = _propagate_positions(
                 jaxpr, [_NONE] * n_params + [frozenset({0})] * n_example + [_NONE]
             )
@@ -1015,6 +1369,7 @@ class Graph:
             positions=positions,
             untie=untie,
             param_tree=param_tree,
+            aux_tree=aux_tree[0],
         )
 
     # -- queries --------------------------------------------------------------------------
@@ -1043,13 +1398,19 @@ class Graph:
         """Proven zero: static, and every entry 0."""
         return self.is_static(var) and not np.any(self.static_value(var))
 
-    def nonlinear_in_seed(self, eqns: Sequence[Any]) -> str:
-        """Why `eqns` are not proven linear in their cotangent (seeded) inputs, or "".
+    def nonlinear_in_seed(self, eqns: Sequence[Any], out: Any = None) -> str:
+        """Why `eqns` (computing `out`) are not proven linear in their cotangent (seeded)
+        inputs, or "".
 
         Each equation that reads a cotangent must be linear in the cotangents it reads, the
         other operands fixed: a sum of cotangents (or proven zeros), a product or contraction
         with exactly one cotangent factor, a division of one, and the ops that only move or
-        add up entries of one (a custom_vjp backward need not be any of these)."""
+        add up entries of one, with parameters that add nothing (a gather fills with 0, a pad
+        pads with 0). By induction every seeded value is then linear in the cotangents, and
+        a value that is not seeded is a constant of the map: `out` must be seeded, or the map
+        is affine (a custom_vjp backward that ignores its cotangent)."""
+        if out is not None and not (isinstance(out, jcore.Var) and out in self.seeded):
+            return "the gradient does not depend on the cotangent: affine, not linear"
         for eqn in eqns:
             seeded = [isinstance(v, jcore.Var) and v in self.seeded for v in eqn.invars]
             if not any(seeded):
@@ -1074,6 +1435,9 @@ class Graph:
                 )
                 if name == "pad":
                     ok = ok and self.is_zero(eqn.invars[1])
+                why = _gather_affine(eqn) if name == "gather" else ""
+                if why:
+                    return why
             else:
                 return f"'{name}' is not known to be linear"
             if not ok:
@@ -1146,10 +1510,10 @@ class Graph:
 _LINEAR_UNARY = _names(
     """
     neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
-    slice convert_element_type real imag
+    slice split unstack convert_element_type real imag
     """
 )
-_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate"})  # every operand linear
+_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate", "stack"})  # all linear
 _LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
 # name -> (operands that may be cotangents, those of them that may instead be proven zero)
 _LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
@@ -1161,6 +1525,18 @@ _LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "dynamic_update_slice": ((0, 1), (0, 1)),
     "scatter-add": ((0, 2), (0, 2)),
 }
+
+
+def _gather_affine(eqn: Any) -> str:
+    """Why a gather is not linear in its operand, or "": out-of-bounds entries filled with a
+    non-zero value (None is NaN for floats) make it affine; a mode not known here is refused."""
+    mode = str(eqn.params["mode"]).rsplit(".", 1)[-1]
+    fill = eqn.params.get("fill_value")
+    if mode == "FILL_OR_DROP" and (fill is None or fill != 0):
+        return f"'gather' fills out-of-bounds entries with {fill}: affine, not linear"
+    if mode not in ("CLIP", "PROMISE_IN_BOUNDS", "FILL_OR_DROP"):
+        return f"'gather' in mode {mode} is not known to be linear"
+    return ""
 
 
 def _is_layout(eqn: Any) -> bool:
@@ -1472,7 +1848,8 @@ class TermsMatch(Match):
 @dataclasses.dataclass(frozen=True)
 class Placement:
     starts: tuple[int, ...]
-    part_shape: tuple[int, ...]
+    part_shape: tuple[int, ...]  # in the leaf (with the stacked axis, if any)
+    stacked: int | None = None  # `stack` places the part as index starts[axis] of this axis
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1658,6 +2035,8 @@ class Constant(Route[ValueMatch]):
         var = leaf.grad if var is None else var
         if graph.is_batched(var):
             return Refusal("the gradient depends on the example")
+        if graph.weighted:
+            return Refusal("a mask weighs the examples: the gradient is taken per example")
         if graph.token and not graph.is_zero(var):
             return Refusal("an example-independent gradient has no per-position split")
         if graph.token:
@@ -2163,6 +2542,8 @@ class DisjointParts(_Composite[PartsMatch]):
         parts = _placed_parts(graph, leaf, core)
         if isinstance(parts, Refusal):
             return parts
+        if not parts:
+            return Refusal("every placed part is zero")
         windows = [w for w, _, _ in parts]
         for i, a in enumerate(windows):
             for b in windows[:i]:
@@ -2196,16 +2577,21 @@ class DisjointParts(_Composite[PartsMatch]):
         if what == "norms":
             return sum(parts[1:], parts[0]) * _scale_sq(m.post, env, parts[0].dtype)
         phi = jnp.square if what == "var" else _PHI[what]
-        lead = parts[0].shape[: parts[0].ndim - len(m.places[0].part_shape)]
+        first = m.places[0]
+        lead = parts[0].shape[: parts[0].ndim - len(first.part_shape) + (first.stacked is not None)]
         out = jnp.zeros((*lead, *_shape(m.core.outvars[0])), parts[0].dtype)
         for part, place in zip(parts, m.places, strict=True):
+            if place.stacked is not None:
+                part = jnp.expand_dims(part, len(lead) + place.stacked)
             out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
         if lead:
             return jax.vmap(lambda x: _replay(m.post, x, env, phi))(out)
         return _replay(m.post, out, env, phi)
 
 
-_PLACEMENTS = ("pad", "dynamic_update_slice")
+# The ops that put a part into a zero table: the transposes of slicing, indexing and
+# splitting (`concatenate` with proven-zero operands is how jnp.split's unused parts come back).
+_PLACEMENTS = ("pad", "dynamic_update_slice", "concatenate", "stack")
 
 
 def _placed_parts(
@@ -2213,8 +2599,8 @@ def _placed_parts(
 ) -> list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] | Refusal:
     """The parts of a sum of placements: (window, match, placement) each, the part proven by a
     route of its own; windows as ((lo, hi) per axis) after clamping."""
+    found: list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] = []
     if core.primitive.name == "add_any":
-        found: list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] = []
         for operand in core.invars:
             inner, post = graph.core(operand)
             if inner is None or post:
@@ -2224,6 +2610,23 @@ def _placed_parts(
                 return sub
             found += sub
         return found
+    if core.primitive.name in ("concatenate", "stack"):  # each operand not proven 0 is a part
+        stacked = core.primitive.name == "stack"
+        dim = int(core.params["axis" if stacked else "dimension"])
+        offset = 0
+        for operand in core.invars:
+            at = [0] * len(_shape(core.outvars[0]))
+            at[dim] = offset
+            offset += 1 if stacked else _shape(operand)[dim]
+            if graph.is_zero(operand):
+                continue
+            placed = _placed_part(graph, leaf, operand, at, dim if stacked else None)
+            if isinstance(placed, Refusal):
+                return placed
+            found.append(placed)
+        return found
+    if core.primitive.name not in _PLACEMENTS:
+        return Refusal(f"a summand made by '{core.primitive.name}', not a placement")
     shape = _shape(core.outvars[0])
     part = core.invars[0] if core.primitive.name == "pad" else core.invars[1]
     size = _shape(part)
@@ -2243,11 +2646,23 @@ def _placed_parts(
             int(np.clip(graph.static_value(v), 0, n - k))
             for v, n, k in zip(core.invars[2:], shape, size, strict=True)
         ]
+    placed = _placed_part(graph, leaf, part, starts)
+    return placed if isinstance(placed, Refusal) else [placed]
+
+
+def _placed_part(
+    graph: Graph, leaf: Leaf, part: Atom, starts: Sequence[int], stacked: int | None = None
+) -> tuple[tuple[tuple[int, int], ...], CoreMatch, Placement] | Refusal:
+    """A part placed at `starts` (as one index of axis `stacked`), proven by a route of its
+    own."""
+    size = _shape(part)
+    if stacked is not None:
+        size = (*size[:stacked], 1, *size[stacked:])
     for route in _PART_ROUTES:
         m = route.match(graph, leaf, part)
         if isinstance(m, CoreMatch):
             window = tuple((s, s + k) for s, k in zip(starts, size, strict=True))
-            return [(window, m, Placement(tuple(starts), size))]
+            return (window, m, Placement(tuple(starts), size, stacked))
     return Refusal("a part no route proves")
 
 
@@ -2294,6 +2709,9 @@ class HeadValue(Route[ValueMatch]):
     def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
         return _linear_sum(graph, leaf, m.grad, (), env, weights)
 
+    def per_unit(self, graph, leaf, m, env, example, params):
+        return jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)[None]
+
 
 class Fallback(Route[TailMatch]):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient tail (the ops
@@ -2309,7 +2727,7 @@ class Fallback(Route[TailMatch]):
         tail = graph.exclusive_tail(leaf.grad)
         if not tail:
             return TailMatch(self, f"exact: {_IN_HEAD}", leaf.grad, (), True)
-        why = graph.nonlinear_in_seed(tail)
+        why = graph.nonlinear_in_seed(tail, leaf.grad)
         linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
         reason = f"exact: its own gradient ops ({len(tail)}) per example"
         reason += (
@@ -2322,7 +2740,8 @@ class Fallback(Route[TailMatch]):
     def methods(
         self, graph: Graph, leaf: Leaf, m: TailMatch, need: tuple[str, ...]
     ) -> dict[str, str]:
-        linear = m.linear and not graph.token
+        # With a mask a masked example's inputs may be anything (NaN): no transposition.
+        linear = m.linear and not graph.token and not graph.weighted
         methods = {
             w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need
         }
@@ -2462,11 +2881,16 @@ def plan(
         refused: list[tuple[str, str]] = []
         best: tuple[float, Match, dict[str, str], Cost] | None = None
         for route in ROUTES:
-            m = route.match(graph, leaf)
+            try:
+                m = route.match(graph, leaf)
+            except Exception as error:  # a route that cannot prove its case refuses it
+                m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
             if isinstance(m, Refusal):
                 refused.append((route.name, m.reason))
                 continue
             methods = route.methods(graph, leaf, m, need)
+            if graph.weighted and "var" in methods and not isinstance(route, Empty):
+                methods["var"] = "chunked"  # Chan merges of kept examples: no cancellation
             cost = route.cost(graph, leaf, m, methods)
             if best is None or (choose == "cheapest" and cost.seconds < best[0]):
                 best = (cost.seconds, m, methods, cost)
@@ -2488,33 +2912,50 @@ def _execute(
     clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
-) -> tuple[Float[Array, ""], Stats]:
-    need = _ingredients(stats)
+    keep: Array | None = None,
+    drop: bool = False,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    need = _ingredients((*stats, "sq_norms") if drop else stats)
     leaves = graph.leaves
-    early = [w for w in need if w != "clipped"]
+    # With `drop`, which examples count is known once every norm is: the other ingredients
+    # wait for it (the head's values they read are kept until then, as for clipping).
+    early = [w for w in need if w != "clipped" and (w == "norms" or not drop)]
+    late = [w for w in need if w != "clipped" and w not in early]
 
     def on_ready(ready: list[int], env: dict) -> dict:
         results = {}
         for i in ready:
-            p = plans[i]
+            p, local = plans[i], _masked(graph, env, keep, reads[i])
             for what in early:
                 if p.methods[what] == "factorized":
-                    results[what, i] = p.match.route.compute(graph, leaves[i], p.match, env, what)
+                    results[what, i] = p.match.route.compute(graph, leaves[i], p.match, local, what)
         return results
 
     reads = [p.match.route.reads(graph, p.match) for p in plans]
-    losses, batched, unbatched, results = _run_head(graph, reads, params, batch, on_ready)
-    env = {**batched, **unbatched}
-    chunked = {p.index: [w for w in early if p.methods[w] == "chunked"] for p in plans}
-    chunked = {i: ws for i, ws in chunked.items() if ws}
-    chunk = _chunk(graph, chunk_size, chunked, batched)
-    loop, loop_norms = _chunk_loop(graph, plans, chunked, batched, unbatched, batch, params, chunk)
-    results.update(loop)
-    means: dict[str, PyTree] = {
-        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
-        for w in early
-        if w != "norms"
-    }
+    losses, batched, unbatched, results, aux = _run_head(graph, reads, params, batch, on_ready)
+
+    def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
+        found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
+        return {i: ws for i, ws in found.items() if ws}
+
+    chunk = _chunk(graph, chunk_size, {**chunked_in(late), **chunked_in(early)}, batched)
+
+    def loop(wanted: Sequence[str], keep: Array | None, weights: Array | None = None) -> tuple:
+        return _chunk_loop(
+            graph,
+            plans,
+            chunked_in(wanted),
+            batched,
+            unbatched,
+            batch,
+            params,
+            chunk,
+            weights,
+            keep,
+        )
+
+    found, loop_norms = loop(early, keep)
+    results.update(found)
     sq_norms = None
     if "norms" in need:
         dtype = _widest([leaf.dtype for leaf in leaves])
@@ -2524,23 +2965,66 @@ def _execute(
         sq_norms = sum(
             (x.reshape(-1).astype(dtype) for x in parts), jnp.zeros((graph.n_units,), dtype)
         )
+    if drop:
+        assert sq_norms is not None
+        by_example = sq_norms.reshape(graph.n_examples, graph.per_example)
+        finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
+        keep = finite if keep is None else keep & finite
+    units = None if keep is None else jnp.repeat(keep, graph.per_example)
+    if units is not None and sq_norms is not None:
+        sq_norms = _where_units(units, sq_norms)
+    env = _masked(graph, {**batched, **unbatched}, keep, list(batched))
+    for p in plans:
+        for what in late:
+            if p.methods[what] == "factorized":
+                results[what, p.index] = p.match.route.compute(
+                    graph, leaves[p.index], p.match, env, what
+                )
+    results.update(loop(late, keep)[0])
+    means: dict[str, PyTree] = {
+        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
+        for w in (*early, *late)
+        if w != "norms"
+    }
     if "clipped" in need:
         assert clip_norm is not None and sq_norms is not None
-        weights = _clip_factors(sq_norms, clip_norm).reshape(graph.n_examples, graph.per_example)
+        factors = _clip_factors(sq_norms, clip_norm)
+        factors = factors if units is None else _where_units(units, factors)
+        weights = factors.reshape(graph.n_examples, graph.per_example)
         clipped: list[Any] = [None] * len(leaves)
         for p in plans:
             if p.methods["clipped"] == "factorized":
-                m = p.match
-                clipped[p.index] = m.route.clipped(graph, leaves[p.index], m, env, weights)
-        later = {i: ["clipped"] for i, p in enumerate(plans) if p.methods["clipped"] == "chunked"}
-        weighted, _ = _chunk_loop(
-            graph, plans, later, batched, unbatched, batch, params, chunk, weights
-        )
-        for (_, i), value in weighted.items():
+                clipped[p.index] = p.match.route.clipped(
+                    graph, leaves[p.index], p.match, env, weights
+                )
+        for (_, i), value in loop(["clipped"], keep, weights)[0].items():
             clipped[i] = value
         means["clipped"] = jax.tree.unflatten(graph.param_tree, clipped)
-    loss = losses.mean().astype(stat_dtype(losses.dtype))
-    return loss, _publish(stats, means, sq_norms, graph.n_units)
+    n_units: Any = graph.n_units
+    if keep is None:
+        loss = losses.mean()
+    else:  # the sums above are over kept units, divided by all N
+        kept = jnp.sum(keep)
+        loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
+        n_units = kept * graph.per_example
+        scale = graph.n_units / n_units
+        for w in ("sum", "sq", "sign", "clipped"):
+            if w in means:
+                means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
+    loss = loss.astype(stat_dtype(losses.dtype))
+    return loss, _publish(stats, means, sq_norms, n_units), aux
+
+
+def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]) -> dict:
+    """`env` with the batched values among `names` replaced by 0 at examples not kept: every
+    route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
+    that its sums are over the kept examples — and a NaN there goes nowhere."""
+    if keep is None:
+        return dict(env)
+    return {
+        **env,
+        **{v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env},
+    }
 
 
 def _run_head(
@@ -2549,8 +3033,9 @@ def _run_head(
     params: PyTree,
     batch: PyTree,
     on_ready: Callable[[list[int], dict], dict],
-) -> tuple[Array, dict, dict, dict]:
-    """Losses [B] and the values the routes read: batched ones with a leading B, others once.
+) -> tuple[Array, dict, dict, dict, PyTree]:
+    """Losses [B], the values the routes read (batched ones with a leading B, others once),
+    the factorized results and the auxiliary outputs [B, ...].
 
     The head is every equation those values need, evaluated batched (vmap over examples) in
     segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
@@ -2559,7 +3044,8 @@ def _run_head(
     gradient and the activations they read die as early as they do there."""
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
-    needed: set[Any] = {v for v in [jaxpr.outvars[0], *interface] if isinstance(v, jcore.Var)}
+    outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
+    needed: set[Any] = {v for v in [*outputs, *interface] if isinstance(v, jcore.Var)}
     head: list[Any] = []
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
@@ -2578,7 +3064,9 @@ def _run_head(
         )
         for vs in reads
     ]
-    last_use: dict[Any, int] = {v: len(head) for v in [jaxpr.outvars[0], *interface]}
+    last_use: dict[Any, int] = {
+        v: len(head) for v in [*outputs, *interface] if isinstance(v, jcore.Var)
+    }
     for k, eqn in enumerate(head):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
@@ -2600,22 +3088,26 @@ def _run_head(
             new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
             values.update(zip(live, kept, strict=True))
             results.update(new)
-    loss_var = jaxpr.outvars[0]
-    losses = _read(values, loss_var)
-    if not graph.is_batched(loss_var):
-        losses = jnp.broadcast_to(losses, (graph.n_examples,))
+    losses, *aux = [
+        x if graph.is_batched(v) else jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))
+        for v in outputs
+        for x in [_read(values, v)]
+    ]
     return (
         losses,
         {v: values[v] for v in interface if v in graph.batched},
         {v: _read(values, v) for v in interface if v not in graph.batched},
         results,
+        jax.tree.unflatten(graph.aux_tree, aux),
     )
 
 
 def _run_segment(graph: Graph, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
     """Evaluate head equations batched (vmap over examples), adding to `values` every result
     used after position `end`."""
-    produced = {v for e in segment for v in e.outvars}
+    produced = dict.fromkeys(
+        v for e in segment for v in e.outvars
+    )  # ordered: one program per trace
     reads = list(
         dict.fromkeys(
             v for e in segment for v in e.invars if isinstance(v, jcore.Var) and v not in produced
@@ -2669,6 +3161,7 @@ def _chunk_loop(
     params: PyTree,
     chunk: int,
     weights: Array | None = None,
+    keep: Array | None = None,
 ) -> tuple[dict[tuple[str, int], Array], Array | None]:
     """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
     ingredients each needs: means of φ, per-unit norms ([B, U], summed over these leaves),
@@ -2684,16 +3177,20 @@ def _chunk_loop(
     with_norms = any("norms" in ws for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     w = jnp.ones((graph.n_examples, graph.per_example), dtype) if weights is None else weights
+    shape = (graph.n_examples, graph.per_example)
+    k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
 
     def per_chunk(xs: tuple) -> tuple[dict, Array]:
-        values, examples, unit_w = xs
+        values, examples, unit_w, unit_k = xs
 
-        def one(value: list, example: Any) -> tuple[dict, Array]:
+        def one(value: list, example: Any, kept: Array) -> tuple[dict, Array]:
             env = {**unbatched, **dict(zip(keys, value, strict=True))}
             grads = {
                 i: m.route.per_unit(graph, graph.leaves[i], m, env, example, params)
                 for i, m in matches.items()
             }
+            if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
+                grads = {i: _where_units(kept, g) for i, g in grads.items()}
             norms = sum(
                 (
                     jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype)
@@ -2704,17 +3201,22 @@ def _chunk_loop(
             )
             return grads, norms
 
-        grads, norms = jax.vmap(one)(values, examples)
+        grads, norms = jax.vmap(one)(values, examples, unit_k)
         out: dict = {}
         for i, g in grads.items():
             g = _merge01(g)  # [chunk·U, ...]
             for what in chunked[i]:
                 if what in _PHI:
                     out[what, i] = _sum0(_PHI[what](g) * (1.0 / n_units))
-                elif what == "var":
+                elif what == "var" and keep is None:
                     mean = jnp.mean(g, 0)
                     count = jnp.asarray(g.shape[0], g.dtype)
                     out[what, i] = (count, mean, jnp.sum((g - mean) ** 2, 0))
+                elif what == "var":  # over the kept units of the chunk (masked ones are 0)
+                    kept = _merge01(unit_k)
+                    count = jnp.sum(kept).astype(g.dtype)
+                    mean = _sum0(g) / jnp.maximum(count, 1.0)
+                    out[what, i] = (count, mean, jnp.sum(_where_units(kept, g - mean) ** 2, 0))
                 elif what == "clipped":
                     out[what, i] = (
                         jnp.tensordot(_merge01(unit_w).astype(g.dtype), g, axes=1) / n_units
@@ -2725,9 +3227,9 @@ def _chunk_loop(
         return {k: _chan(acc[k], v) if k[0] == "var" else acc[k] + v for k, v in part.items()}
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
-    xs = ([batched[v] for v in keys], examples, w)
+    xs = ([batched[v] for v in keys], examples, w, k)
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
     out = {}
     for key, value in acc.items():
-        out[key] = value[2] / (n_units - 1) if key[0] == "var" else value
+        out[key] = value[2] / (value[0] - 1) if key[0] == "var" else value
     return out, (norms if with_norms and weights is None else None)
