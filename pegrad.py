@@ -29,19 +29,46 @@ Two implementations, equal by contract:
   in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
   the other routes refused — without running anything; the executor reads the same plan.
 
-Sections: §1 public API · §2 statistics · §3 input checks · §4 the exact reference · §5 the
-graph (the flat jaxpr and what is proven about its values) · §6 routes (one class each, ROUTES in
-precedence order) · §7 planner · §8 executor.
+Conventions a JAX user brings (§1): `stats` may be one name; `has_aux=True` (the loss returns
+(loss, aux); aux comes back stacked [B, ...]); `fn(params, batch, mask=...)` with a bool [B] mask
+(a masked example counts in no statistic and not in N); `nonfinite="drop"` (an example with a
+non-finite loss or ‖g_i‖² is masked; the default propagates NaN as jax.grad does); `params` may
+be a model as it is (eqx.Module, flax nnx.Module: its floating-array leaves are the parameters,
+statistics are None elsewhere; a BatchNorm in training mode couples the examples and is
+refused). `Accumulator` combines the statistics of k micro-batches into the whole batch's
+(count-weighted means, Chan's merge for the variance). `explain` returns a `Plan` whose text
+opens with a one-line summary.
+
+A rewrite that moves a sum over examples through a gradient's own operations (the fallback's
+transposition) is taken only where those operations are proven linear in the cotangent, per
+primitive and parameter (`Graph.nonlinear_in_seed`): a gather that fills with a non-zero value,
+a pad with one, a constant added or selected, an output that does not depend on the cotangent
+at all (a custom_vjp backward that ignores it) make the map affine, and the leaf is computed per
+example instead. A route whose proof cannot be completed refuses; it never raises.
+
+Sections (the definition first, then the machinery; "SPEC §N" is the repository's SPEC.md):
+  §1 public API      value_and_grad_stats, explain (a Plan of LeafPlans), Accumulator
+  §2 statistics      the ingredients per leaf, φ, how means become var / sq_norms / clipped mean
+  §3 input checks    SPEC §6's clear errors, before any work; models, masks, auxiliary outputs
+  §4 the references  vmap(grad) in chunks, two-pass variance; the untied per-token reference
+  §5 the graph       grad of ONE example as a flat jaxpr: producers, users, batched, static,
+                     position axes, linearity in the cotangent, a leaf's exclusive tail
+  §5′ scan hoisting  weight-gradient contractions moved out of backward scans
+  §6 routes          one typed class per route with its own match result; ROUTES in precedence
+  §7 planner         per leaf the cheapest route whose match proves it (pure data)
+  §8 executor        the batched head, each leaf's route, the fallback's chunk loop
 
 Proof of equality (float64; every statistic × implementation × granularity × batch size against
 a naive per-example loop; one test per precondition, broken): tests/test_pegrad.py and
-tests/test_zoo.py. Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
+tests/test_zoo.py; the conventions above: tests/test_api.py, tests/test_accumulate.py.
+Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
 """
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -52,66 +79,128 @@ from jaxtyping import Array, Float, PyTree
 STATISTICS = ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean")
 Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
+Choose = Literal["cheapest", "first"]
+NonFinite = Literal["propagate", "drop"]
 Stats = dict[str, Any]
+Atom = jcore.Var | jcore.Literal  # a jaxpr operand
+Phi = Callable[[Array], Array]  # φ: identity, square or sign (multiplicative)
+Axes = frozenset[int]  # axes of a value that index positions (token granularity)
+_NONE: Axes = frozenset()
 
 # ============================================================================================
 # §1 Public API
 
 
 def value_and_grad_stats(
-    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
-    stats: Sequence[str] = ("mean",),
+    loss_fn: Callable[[PyTree, PyTree], Any],
+    stats: str | Sequence[str] = ("mean",),
     *,
     impl: Impl = "factorized",
     chunk_size: int | None = None,
     granularity: Granularity = "example",
     clip_norm: float | None = None,
-) -> Callable[[PyTree, PyTree], tuple[Float[Array, ""], Stats]]:
-    """Build `fn(params, batch) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
+    choose: Choose = "cheapest",
+    has_aux: bool = False,
+    nonfinite: NonFinite = "propagate",
+) -> Callable[..., tuple[Any, Stats]]:
+    """Build `fn(params, batch, mask=None) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
 
     Args:
-        loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example.
-        stats: any subset of `STATISTICS`, computed in one pass.
+        loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example
+            (`-> (scalar, aux)` with `has_aux`).
+        stats: a name or any subset of `STATISTICS`, computed in one pass.
         impl: "vmap" (the exact reference) or "factorized" (the rewrite; the same numbers).
         chunk_size: at most this many examples' per-example gradients exist at once. None: the
             reference materializes the whole batch; the rewrite bounds what it materializes by
             the parameters' or the activations' size, whichever is larger.
         granularity: "example", or "token" (units are positions; batch leaves are [B, T, ...]).
         clip_norm: C for "clipped_mean".
+        choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
+            precedence order (a testing and inspection knob: every route a leaf can prove then
+            runs even on models so small that materializing is as cheap). Same numbers.
+        has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`
+            with every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
+        nonfinite: "propagate" (default): a NaN or Inf in any example's loss or gradient
+            reaches the statistics it enters, as in `jax.grad` of the mean loss (and, where
+            vmap batches a convolution's weight gradients, other examples'). "drop": an
+            example whose loss (one extra batched forward pass) or ‖g_i‖² is not finite is
+            masked (below): what it holds is replaced, not multiplied by 0. A gradient that
+            is non-finite while its loss is finite may, in a batched convolution, reach the
+            other examples of its chunk, which are then dropped too.
+
+    `fn(params, batch, mask=None)`: `params` is a pytree of floating arrays, or a model as it
+    is (an `eqx.Module`, a flax `nnx.Module`: any pytree object that is not a dict, list or
+    tuple), whose floating-array leaves are the parameters and whose other leaves are held
+    fixed; statistics then have the model's structure with None at those leaves (as
+    Equinox's `filter_grad`). A layer that couples the examples (BatchNorm in training mode)
+    is refused: per-example gradients are undefined there. `mask`, a bool [B]: an example
+    with mask False counts in no statistic and not in N, whatever it holds (its inputs are
+    replaced by a kept example's before anything runs) — the mean loss and every statistic
+    are those of the kept examples, "batch_size" is their count N_eff (a traced value), and
+    "sq_norms" is 0 at masked units. With a mask, or nonfinite="drop", "var" divides by
+    N_eff − 1: NaN when fewer than 2 units are kept (an error if the mask is concrete), and
+    the factorized path computes it (and the sums of leaves whose rewrite would transpose
+    through a masked example) from per-example gradients in chunks.
 
     Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
     [N] with unit i·T + t at token granularity.
     """
-    stats = _check_options(stats, impl, granularity, chunk_size, clip_norm)
+    stats = _check_options(stats, impl, granularity, chunk_size, clip_norm, choose)
+    if nonfinite not in ("propagate", "drop"):
+        raise ValueError(f"nonfinite must be 'propagate' or 'drop', got {nonfinite!r}")
+    drop = nonfinite == "drop"
 
-    def fn(params: PyTree, batch: PyTree) -> tuple[Float[Array, ""], Stats]:
-        per_example = _check_inputs(loss_fn, params, batch, stats, granularity)
+    def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
+        floats, loss = _as_parameters(params, loss_fn, has_aux)
+        per_example = _check_inputs(loss, floats, batch, stats, granularity)
+        keep = _check_mask(mask, batch, stats, per_example)
+        if drop:  # one batched forward pass: examples with a non-finite loss
+            losses = jax.vmap(lambda example: loss(floats, example)[0])(batch)
+            keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
+        if keep is not None:
+            batch = _substitute(batch, keep)
         if impl == "vmap":
-            return _reference(loss_fn, stats, chunk_size, clip_norm, params, batch, per_example)
-        graph = Graph.build(loss_fn, params, batch, per_example)
-        return _execute(graph, plan(graph, stats), stats, chunk_size, clip_norm, params, batch)
+            out = _reference(
+                loss, stats, chunk_size, clip_norm, floats, batch, per_example, keep, drop
+            )
+        else:
+            graph = Graph.build(loss, floats, batch, per_example)
+            graph = dataclasses.replace(graph, weighted=keep is not None or drop)
+            wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
+            plans = plan(graph, wanted, choose=choose)
+            out = _execute(graph, plans, stats, chunk_size, clip_norm, floats, batch, keep, drop)
+        value, stats_out, aux = out
+        return ((value, aux) if has_aux else value), stats_out
 
     return fn
 
 
 def explain(
-    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    loss_fn: Callable[[PyTree, PyTree], Any],
     params: PyTree,
     batch: PyTree,
-    stats: Sequence[str] = ("mean",),
+    stats: str | Sequence[str] = ("mean",),
     *,
     granularity: Granularity = "example",
     clip_norm: float | None = None,
-) -> tuple["LeafPlan", ...]:
-    """The plan impl="factorized" follows for these statistics: one `LeafPlan` per parameter
-    leaf (route, what its match proved, per-ingredient method, cost estimate, refusals). Traces
-    `loss_fn` abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s."""
-    stats = tuple(stats)
+    choose: Choose = "cheapest",
+    has_aux: bool = False,
+) -> "Plan":
+    """The plan impl="factorized" follows for these statistics (and `choose`): one `LeafPlan`
+    per parameter leaf (route, what its match proved, per-ingredient method, cost estimate,
+    refusals), in a `Plan` (a tuple) whose `str` opens with a one-line summary. Traces `loss_fn`
+    abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model.
+    This is the plan without a mask: with a mask (or nonfinite="drop") no leaf takes "constant",
+    "var" is chunked, and the fallback does not transpose."""
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
-    stats = _check_options(stats, "factorized", granularity, None, clip_norm)
-    per_example = _check_inputs(loss_fn, params, batch, stats, granularity)
-    return plan(Graph.build(loss_fn, params, batch, per_example), stats)
+    stats = _check_options(stats, "factorized", granularity, None, clip_norm, choose)
+    floats, loss = _as_parameters(params, loss_fn, has_aux)
+    per_example = _check_inputs(loss, floats, batch, stats, granularity)
+    graph = Graph.build(loss, floats, batch, per_example)
+    plans = plan(graph, stats, choose=choose)
+    return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,13 +216,19 @@ class LeafPlan:
 
     leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
     shape: tuple[int, ...]
-    route: str  # the route taken: a name in ROUTES
-    reason: str  # what the route's match proved
+    match: "Match"  # what the route proved; `match.route` computes the statistics from it
     methods: Mapping[str, str]
     cost: "Cost"
     refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
-    match: "Match" = dataclasses.field(repr=False)
     index: int = dataclasses.field(repr=False, default=0)
+
+    @property
+    def route(self) -> str:  # the route taken: a name in ROUTES
+        return self.match.route.name
+
+    @property
+    def reason(self) -> str:  # what the route's match proved
+        return self.match.reason
 
     @property
     def status(self) -> str:
@@ -143,10 +238,146 @@ class LeafPlan:
 
     def __str__(self) -> str:
         methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
-        return (
-            f"{self.leaf:36s} {str(self.shape):16s} {self.route:14s} {self.status:10s} "
-            f"{self.reason} [{methods}] ~{self.cost.flops:.2g} flop"
+        head = (
+            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
         )
+        body = f"{self.reason} [{methods}]"
+        lines = textwrap.wrap(head, 100, subsequent_indent="    ")
+        return "\n".join(
+            lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
+        )
+
+
+class Plan(tuple):
+    """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
+    opens with a one-line summary: leaves per route and the estimated cost against plain grad
+    (floating-point operations from shapes: a rough guide, not a measurement)."""
+
+    plain_flops: float
+
+    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
+        self = super().__new__(cls, leaves)
+        self.plain_flops = plain_flops
+        return self
+
+    @property
+    def summary(self) -> str:
+        routes: dict[str, int] = {}
+        for p in self:
+            routes[p.route] = routes.get(p.route, 0) + 1
+        counts = ", ".join(f"{n} {r}" for r, n in routes.items())
+        extra = sum(float(p.cost.flops) for p in self)
+        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
+        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary, *map(str, self)])
+
+
+# -- Accumulation over micro-batches ----------------------------------------------------------
+
+_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
+
+
+class Accumulator(NamedTuple):
+    """The statistics of k micro-batches combined into those of their union (gradient
+    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+
+        acc = Accumulator.init(params, ("mean", "var"))
+        for micro in batches:                       # or jax.lax.scan
+            acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
+        loss, stats = acc.finalize()
+
+    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
+    a clip factor depends on its own unit only) and the mean loss are count-weighted,
+    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
+    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) with M2_k = var_k·(N_k − 1)
+    (no cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may
+    differ in size or be masked (N_k = their "batch_size"; one with N_k = 0 changes nothing,
+    one with N_k = 1 contributes its mean and M2_k = 0). "sq_norms" (one entry per unit) is
+    not combined: it is refused.
+    """
+
+    count: Array  # N: units so far
+    loss: Array  # their mean loss
+    means: dict[str, PyTree]  # the averaged statistics so far
+    m2: PyTree  # Σ_u (g_u − ḡ)² so far when "var" is accumulated, else None
+
+    @staticmethod
+    def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
+        """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
+        stats = (stats,) if isinstance(stats, str) else tuple(stats)
+        unknown = [s for s in stats if s not in STATISTICS]
+        if unknown:
+            raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+        if "sq_norms" in stats:
+            raise ValueError(
+                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
+                "combined; collect it from each micro-batch's statistics instead"
+            )
+        if "var" in stats and "mean" not in stats:
+            raise ValueError(
+                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
+                "'var': accumulate 'mean' too"
+            )
+        zeros = jax.tree.map(
+            lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
+            params,
+        )
+        dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
+        if not dtypes:
+            raise ValueError("Accumulator.init: params has no floating array leaves")
+        dtype = _widest(dtypes)
+        return Accumulator(
+            count=jnp.zeros((), dtype),
+            loss=jnp.zeros((), dtype),
+            means={s: zeros for s in stats if s in _AVERAGED},
+            m2=zeros if "var" in stats else None,
+        )
+
+    def update(self, loss: Any, stats: Stats) -> "Accumulator":
+        """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
+        `value_and_grad_stats(...)(params, micro_batch)` returns them."""
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        missing = [
+            s for s in (*self.means, *(["var"] if self.m2 is not None else [])) if s not in stats
+        ]
+        if missing:
+            raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
+        n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
+        total = self.count + n_k
+        share = n_k / jnp.maximum(total, 1.0)
+
+        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
+            x = jnp.asarray(x).astype(m.dtype)
+            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
+
+        m2 = self.m2
+        if m2 is not None:
+
+            def chan(s: Array, mean: Array, mean_k: Array, var_k: Array) -> Array:
+                dtype = s.dtype
+                own = jnp.where(n_k > 1, var_k.astype(dtype) * (n_k - 1).astype(dtype), 0.0)
+                delta = mean_k.astype(dtype) - mean
+                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
+                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
+
+            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats["var"])
+        return Accumulator(
+            count=total,
+            loss=merge(self.loss, loss),
+            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
+            m2=m2,
+        )
+
+    def finalize(self) -> tuple[Array, Stats]:
+        """(mean loss, statistics) of all units added, with "batch_size" N (var needs N ≥ 2:
+        NaN otherwise)."""
+        out: Stats = dict(self.means)
+        if self.m2 is not None:
+            out["var"] = jax.tree.map(lambda s: s / (self.count - 1.0).astype(s.dtype), self.m2)
+        out["batch_size"] = self.count.astype(jnp.int32)
+        return self.loss, out
 
 
 # ============================================================================================
@@ -158,7 +389,7 @@ class LeafPlan:
 # φ ∈ {identity, square, sign} is multiplicative: φ(m·x) = φ(m)·φ(x) and φ(x/m) = φ(x)/φ(m),
 # which is what lets a scaling by a batch-independent m move out of a sum over units.
 
-_PHI: dict[str, Callable[[Array], Array]] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
+_PHI: dict[str, Phi] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
 _INGREDIENTS = {
     "mean": ("sum",),
     "sq_mean": ("sq",),
@@ -190,7 +421,7 @@ def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
 
 
 def _publish(
-    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: int
+    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: Any
 ) -> Stats:
     """The statistics dict from the ingredients (already divided by N, or N − 1 for var)."""
     names = {"mean": "sum", "sq_mean": "sq", "sign_mean": "sign", "var": "var"}
@@ -215,18 +446,29 @@ def _merge01(x: Array) -> Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _chan(a: tuple, b: tuple) -> tuple:
+    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
+    na, ma, sa = a
+    nb, mb, sb = b
+    n = na + nb
+    delta = mb - ma
+    safe = jnp.maximum(n, 1.0)  # two empty groups (every example masked) stay empty
+    return n, ma + delta * (nb / safe), sa + sb + delta * delta * (na * nb / safe)
+
+
 # ============================================================================================
 # §3 Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
 
 
 def _check_options(
-    stats: Sequence[str],
+    stats: str | Sequence[str],
     impl: str,
     granularity: str,
     chunk_size: int | None,
     clip_norm: float | None,
+    choose: str = "cheapest",
 ) -> tuple[str, ...]:
-    stats = tuple(stats)
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
     unknown = [s for s in stats if s not in STATISTICS]
     if unknown:
         raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
@@ -234,6 +476,8 @@ def _check_options(
         raise ValueError(f"impl must be 'vmap' or 'factorized', got {impl!r}")
     if granularity not in ("example", "token"):
         raise ValueError(f"granularity must be 'example' or 'token', got {granularity!r}")
+    if choose not in ("cheapest", "first"):
+        raise ValueError(f"choose must be 'cheapest' or 'first', got {choose!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if "clipped_mean" in stats:
@@ -297,7 +541,7 @@ def _check_inputs(
             "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
             f"batch of {n_examples * per_example} unit(s); use B ≥ 2"
         )
-    loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))
+    loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))[0]
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
             "loss_fn(params, example) must return a scalar loss for ONE example; it returned "
@@ -307,6 +551,108 @@ def _check_inputs(
         raise TypeError(f"loss_fn must return a floating scalar, got dtype {loss_shape.dtype}")
     # One position is one example: both granularities are then the same quantity.
     return per_example
+
+
+# -- Models as they are, masks, auxiliary outputs. ------------------------------------------------
+
+
+def _is_parameter(x: Any) -> bool:
+    """A floating array: what Equinox's `is_inexact_array` selects (keys, counters, integer
+    buffers and Python values are held fixed)."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[PyTree, Callable]:
+    """(the parameters, the loss as a function of them returning (loss, aux)).
+
+    A dict, list or tuple is a pytree of parameters, checked leaf by leaf (an integer leaf is
+    an error). Any other pytree object is a model (an `eqx.Module`, a flax `nnx.Module`): its
+    floating-array leaves are the parameters, the rest is held fixed, and the parameters are
+    the model with None elsewhere — no framework is imported to tell."""
+    _refuse_coupled(params)
+    if isinstance(params, (dict, list, tuple)):
+        model = None
+    else:
+        leaves, model = jax.tree.flatten(params)
+        if not leaves:
+            raise TypeError(
+                f"params is a {type(params).__name__} with no array leaves: pass the model, a "
+                "pytree (an eqx.Module, or for flax nnx the model itself or nnx.state(model)) "
+                "whose floating arrays are the parameters; flax linen: the params dict"
+            )
+        fixed = [None if _is_parameter(x) else x for x in leaves]
+        params = jax.tree.unflatten(model, [x if _is_parameter(x) else None for x in leaves])
+
+    def loss(p: PyTree, example: PyTree) -> tuple[Any, PyTree]:
+        if model is not None:
+            values = iter(jax.tree.leaves(p))
+            p = jax.tree.unflatten(model, [next(values) if f is None else f for f in fixed])
+        out = loss_fn(p, example)
+        if not has_aux:
+            return out, ()
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"has_aux=True: loss_fn must return (loss, aux), got {type(out)}")
+        return out
+
+    return params, loss
+
+
+def _refuse_coupled(params: PyTree) -> None:
+    """A layer that normalizes with the batch's own statistics couples the examples: the loss
+    of one example is not a function of that example, and per-example gradients are
+    undefined. Recognised by the flags BatchNorm layers carry (flax nnx, Equinox)."""
+    for path, node in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: hasattr(x, "use_running_average") or hasattr(x, "inference")
+    ):
+        framework = type(node).__module__.split(".")[0]
+        where = f"params{jax.tree_util.keystr(path)}"
+        if getattr(node, "use_running_average", None) is False:
+            raise ValueError(
+                f"{where} is a {framework} {type(node).__name__} in training mode "
+                "(use_running_average=False): it normalizes with the batch's statistics, which "
+                "couples the examples, so per-example gradients are undefined. Use model.eval() "
+                "(flax nnx) or a per-example normalization (LayerNorm, GroupNorm)"
+            )
+        if type(node).__name__ == "BatchNorm" and getattr(node, "inference", None) is False:
+            raise ValueError(
+                f"{where} is a {framework} BatchNorm in training mode (inference=False): it "
+                "couples the examples, so per-example gradients are undefined. Use "
+                "eqx.nn.inference_mode(model) or a per-example normalization (LayerNorm)"
+            )
+
+
+def _check_mask(mask: Any, batch: PyTree, stats: tuple[str, ...], per_example: int) -> Any:
+    """The mask as a bool [B] array (or None); a concrete one is checked against 'var'."""
+    if mask is None:
+        return None
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if jnp.shape(mask) != (n,) or jnp.asarray(mask).dtype != jnp.bool_:
+        raise ValueError(
+            f"mask must be a bool array of shape ({n},) (one entry per example), got "
+            f"{getattr(mask, 'dtype', type(mask))}{tuple(jnp.shape(mask))}"
+        )
+    try:
+        kept = int(np.sum(np.asarray(mask))) * per_example
+    except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
+        kept = 2
+    if "var" in stats and kept < 2:
+        raise ValueError(
+            f"'var' is undefined for {kept} kept unit(s): the mask keeps too few; use ≥ 2"
+        )
+    return jnp.asarray(mask)
+
+
+def _substitute(batch: PyTree, keep: Array) -> PyTree:
+    """The batch with each example not kept replaced by the first kept one. What a masked
+    example holds (NaN padding) must not reach the others, and it can: vmap computes a
+    convolution's per-example weight gradients as one grouped convolution, in which 0·NaN
+    from one example's block is NaN in all of them."""
+    first = jnp.argmax(keep)
+    return jax.tree.map(
+        lambda x: jnp.where(keep.reshape(-1, *[1] * (jnp.ndim(x) - 1)), x, x[first]), batch
+    )
 
 
 def _one_example(batch: PyTree) -> PyTree:
@@ -355,58 +701,221 @@ def _reference(
     params: PyTree,
     batch: PyTree,
     per_example: int,
-) -> tuple[Float[Array, ""], Stats]:
-    """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients."""
-    untie = None if per_example == 1 else Untie.build(loss_fn, params, batch)
+    keep: Array | None = None,
+    drop: bool = False,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients.
+    `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
+    loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
+    multiplied by 0) and N counts the others."""
+    untie = None
+    if per_example > 1:
+        untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
 
-    def unit_grads(example: PyTree) -> tuple[Array, PyTree]:
+    def unit_grads(example: PyTree) -> tuple[tuple[Array, PyTree], PyTree]:
         if untie is not None:
-            return untie.value_and_grad(params, example)
-        loss, grads = jax.value_and_grad(loss_fn)(params, example)
-        return loss, jax.tree.map(lambda g: g[None], grads)
+            loss, grads = untie.value_and_grad(params, example)
+            return (loss, loss_fn(params, example)[1]), grads
+        out, grads = jax.value_and_grad(loss_fn, has_aux=True)(params, example)
+        return out, jax.tree.map(lambda g: g[None], grads)
 
-    def per_unit(rows: PyTree) -> tuple[Array, PyTree]:
-        losses, grads = jax.vmap(unit_grads)(rows)
-        return losses, jax.tree.map(lambda g: _merge01(g).astype(stat_dtype(g.dtype)), grads)
+    def per_unit(rows: PyTree, kept: Array) -> tuple[Array, PyTree, PyTree, Array]:
+        (losses, aux), grads = jax.vmap(unit_grads)(rows)
+        grads = jax.tree.map(lambda g: _merge01(g).astype(stat_dtype(g.dtype)), grads)
+        if drop:
+            raw = _unit_sq_norms(grads).reshape(-1, per_example)
+            kept = kept & jnp.isfinite(losses) & jnp.all(jnp.isfinite(raw), axis=1)
+        if weighted:
+            units = jnp.repeat(kept, per_example)
+            grads = jax.tree.map(lambda g: _where_units(units, g), grads)
+            losses = jnp.where(kept, losses, 0.0)
+        return losses, aux, grads, kept
 
     n_examples = jax.tree.leaves(batch)[0].shape[0]
-    n_units = n_examples * per_example
+    weighted = keep is not None or drop
+    rows_kept = jnp.ones((n_examples,), bool) if keep is None else keep
     need = _ingredients(stats)
     sums_of = [w for w in ("sum", "sq", "sign") if w in need or (w == "sum" and "var" in need)]
 
-    def first_pass(rows: PyTree) -> tuple[dict[str, Any], Array]:
-        losses, grads = per_unit(rows)
+    def first_pass(xs: tuple) -> tuple[dict[str, Any], tuple]:
+        losses, aux, grads, kept = per_unit(*xs)
         sums: dict[str, Any] = {
             w: jax.tree.map(lambda g, w=w: _sum0(_PHI[w](g)), grads) for w in sums_of
         }
         sums["loss"] = losses.sum()
-        leaves = jax.tree.leaves(grads)
-        dtype = _widest([g.dtype for g in leaves])
-        sq_norms = sum(
-            (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in leaves),
-            jnp.zeros(leaves[0].shape[:1], dtype),
-        )
+        sq_norms = _unit_sq_norms(grads)
         if "clipped" in need:
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
             sums["clipped"] = jax.tree.map(
                 lambda g: jnp.tensordot(factors.astype(g.dtype), g, axes=1), grads
             )
-        return sums, sq_norms
+        return sums, (sq_norms, aux, kept)
 
-    sums, sq_norms = _chunked(first_pass, batch, n_examples, chunk_size)
+    sums, (sq_norms, aux, rows_kept) = _chunked(
+        first_pass, (batch, rows_kept), n_examples, chunk_size
+    )
     loss_sum = sums.pop("loss")
-    loss = (loss_sum / n_examples).astype(stat_dtype(loss_sum.dtype))
-    means = {w: jax.tree.map(lambda s: s / n_units, v) for w, v in sums.items()}
+    kept_examples = jnp.sum(rows_kept) if weighted else n_examples
+    n_units = kept_examples * per_example
+    loss = _over(loss_sum, kept_examples).astype(stat_dtype(loss_sum.dtype))
+    means = {w: jax.tree.map(lambda s: _over(s, n_units), v) for w, v in sums.items()}
     if "var" in need:
         # The definition, two passes: Σ_u (g_u − ḡ)² with ḡ from the first pass.
-        def second_pass(rows: PyTree) -> tuple[PyTree, None]:
-            _, grads = per_unit(rows)
-            return jax.tree.map(lambda g, m: jnp.sum((g - m) ** 2, 0), grads, means["sum"]), None
+        def second_pass(xs: tuple) -> tuple[PyTree, None]:
+            _, _, grads, kept = per_unit(*xs)
+            units = jnp.repeat(kept, per_example)
+            centred = jax.tree.map(lambda g, m: _where_units(units, g - m), grads, means["sum"])
+            return jax.tree.map(lambda c: jnp.sum(c * c, 0), centred), None
 
-        centered, _ = _chunked(second_pass, batch, n_examples, chunk_size)
-        means["var"] = jax.tree.map(lambda s: s / (n_units - 1), centered)
-    return loss, _publish(stats, means, sq_norms, n_units)
+        centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk_size)
+        means["var"] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
+    return loss, _publish(stats, means, sq_norms, n_units), aux
+
+
+def _unit_sq_norms(grads: PyTree) -> Array:
+    """‖g_u‖² over every leaf of [N, ...] per-unit gradients, in the widest statistic dtype."""
+    leaves = jax.tree.leaves(grads)
+    dtype = _widest([g.dtype for g in leaves])
+    return sum(
+        (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in leaves),
+        jnp.zeros(leaves[0].shape[:1], dtype),
+    )
+
+
+def _over(x: Array, n: Any) -> Array:
+    """x / n, for a count n that is an int or (with a mask) a traced integer."""
+    return x / jnp.asarray(n).astype(x.dtype)
+
+
+def _where_units(keep: Array, x: Array) -> Array:
+    """x [N, ...] with the rows of units not kept replaced by 0 (NaN there included)."""
+    return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+# -- The token reference: untie the parameters, one copy per position. ---------------------------
+
+
+def _diagonal(stacked: Array, axis: int) -> Array:
+    """out[..., t (at `axis`), ...] = stacked[t, ..., t, ...]: slice t computed with copy t."""
+    return jnp.moveaxis(jnp.diagonal(stacked, axis1=0, axis2=axis + 1), -1, axis)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Untie:
+    """granularity="token" made explicit: position t uses its own copy of every parameter.
+
+    Where a parameter meets the example (a "boundary": an operation with an example-dependent
+    input and a parameter-dependent one), output slice t is computed with copy t. That is
+    defined only for operations that compute slice t of their output from slice t of their
+    example-dependent inputs (elementwise ops, dot_general along a batch or free dim, gathers
+    along their index dims, concatenation off the position axis); any other boundary is an error
+    naming the parameter. The gradient with respect to copy t is position t's contribution."""
+
+    jaxpr: jcore.Jaxpr
+    consts: tuple[Any, ...]
+    n_params: int
+    n_positions: int
+    batched: frozenset[Any]
+    param_deps: Mapping[Any, frozenset[int]]  # unbatched variables -> parameter leaves they use
+    boundary_axis: Mapping[int, tuple[int, ...]]  # id(eqn) -> position axis of each output
+
+    @staticmethod
+    def build(loss_fn: Callable, params: PyTree, batch: PyTree) -> "Untie":
+        example = _one_example(batch)
+        leaves, treedef = jax.tree.flatten(params)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        example_leaves, example_def = jax.tree.flatten(example)
+        n_params = len(leaves)
+
+        def flat_loss(*flat: Any) -> Array:
+            p = jax.tree.unflatten(treedef, flat[:n_params])
+            return loss_fn(p, jax.tree.unflatten(example_def, flat[n_params:]))
+
+        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
+        closed = _flat_jaxpr(flat_loss, [*shapes, *example_leaves], _CALLS)
+        jaxpr = closed.jaxpr
+        batched = frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:])))
+        deps: dict[Any, frozenset[int]] = {
+            v: frozenset({i}) for i, v in enumerate(jaxpr.invars[:n_params])
+        }
+        positions = _propagate_positions(
+            jaxpr, [_NONE] * n_params + [frozenset({0})] * len(example_leaves)
+        )
+        boundary_axis: dict[int, tuple[int, ...]] = {}
+        for eqn in jaxpr.eqns:
+            used = frozenset().union(
+                *(deps.get(v, _NONE) for v in eqn.invars if isinstance(v, jcore.Var))
+            )
+            meets = any(isinstance(v, jcore.Var) and v in batched for v in eqn.invars)
+            for v in eqn.outvars:
+                if v not in batched and used:
+                    deps[v] = used
+            if not (meets and used):
+                continue
+            axes = _boundary_axes(eqn, positions)
+            if isinstance(axes, str):
+                names = ", ".join(f"params{paths[i]}" for i in sorted(used))
+                raise ValueError(
+                    f"granularity='token': {names} meets the example at '{eqn.primitive.name}' "
+                    f"{axes}. Per-token statistics need every use of a parameter to be "
+                    "position-wise (output position t from input position t); "
+                    "granularity='example' works for any model"
+                )
+            boundary_axis[id(eqn)] = axes
+        n_positions = example_leaves[0].shape[0]
+        return Untie(
+            jaxpr, tuple(closed.consts), n_params, n_positions, batched, deps, boundary_axis
+        )
+
+    def value_and_grad(
+        self, params: PyTree, example: PyTree, untied: frozenset[int] | None = None
+    ) -> tuple[Array, PyTree]:
+        """Loss of one example and, per parameter leaf, its per-position gradients [T, ...]
+        (leaves not in `untied` come back as None)."""
+        leaves, treedef = jax.tree.flatten(params)
+        untied = frozenset(range(self.n_params)) if untied is None else untied
+        copied = {v for v, d in self.param_deps.items() if d & untied}
+
+        def bind(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+            """Copied operands are mapped over positions; a boundary keeps slice t of copy t."""
+            axes = [0 if isinstance(v, jcore.Var) and v in copied else None for v in eqn.invars]
+            if all(a is None for a in axes):
+                return _bind(eqn, invals)
+            outs = jax.vmap(lambda *xs: _bind(eqn, list(xs)), in_axes=axes)(*invals)
+            if id(eqn) in self.boundary_axis:
+                axes_out = self.boundary_axis[id(eqn)]
+                outs = [_diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
+            return outs
+
+        def loss_of(copies: dict[int, Array]) -> Array:
+            inputs = [copies.get(i, x) for i, x in enumerate(leaves)] + jax.tree.leaves(example)
+            return _run(self.jaxpr, self.consts, inputs, bind=bind)[0]
+
+        copies = {
+            i: jnp.broadcast_to(leaves[i], (self.n_positions, *jnp.shape(leaves[i])))
+            for i in sorted(untied)
+        }
+        loss, grads = jax.value_and_grad(loss_of)(copies)
+        return loss, jax.tree.unflatten(treedef, [grads.get(i) for i in range(self.n_params)])
+
+
+def _boundary_axes(eqn: Any, positions: Mapping[Any, Axes]) -> tuple[int, ...] | str:
+    """The position axis of each output of a boundary equation, or why there is none."""
+    name = eqn.primitive.name
+    if name not in _ELEMENTWISE and name not in ("dot_general", "gather", "concatenate"):
+        return "(an operation that is not position-wise, or opaque to pegrad)"
+    if name == "gather" and any(
+        v in positions and positions[v] for v in eqn.invars[:1] if isinstance(v, jcore.Var)
+    ):
+        return "(a gather from an example-dependent array)"
+    axes = []
+    for var in eqn.outvars:
+        found = positions.get(var, _NONE)
+        if len(found) != 1:
+            return f"whose output has {len(found)} position axes, not one"
+        axes.append(next(iter(found)))
+    return tuple(axes)
 
 
 # ============================================================================================
@@ -439,7 +948,7 @@ def _read(env: Mapping, var: Any) -> Any:
     return var.val if isinstance(var, jcore.Literal) else env[var]
 
 
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
         subfuns, bind_params = bind_params
@@ -448,33 +957,49 @@ def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _evaluate(eqns: Sequence[Any], env: dict, inline: frozenset[str] = frozenset()) -> None:
-    """Evaluate `eqns` in order in `env`, evaluating the bodies of `inline` calls in place."""
+Bind = Callable[[jcore.JaxprEqn, list[Any]], list[Any]]  # evaluates one equation
+
+
+def _evaluate(
+    eqns: Sequence[jcore.JaxprEqn],
+    env: dict[Any, Any],
+    inline: frozenset[str] = frozenset(),
+    bind: Bind = _bind,
+) -> None:
+    """Evaluate `eqns` in order in `env` with `bind`, the bodies of `inline` calls in place.
+    The one interpreter of this file: every re-evaluation of a jaxpr goes through here."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
         inner = _inner_jaxpr(eqn) if eqn.primitive.name in inline else None
         if inner is None:
-            outs = _bind(eqn, invals)
+            outs = bind(eqn, invals)
         else:
-            local = dict(zip(inner.jaxpr.constvars, inner.consts, strict=True))
-            local.update(zip(inner.jaxpr.invars, invals, strict=True))
-            _evaluate(inner.jaxpr.eqns, local, inline)
-            outs = [_read(local, v) for v in inner.jaxpr.outvars]
+            outs = _run(inner.jaxpr, inner.consts, invals, inline=inline, bind=bind)
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not _dropped(var):
                 env[var] = val
 
 
+def _run(
+    jaxpr: jcore.Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    *,
+    inline: frozenset[str] = frozenset(),
+    bind: Bind = _bind,
+    outs: Sequence[Any] | None = None,
+) -> list[Any]:
+    """`jaxpr` applied to `args`: its outputs (or the values of `outs`)."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    _evaluate(jaxpr.eqns, env, inline, bind)
+    return [_read(env, v) for v in (jaxpr.outvars if outs is None else outs)]
+
+
 def _flat_jaxpr(fn: Callable, args: Sequence[Any], inline: frozenset[str]) -> jcore.ClosedJaxpr:
     """The jaxpr of `fn(*args)` with the `inline` calls evaluated in place (recursively)."""
     nested = jax.make_jaxpr(fn)(*args)
-
-    def flat(*values: Any) -> list[Any]:
-        env = dict(zip(nested.jaxpr.constvars, nested.consts, strict=True))
-        env.update(zip(nested.jaxpr.invars, values, strict=True))
-        _evaluate(nested.jaxpr.eqns, env, inline)
-        return [_read(env, v) for v in nested.jaxpr.outvars]
-
+    flat = lambda *values: _run(nested.jaxpr, nested.consts, values, inline=inline)  # noqa: E731
     return jax.make_jaxpr(flat)(*args)
 
 
@@ -487,6 +1012,10 @@ def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
     return found
 
 
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
 # -- Position axes: which axes of a value index positions 0..T−1, traced from the example. --------
 #
 # Every example leaf's axis 0 is positional (granularity="token" says so). A label survives an
@@ -494,93 +1023,22 @@ def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
 # elementwise ops, permutations, reshapes that keep the axis whole, dot_general batch and free
 # dims, full-size slices, gathers' index dims. Anything else drops it — never recognised by length.
 
-_ELEMENTWISE = frozenset(
-    [
-        "abs",
-        "acos",
-        "acosh",
-        "add",
-        "add_any",
-        "and",
-        "asin",
-        "asinh",
-        "atan",
-        "atan2",
-        "atanh",
-        "cbrt",
-        "ceil",
-        "clamp",
-        "convert_element_type",
-        "copy",
-        "cos",
-        "cosh",
-        "digamma",
-        "div",
-        "eq",
-        "erf",
-        "erf_inv",
-        "erfc",
-        "exp",
-        "exp2",
-        "expm1",
-        "floor",
-        "ge",
-        "gt",
-        "igamma",
-        "imag",
-        "integer_pow",
-        "is_finite",
-        "le",
-        "lgamma",
-        "log",
-        "log1p",
-        "logistic",
-        "lt",
-        "max",
-        "min",
-        "mul",
-        "ne",
-        "neg",
-        "nextafter",
-        "not",
-        "or",
-        "polygamma",
-        "pow",
-        "real",
-        "reduce_precision",
-        "rem",
-        "round",
-        "rsqrt",
-        "select_n",
-        "shift_left",
-        "shift_right_arithmetic",
-        "shift_right_logical",
-        "sign",
-        "sin",
-        "sinh",
-        "sqrt",
-        "square",
-        "sub",
-        "tan",
-        "tanh",
-        "xor",
-    ]
+_ELEMENTWISE = _names(
+    """
+    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
+    convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor
+    ge gt igamma imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne
+    neg nextafter not or polygamma pow real reduce_precision rem round rsqrt select_n
+    shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan
+    tanh xor
+    """
 )
-_REDUCTIONS = frozenset(
-    [
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "reduce_and",
-        "reduce_or",
-        "argmax",
-        "argmin",
-    ]
+_REDUCTIONS = _names(
+    """
+    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin
+    """
 )
 _CUMULATIVE = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
-Axes = frozenset[int]
-_NONE: Axes = frozenset()
 
 
 def _shape(v: Any) -> tuple[int, ...]:
@@ -590,6 +1048,34 @@ def _shape(v: Any) -> tuple[int, ...]:
 def _dtype(v: Any) -> Any:
     aval: Any = v.aval
     return aval.dtype
+
+
+def _dot_dims(core: jcore.JaxprEqn) -> tuple[tuple[int, ...], ...]:
+    (lc, rc), (lb, rb) = core.params["dimension_numbers"]
+    return tuple(tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+
+
+def _shift(axes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(a + 1 for a in axes)
+
+
+def _over_examples(
+    lc: Sequence[int], rc: Sequence[int], lb: Sequence[int], rb: Sequence[int]
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Dimension numbers of a dot_general of two [B, ...] operands that contracts the leading
+    axis B (or the iterations of a scan) as well as `lc`/`rc`, batching `lb`/`rb`."""
+    return (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
+
+
+def _flops(eqn: jcore.JaxprEqn) -> float:
+    """A rough operation count of one equation (the planner's cost model)."""
+    out = sum(math.prod(_shape(v)) for v in eqn.outvars)
+    if eqn.primitive.name == "dot_general":
+        lc, _, _, _ = _dot_dims(eqn)
+        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in lc)
+    if eqn.primitive.name == "conv_general_dilated":
+        return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
+    return float(out)
 
 
 def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -> Axes:
@@ -739,141 +1225,372 @@ def _propagate_positions(jaxpr: jcore.Jaxpr, in_axes: Sequence[Axes]) -> dict[An
     return positions
 
 
-# -- The token reference: untie the parameters, one copy per position. ---------------------------
-
-
-def _diagonal(stacked: Array, axis: int) -> Array:
-    """out[..., t (at `axis`), ...] = stacked[t, ..., t, ...]: slice t computed with copy t."""
-    return jnp.moveaxis(jnp.diagonal(stacked, axis1=0, axis2=axis + 1), -1, axis)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Untie:
-    """granularity="token" made explicit: position t uses its own copy of every parameter.
-
-    Where a parameter meets the example (a "boundary": an operation with an example-dependent
-    input and a parameter-dependent one), output slice t is computed with copy t. That is
-    defined only for operations that compute slice t of their output from slice t of their
-    example-dependent inputs (elementwise ops, dot_general along a batch or free dim, gathers
-    along their index dims, concatenation off the position axis); any other boundary is an error
-    naming the parameter. The gradient with respect to copy t is position t's contribution."""
-
-    jaxpr: jcore.Jaxpr
-    consts: tuple[Any, ...]
-    n_params: int
-    n_positions: int
-    batched: frozenset[Any]
-    param_deps: Mapping[Any, frozenset[int]]  # unbatched variables -> parameter leaves they use
-    boundary_axis: Mapping[int, tuple[int, ...]]  # id(eqn) -> position axis of each output
-
-    @staticmethod
-    def build(loss_fn: Callable, params: PyTree, batch: PyTree) -> "Untie":
-        example = _one_example(batch)
-        leaves, treedef = jax.tree.flatten(params)
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-        example_leaves, example_def = jax.tree.flatten(example)
-        n_params = len(leaves)
-
-        def flat_loss(*flat: Any) -> Array:
-            p = jax.tree.unflatten(treedef, flat[:n_params])
-            return loss_fn(p, jax.tree.unflatten(example_def, flat[n_params:]))
-
-        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
-        closed = _flat_jaxpr(flat_loss, [*shapes, *example_leaves], _CALLS)
-        jaxpr = closed.jaxpr
-        batched = frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:])))
-        deps: dict[Any, frozenset[int]] = {
-            v: frozenset({i}) for i, v in enumerate(jaxpr.invars[:n_params])
-        }
-        positions = _propagate_positions(
-            jaxpr, [_NONE] * n_params + [frozenset({0})] * len(example_leaves)
-        )
-        boundary_axis: dict[int, tuple[int, ...]] = {}
-        for eqn in jaxpr.eqns:
-            used = frozenset().union(
-                *(deps.get(v, _NONE) for v in eqn.invars if isinstance(v, jcore.Var))
-            )
-            meets = any(isinstance(v, jcore.Var) and v in batched for v in eqn.invars)
-            for v in eqn.outvars:
-                if v not in batched and used:
-                    deps[v] = used
-            if not (meets and used):
-                continue
-            axes = _boundary_axes(eqn, positions)
-            if isinstance(axes, str):
-                names = ", ".join(f"params{paths[i]}" for i in sorted(used))
-                raise ValueError(
-                    f"granularity='token': {names} meets the example at '{eqn.primitive.name}' "
-                    f"{axes}. Per-token statistics need every use of a parameter to be "
-                    "position-wise (output position t from input position t); "
-                    "granularity='example' works for any model"
-                )
-            boundary_axis[id(eqn)] = axes
-        n_positions = example_leaves[0].shape[0]
-        return Untie(
-            jaxpr, tuple(closed.consts), n_params, n_positions, batched, deps, boundary_axis
-        )
-
-    def value_and_grad(
-        self, params: PyTree, example: PyTree, untied: frozenset[int] | None = None
-    ) -> tuple[Array, PyTree]:
-        """Loss of one example and, per parameter leaf, its per-position gradients [T, ...]
-        (leaves not in `untied` come back as None)."""
-        leaves, treedef = jax.tree.flatten(params)
-        untied = frozenset(range(self.n_params)) if untied is None else untied
-        copied = {v for v, d in self.param_deps.items() if d & untied}
-
-        def loss_of(copies: dict[int, Array]) -> Array:
-            env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-            inputs = [copies.get(i, x) for i, x in enumerate(leaves)] + jax.tree.leaves(example)
-            env.update(zip(self.jaxpr.invars, inputs, strict=True))
-            for eqn in self.jaxpr.eqns:
-                invals = [_read(env, v) for v in eqn.invars]
-                axes = [0 if isinstance(v, jcore.Var) and v in copied else None for v in eqn.invars]
-                if all(a is None for a in axes):
-                    outs = _bind(eqn, invals)
-                else:
-                    outs = jax.vmap(lambda *xs, eqn=eqn: _bind(eqn, xs), in_axes=axes)(*invals)
-                    if id(eqn) in self.boundary_axis:
-                        axes_out = self.boundary_axis[id(eqn)]
-                        outs = [_diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
-                for var, val in zip(eqn.outvars, outs, strict=True):
-                    if not _dropped(var):
-                        env[var] = val
-            return _read(env, self.jaxpr.outvars[0])
-
-        copies = {
-            i: jnp.broadcast_to(leaves[i], (self.n_positions, *jnp.shape(leaves[i])))
-            for i in sorted(untied)
-        }
-        loss, grads = jax.value_and_grad(loss_of)(copies)
-        return loss, jax.tree.unflatten(treedef, [grads.get(i) for i in range(self.n_params)])
-
-
-def _boundary_axes(eqn: Any, positions: Mapping[Any, Axes]) -> tuple[int, ...] | str:
-    """The position axis of each output of a boundary equation, or why there is none."""
-    name = eqn.primitive.name
-    if name not in _ELEMENTWISE and name not in ("dot_general", "gather", "concatenate"):
-        return "(an operation that is not position-wise, or opaque to pegrad)"
-    if name == "gather" and any(
-        v in positions and positions[v] for v in eqn.invars[:1] if isinstance(v, jcore.Var)
-    ):
-        return "(a gather from an example-dependent array)"
-    axes = []
-    for var in eqn.outvars:
-        found = positions.get(var, _NONE)
-        if len(found) != 1:
-            return f"whose output has {len(found)} position axes, not one"
-        axes.append(next(iter(found)))
-    return tuple(axes)
-
-
 # -- The gradient graph. ------------------------------------------------------------------------
 
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
 
 
-# -- Scans: weight-gradient contractions hoisted out of the backward scan. ----------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Post:
+    """One operation between a gradient's core and the gradient: layout (the same per unit), or
+    a scaling by a batch-independent `factor` (a variable, a literal, or −1 for neg)."""
+
+    eqn: Any
+    factor: Any = None
+    divide: bool = False  # x / factor, not x * factor
+
+    @property
+    def scalar(self) -> bool:
+        return self.factor is None or not _shape_of(self.factor)
+
+
+def _shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(getattr(x, "aval", None), "shape", ())) if not isinstance(x, float) else ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Leaf:
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    grad: Atom  # the variable (or literal) holding this leaf's gradient in the graph
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stat_dtype(self) -> jnp.dtype:
+        return stat_dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+    """grad(loss_fn) for ONE example as a flat jaxpr, and what is known about its values.
+
+    Inputs are (param leaves, example leaves, seed); outputs (loss, gradient leaves). The
+    backward pass starts from `seed` (1 at run time) so that `seeded` marks the cotangent side.
+    `batched`: depends on the example. `static`: computable from constants alone.
+    `positions`: at token granularity, each value's position axes (see _propagate_positions).
+    """
+
+    jaxpr: jcore.Jaxpr
+    consts: tuple[Any, ...]
+    leaves: tuple[Leaf, ...]
+    n_examples: int
+    per_example: int  # units per example: T at token granularity, else 1
+    producer: Mapping[Any, Any]
+    users: Mapping[Any, tuple[Any, ...]]
+    batched: frozenset[Any]
+    seeded: frozenset[Any]
+    static: frozenset[Any]
+    positions: Mapping[Any, Axes]
+    untie: Untie | None
+    param_tree: Any
+    aux_tree: Any = None  # the auxiliary outputs' structure (outputs after the gradients)
+    weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
+
+    @property
+    def token(self) -> bool:
+        return self.per_example > 1
+
+    @property
+    def n_units(self) -> int:
+        return self.n_examples * self.per_example
+
+    @staticmethod
+    def build(loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int) -> "Graph":
+        example = _one_example(batch)
+        leaves, param_tree = jax.tree.flatten(params)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        example_leaves, example_def = jax.tree.flatten(example)
+        n_params, n_example = len(leaves), len(example_leaves)
+
+        aux_tree = []
+
+        def flat_value_and_grad(*inputs: Any) -> list[Any]:
+            *flat, seed = inputs
+            p = jax.tree.unflatten(param_tree, flat[:n_params])
+            e = jax.tree.unflatten(example_def, flat[n_params:])
+
+            def seeded(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
+                loss, aux = loss_fn(p, e)
+                return loss * seed.astype(loss.dtype), (loss, aux)
+
+            (_, (loss, aux)), grads = jax.value_and_grad(seeded, has_aux=True)(p)
+            aux_leaves, tree = jax.tree.flatten(aux)
+            aux_tree[:] = [tree]
+            return [loss, *jax.tree.leaves(grads), *aux_leaves]
+
+        seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
+        args = [*shapes, *example_leaves, jax.ShapeDtypeStruct((), seed_dtype)]
+        closed = _hoist_scans(_flat_jaxpr(flat_value_and_grad, args, _CALLS | _CUSTOM), args)
+        jaxpr = closed.jaxpr
+        producer, users = {}, {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                producer[v] = eqn
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var):
+                    users.setdefault(v, []).append(eqn)
+        static: set[Any] = set(jaxpr.constvars)
+        for eqn in jaxpr.eqns:
+            if not eqn.effects and all(
+                isinstance(v, jcore.Literal) or v in static for v in eqn.invars
+            ):
+                static.update(eqn.outvars)
+        positions: Mapping[Any, Axes] = {}
+        untie = None
+        if per_example > 1:
+            # raises for a leaf not position-wise
+            untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
+            positions = _propagate_positions(
+                jaxpr, [_NONE] * n_params + [frozenset({0})] * n_example + [_NONE]
+            )
+        grads = jaxpr.outvars[1:]
+        return Graph(
+            jaxpr=jaxpr,
+            consts=tuple(closed.consts),
+            leaves=tuple(
+                Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, grads[i])
+                for i, x in enumerate(leaves)
+            ),
+            n_examples=jax.tree.leaves(batch)[0].shape[0],
+            per_example=per_example,
+            producer=producer,
+            users={v: tuple(u) for v, u in users.items()},
+            batched=frozenset(
+                _depends_on(jaxpr, set(jaxpr.invars[n_params : n_params + n_example]))
+            ),
+            seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
+            static=frozenset(static),
+            positions=positions,
+            untie=untie,
+            param_tree=param_tree,
+            aux_tree=aux_tree[0],
+        )
+
+    # -- queries --------------------------------------------------------------------------
+
+    def is_batched(self, var: Any) -> bool:
+        return isinstance(var, jcore.Var) and var in self.batched
+
+    def is_static(self, var: Any) -> bool:
+        return isinstance(var, jcore.Literal) or var in self.static
+
+    def static_value(self, var: Any) -> Any:
+        """The concrete value of a static variable (e.g. position indices from iota)."""
+        if isinstance(var, jcore.Literal):
+            return np.asarray(var.val)
+        wanted, eqns = {var}, []
+        for eqn in reversed(self.jaxpr.eqns):
+            if any(v in wanted for v in eqn.outvars):
+                eqns.append(eqn)
+                wanted.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+        with jax.ensure_compile_time_eval():
+            _evaluate(eqns[::-1], env)
+        return np.asarray(env[var])
+
+    def is_zero(self, var: Any) -> bool:
+        """Proven zero: static, and every entry 0."""
+        return self.is_static(var) and not np.any(self.static_value(var))
+
+    def nonlinear_in_seed(self, eqns: Sequence[Any], out: Any = None) -> str:
+        """Why `eqns` (computing `out`) are not proven linear in their cotangent (seeded)
+        inputs, or "".
+
+        Each equation that reads a cotangent must be linear in the cotangents it reads, the
+        other operands fixed: a sum of cotangents (or proven zeros), a product or contraction
+        with exactly one cotangent factor, a division of one, and the ops that only move or
+        add up entries of one, with parameters that add nothing (a gather fills with 0, a pad
+        pads with 0). By induction every seeded value is then linear in the cotangents, and
+        a value that is not seeded is a constant of the map: `out` must be seeded, or the map
+        is affine (a custom_vjp backward that ignores its cotangent)."""
+        if out is not None and not (isinstance(out, jcore.Var) and out in self.seeded):
+            return "the gradient does not depend on the cotangent: affine, not linear"
+        for eqn in eqns:
+            seeded = [isinstance(v, jcore.Var) and v in self.seeded for v in eqn.invars]
+            if not any(seeded):
+                continue
+            name = eqn.primitive.name
+            if name == "convert_element_type" and not all(
+                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in (*eqn.invars, *eqn.outvars)
+            ):
+                return f"'{name}' to or from a non-float type"
+            if name in _LINEAR_UNARY:
+                ok = seeded[0] and not any(seeded[1:])
+            elif name in _LINEAR_SUMS:
+                ok = all(s or self.is_zero(v) for s, v in zip(seeded, eqn.invars, strict=True))
+            elif name in _LINEAR_PRODUCTS:
+                ok = sum(seeded[:2]) == 1 and not any(seeded[2:])
+            elif name in _LINEAR_AT:
+                linear_at, zero_at = _LINEAR_AT[name]
+                ok = all(
+                    (k in linear_at and (s or (k in zero_at and self.is_zero(v))))
+                    or (k not in linear_at and not s)
+                    for k, (s, v) in enumerate(zip(seeded, eqn.invars, strict=True))
+                )
+                if name == "pad":
+                    ok = ok and self.is_zero(eqn.invars[1])
+                why = _gather_affine(eqn) if name == "gather" else ""
+                if why:
+                    return why
+            else:
+                return f"'{name}' is not known to be linear"
+            if not ok:
+                return f"'{name}' is not linear in the cotangents it reads"
+        return ""
+
+    def position_axes(self, var: Any) -> Axes:
+        return self.positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
+
+    def core(self, var: Any) -> tuple[Any, tuple[Post, ...]]:
+        """Follow a gradient back through layout ops and batch-independent scalings to the
+        operation that makes it (its core): (core equation or None, the ops after it)."""
+        steps: list[Post] = []
+        while isinstance(var, jcore.Var) and var in self.producer:
+            eqn = self.producer[var]
+            name = eqn.primitive.name
+            if _is_layout(eqn):
+                steps.append(Post(eqn))
+                var = eqn.invars[0]
+            elif name == "neg":
+                steps.append(Post(eqn, factor=-1.0))
+                var = eqn.invars[0]
+            elif name in ("mul", "div"):
+                x, m = eqn.invars
+                if name == "mul" and self.is_batched(m) and not self.is_batched(x):
+                    x, m = m, x
+                if not self.is_batched(x) or self.is_batched(m):
+                    break
+                if _shape_of(m) not in ((), _shape_of(x)):
+                    break
+                steps.append(Post(eqn, factor=m, divide=name == "div"))
+                var = x
+            else:
+                break
+        return (self.producer.get(var) if isinstance(var, jcore.Var) else None), tuple(steps[::-1])
+
+    def exclusive_tail(self, var: Any) -> tuple[Any, ...]:
+        """The equations only this gradient needs, in order (evaluated per example by the
+        fallback, so that no large intermediate of it exists for the whole batch)."""
+        if not isinstance(var, jcore.Var) or var not in self.producer or self.users.get(var):
+            return ()  # the head computes this value anyway: read it
+        outvars = {v for v in self.jaxpr.outvars if isinstance(v, jcore.Var)}
+        members = {id(self.producer[var]): self.producer[var]}
+
+        def exclusive(v: Any) -> bool:
+            if v in outvars or v in self.jaxpr.invars:
+                return False
+            return all(id(u) in members for u in self.users.get(v, ()))
+
+        if not all(exclusive(v) for v in self.producer[var].outvars if v is not var):
+            return ()  # it makes values others need too (a scan's other outputs): read it
+
+        changed = True
+        while changed:
+            changed = False
+            for eqn in list(members.values()):
+                for v in eqn.invars:
+                    src = self.producer.get(v) if isinstance(v, jcore.Var) else None
+                    if (
+                        src is not None
+                        and id(src) not in members
+                        and all(map(exclusive, src.outvars))
+                    ):
+                        members[id(src)] = src
+                        changed = True
+        return tuple(e for e in self.jaxpr.eqns if id(e) in members)
+
+
+# Linear in their first operand (the only one that may be a cotangent).
+_LINEAR_UNARY = _names(
+    """
+    neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
+    slice split unstack convert_element_type real imag
+    """
+)
+_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate", "stack"})  # all linear
+_LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
+# name -> (operands that may be cotangents, those of them that may instead be proven zero)
+_LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "div": ((0,), ()),
+    "dynamic_slice": ((0,), ()),
+    "gather": ((0,), ()),
+    "pad": ((0,), ()),
+    "select_n": (tuple(range(1, 64)), tuple(range(1, 64))),
+    "dynamic_update_slice": ((0, 1), (0, 1)),
+    "scatter-add": ((0, 2), (0, 2)),
+}
+
+
+def _gather_affine(eqn: Any) -> str:
+    """Why a gather is not linear in its operand, or "": out-of-bounds entries filled with a
+    non-zero value (None is NaN for floats) make it affine; a mode not known here is refused."""
+    mode = str(eqn.params["mode"]).rsplit(".", 1)[-1]
+    fill = eqn.params.get("fill_value")
+    if mode == "FILL_OR_DROP" and (fill is None or fill != 0):
+        return f"'gather' fills out-of-bounds entries with {fill}: affine, not linear"
+    if mode not in ("CLIP", "PROMISE_IN_BOUNDS", "FILL_OR_DROP"):
+        return f"'gather' in mode {mode} is not known to be linear"
+    return ""
+
+
+def _is_layout(eqn: Any) -> bool:
+    """Operations that move or relabel a gradient's entries one to one (norm-preserving)."""
+    name = eqn.primitive.name
+    if name in _LAYOUT:
+        return True
+    if name == "convert_element_type":
+        return jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) and jnp.issubdtype(
+            eqn.outvars[0].aval.dtype, jnp.floating
+        )
+    if name == "broadcast_in_dim":
+        return math.prod(_shape(eqn.invars[0])) == math.prod(_shape(eqn.outvars[0]))
+    if name == "reduce_sum":  # over axes of size 1 only: sums nothing
+        shape = _shape(eqn.invars[0])
+        return all(shape[a] == 1 for a in eqn.params["axes"])
+    return False
+
+
+def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
+    """The ops after the core, applied to `x` (a sum over units of φ(core) or one unit's core):
+    layout as it is, a scaling by m as a scaling by φ(m) (by φ(1/m) for a division)."""
+    for step in post:
+        eqn = step.eqn
+        if step.factor is None:
+            name = eqn.primitive.name
+            if name == "reduce_sum":
+                x = jnp.sum(x, axis=tuple(eqn.params["axes"]))
+            elif name != "convert_element_type":  # statistics keep their own dtype
+                (x,) = _bind(eqn, [x])
+            continue
+        m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
+        m = jnp.asarray(m).astype(x.dtype)
+        x = x * phi(1.0 / m if step.divide else m)
+    return x
+
+
+def _scale_sq(post: Sequence[Post], env: Mapping, dtype: Any) -> Array:
+    """Π φ(m)² over the scalings after the core (all scalar: the caller checked)."""
+    scale = jnp.ones((), dtype)
+    for step in post:
+        if step.factor is not None:
+            m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
+            m = jnp.asarray(m).astype(dtype).reshape(())
+            scale = scale * (1.0 / m if step.divide else m) ** 2
+    return scale
+
+
+def _factor_vars(post: Sequence[Post]) -> list[Any]:
+    return [s.factor for s in post if isinstance(s.factor, jcore.Var)]
+
+
+# ============================================================================================
+# §5′ Scan hoisting: weight-gradient contractions moved out of the backward scan.
 #
 # A weight stacked over layers and consumed by a scan gets its gradient as a stacked output of
 # the backward scan, one dot_general per iteration; a weight shared by all iterations (an RNN
@@ -957,20 +1674,11 @@ def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.Closed
     if not plans:
         return closed
 
-    def flat(*values: Any) -> list[Any]:
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, values, strict=True))
-        for eqn in jaxpr.eqns:
-            invals = [_read(env, v) for v in eqn.invars]
-            if id(eqn) in plans:
-                outs = _scan_hoisted(eqn, invals, plans[id(eqn)])
-            else:
-                outs = _bind(eqn, invals)
-            for var, val in zip(eqn.outvars, outs, strict=True):
-                if not _dropped(var):
-                    env[var] = val
-        return [_read(env, v) for v in jaxpr.outvars]
+    def bind(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+        hoists = plans.get(id(eqn))
+        return _bind(eqn, invals) if hoists is None else _scan_hoisted(eqn, invals, hoists)
 
+    flat = lambda *values: _run(jaxpr, closed.consts, values, bind=bind)  # noqa: E731
     return jax.make_jaxpr(flat)(*args)
 
 
@@ -1013,13 +1721,11 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
     n_out = len(body.jaxpr.outvars)
 
     def step(carry: list, x: list) -> tuple[list, tuple[list, list]]:
-        env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
-        env.update(zip(body.jaxpr.invars, [*consts, *carry, *x], strict=True))
-        _evaluate(body.jaxpr.eqns, env)
-        outs = [_read(env, v) for v in body.jaxpr.outvars]
+        values = [*consts, *carry, *x]
+        outs = _run(body.jaxpr, body.consts, values, outs=[*body.jaxpr.outvars, *emit])
         new_carry = [carry[k] if k in hoists else outs[k] for k in range(ncar)]
         kept = [outs[k] for k in range(ncar, n_out) if k not in hoists]
-        return new_carry, (kept, [env[v] for v in emit])
+        return new_carry, (kept, outs[n_out:])
 
     carry, (kept, emitted) = jax.lax.scan(
         step,
@@ -1056,8 +1762,7 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
         lc, rc, lb, rb = _dot_dims(h.dot)
         kwargs = {"preferred_element_type": h.dot.params.get("preferred_element_type")}
         if a_stacked and b_stacked:
-            dims = (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
-            g = jax.lax.dot_general(a, b, dims, **kwargs)
+            g = jax.lax.dot_general(a, b, _over_examples(lc, rc, lb, rb), **kwargs)
         else:  # a factor the same at every iteration moves out of the sum
             a = jnp.sum(a, 0) if a_stacked else a
             b = jnp.sum(b, 0) if b_stacked else b
@@ -1078,353 +1783,12 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
     return outs
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Post:
-    """One operation between a gradient's core and the gradient: layout (the same per unit), or
-    a scaling by a batch-independent `factor` (a variable, a literal, or −1 for neg)."""
-
-    eqn: Any
-    factor: Any = None
-    divide: bool = False  # x / factor, not x * factor
-
-    @property
-    def scalar(self) -> bool:
-        return self.factor is None or not _shape_of(self.factor)
-
-
-def _shape_of(x: Any) -> tuple[int, ...]:
-    return tuple(getattr(getattr(x, "aval", None), "shape", ())) if not isinstance(x, float) else ()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Leaf:
-    index: int
-    path: str
-    shape: tuple[int, ...]
-    dtype: Any
-    grad: Any  # the variable (or literal) holding this leaf's gradient in the graph
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def stat_dtype(self) -> jnp.dtype:
-        return stat_dtype(self.dtype)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Graph:
-    """grad(loss_fn) for ONE example as a flat jaxpr, and what is known about its values.
-
-    Inputs are (param leaves, example leaves, seed); outputs (loss, gradient leaves). The
-    backward pass starts from `seed` (1 at run time) so that `seeded` marks the cotangent side.
-    `batched`: depends on the example. `static`: computable from constants alone.
-    `positions`: at token granularity, each value's position axes (see _propagate_positions).
-    """
-
-    jaxpr: jcore.Jaxpr
-    consts: tuple[Any, ...]
-    leaves: tuple[Leaf, ...]
-    n_examples: int
-    per_example: int  # units per example: T at token granularity, else 1
-    producer: Mapping[Any, Any]
-    users: Mapping[Any, tuple[Any, ...]]
-    batched: frozenset[Any]
-    seeded: frozenset[Any]
-    static: frozenset[Any]
-    positions: Mapping[Any, Axes]
-    untie: Untie | None
-    param_tree: Any
-
-    @property
-    def token(self) -> bool:
-        return self.per_example > 1
-
-    @property
-    def n_units(self) -> int:
-        return self.n_examples * self.per_example
-
-    @staticmethod
-    def build(loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int) -> "Graph":
-        example = _one_example(batch)
-        leaves, param_tree = jax.tree.flatten(params)
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-        example_leaves, example_def = jax.tree.flatten(example)
-        n_params, n_example = len(leaves), len(example_leaves)
-
-        def flat_value_and_grad(*inputs: Any) -> list[Any]:
-            *flat, seed = inputs
-            p = jax.tree.unflatten(param_tree, flat[:n_params])
-            e = jax.tree.unflatten(example_def, flat[n_params:])
-
-            def seeded(p: PyTree) -> tuple[Array, Array]:
-                loss = loss_fn(p, e)
-                return loss * seed.astype(loss.dtype), loss
-
-            (_, loss), grads = jax.value_and_grad(seeded, has_aux=True)(p)
-            return [loss, *jax.tree.leaves(grads)]
-
-        seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
-        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
-        args = [*shapes, *example_leaves, jax.ShapeDtypeStruct((), seed_dtype)]
-        closed = _hoist_scans(_flat_jaxpr(flat_value_and_grad, args, _CALLS | _CUSTOM), args)
-        jaxpr = closed.jaxpr
-        producer, users = {}, {}
-        for eqn in jaxpr.eqns:
-            for v in eqn.outvars:
-                producer[v] = eqn
-            for v in eqn.invars:
-                if isinstance(v, jcore.Var):
-                    users.setdefault(v, []).append(eqn)
-        static: set[Any] = set(jaxpr.constvars)
-        for eqn in jaxpr.eqns:
-            if not eqn.effects and all(
-                isinstance(v, jcore.Literal) or v in static for v in eqn.invars
-            ):
-                static.update(eqn.outvars)
-        positions: Mapping[Any, Axes] = {}
-        untie = None
-        if per_example > 1:
-            untie = Untie.build(loss_fn, params, batch)  # raises for a leaf not position-wise
-            positions = _propagate_positions(
-                jaxpr, [_NONE] * n_params + [frozenset({0})] * n_example + [_NONE]
-            )
-        grads = jaxpr.outvars[1:]
-        return Graph(
-            jaxpr=jaxpr,
-            consts=tuple(closed.consts),
-            leaves=tuple(
-                Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, grads[i])
-                for i, x in enumerate(leaves)
-            ),
-            n_examples=jax.tree.leaves(batch)[0].shape[0],
-            per_example=per_example,
-            producer=producer,
-            users={v: tuple(u) for v, u in users.items()},
-            batched=frozenset(
-                _depends_on(jaxpr, set(jaxpr.invars[n_params : n_params + n_example]))
-            ),
-            seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
-            static=frozenset(static),
-            positions=positions,
-            untie=untie,
-            param_tree=param_tree,
-        )
-
-    # -- queries --------------------------------------------------------------------------
-
-    def is_batched(self, var: Any) -> bool:
-        return isinstance(var, jcore.Var) and var in self.batched
-
-    def is_static(self, var: Any) -> bool:
-        return isinstance(var, jcore.Literal) or var in self.static
-
-    def static_value(self, var: Any) -> Any:
-        """The concrete value of a static variable (e.g. position indices from iota)."""
-        if isinstance(var, jcore.Literal):
-            return np.asarray(var.val)
-        wanted, eqns = {var}, []
-        for eqn in reversed(self.jaxpr.eqns):
-            if any(v in wanted for v in eqn.outvars):
-                eqns.append(eqn)
-                wanted.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-        env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-        with jax.ensure_compile_time_eval():
-            _evaluate(eqns[::-1], env)
-        return np.asarray(env[var])
-
-    def is_zero(self, var: Any) -> bool:
-        """Proven zero: static, and every entry 0."""
-        return self.is_static(var) and not np.any(self.static_value(var))
-
-    def nonlinear_in_seed(self, eqns: Sequence[Any]) -> str:
-        """Why `eqns` are not proven linear in their cotangent (seeded) inputs, or "".
-
-        Each equation that reads a cotangent must be linear in the cotangents it reads, the
-        other operands fixed: a sum of cotangents (or proven zeros), a product or contraction
-        with exactly one cotangent factor, a division of one, and the ops that only move or
-        add up entries of one (a custom_vjp backward need not be any of these)."""
-        for eqn in eqns:
-            seeded = [isinstance(v, jcore.Var) and v in self.seeded for v in eqn.invars]
-            if not any(seeded):
-                continue
-            name = eqn.primitive.name
-            if name == "convert_element_type" and not all(
-                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in (*eqn.invars, *eqn.outvars)
-            ):
-                return f"'{name}' to or from a non-float type"
-            if name in _LINEAR_UNARY:
-                ok = seeded[0] and not any(seeded[1:])
-            elif name in _LINEAR_SUMS:
-                ok = all(s or self.is_zero(v) for s, v in zip(seeded, eqn.invars, strict=True))
-            elif name in _LINEAR_PRODUCTS:
-                ok = sum(seeded[:2]) == 1 and not any(seeded[2:])
-            elif name in _LINEAR_AT:
-                linear_at, zero_at = _LINEAR_AT[name]
-                ok = all(
-                    (k in linear_at and (s or (k in zero_at and self.is_zero(v))))
-                    or (k not in linear_at and not s)
-                    for k, (s, v) in enumerate(zip(seeded, eqn.invars, strict=True))
-                )
-                if name == "pad":
-                    ok = ok and self.is_zero(eqn.invars[1])
-            else:
-                return f"'{name}' is not known to be linear"
-            if not ok:
-                return f"'{name}' is not linear in the cotangents it reads"
-        return ""
-
-    def position_axes(self, var: Any) -> Axes:
-        return self.positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
-
-    def core(self, var: Any) -> tuple[Any, tuple[Post, ...]]:
-        """Follow a gradient back through layout ops and batch-independent scalings to the
-        operation that makes it (its core): (core equation or None, the ops after it)."""
-        steps: list[Post] = []
-        while isinstance(var, jcore.Var) and var in self.producer:
-            eqn = self.producer[var]
-            name = eqn.primitive.name
-            if _is_layout(eqn):
-                steps.append(Post(eqn))
-                var = eqn.invars[0]
-            elif name == "neg":
-                steps.append(Post(eqn, factor=-1.0))
-                var = eqn.invars[0]
-            elif name in ("mul", "div"):
-                x, m = eqn.invars
-                if name == "mul" and self.is_batched(m) and not self.is_batched(x):
-                    x, m = m, x
-                if not self.is_batched(x) or self.is_batched(m):
-                    break
-                if _shape_of(m) not in ((), _shape_of(x)):
-                    break
-                steps.append(Post(eqn, factor=m, divide=name == "div"))
-                var = x
-            else:
-                break
-        return (self.producer.get(var) if isinstance(var, jcore.Var) else None), tuple(steps[::-1])
-
-    def exclusive_tail(self, var: Any) -> tuple[Any, ...]:
-        """The equations only this gradient needs, in order (evaluated per example by the
-        fallback, so that no large intermediate of it exists for the whole batch)."""
-        if not isinstance(var, jcore.Var) or var not in self.producer or self.users.get(var):
-            return ()  # the head computes this value anyway: read it
-        outvars = {v for v in self.jaxpr.outvars if isinstance(v, jcore.Var)}
-        members = {id(self.producer[var]): self.producer[var]}
-
-        def exclusive(v: Any) -> bool:
-            if v in outvars or v in self.jaxpr.invars:
-                return False
-            return all(id(u) in members for u in self.users.get(v, ()))
-
-        if not all(exclusive(v) for v in self.producer[var].outvars if v is not var):
-            return ()  # it makes values others need too (a scan's other outputs): read it
-
-        changed = True
-        while changed:
-            changed = False
-            for eqn in list(members.values()):
-                for v in eqn.invars:
-                    src = self.producer.get(v) if isinstance(v, jcore.Var) else None
-                    if (
-                        src is not None
-                        and id(src) not in members
-                        and all(map(exclusive, src.outvars))
-                    ):
-                        members[id(src)] = src
-                        changed = True
-        return tuple(e for e in self.jaxpr.eqns if id(e) in members)
-
-
-# Linear in their first operand (the only one that may be a cotangent).
-_LINEAR_UNARY = frozenset(
-    [
-        "neg",
-        "copy",
-        "reduce_sum",
-        "broadcast_in_dim",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-        "rev",
-        "cumsum",
-        "slice",
-        "convert_element_type",
-        "real",
-        "imag",
-    ]
-)
-_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate"})  # every operand linear
-_LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
-# name -> (operands that may be cotangents, those of them that may instead be proven zero)
-_LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "div": ((0,), ()),
-    "dynamic_slice": ((0,), ()),
-    "gather": ((0,), ()),
-    "pad": ((0,), ()),
-    "select_n": (tuple(range(1, 64)), tuple(range(1, 64))),
-    "dynamic_update_slice": ((0, 1), (0, 1)),
-    "scatter-add": ((0, 2), (0, 2)),
-}
-
-
-def _is_layout(eqn: Any) -> bool:
-    """Operations that move or relabel a gradient's entries one to one (norm-preserving)."""
-    name = eqn.primitive.name
-    if name in _LAYOUT:
-        return True
-    if name == "convert_element_type":
-        return jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) and jnp.issubdtype(
-            eqn.outvars[0].aval.dtype, jnp.floating
-        )
-    if name == "broadcast_in_dim":
-        return math.prod(_shape(eqn.invars[0])) == math.prod(_shape(eqn.outvars[0]))
-    if name == "reduce_sum":  # over axes of size 1 only: sums nothing
-        shape = _shape(eqn.invars[0])
-        return all(shape[a] == 1 for a in eqn.params["axes"])
-    return False
-
-
-def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Callable[[Array], Array]) -> Array:
-    """The ops after the core, applied to `x` (a sum over units of φ(core) or one unit's core):
-    layout as it is, a scaling by m as a scaling by φ(m) (by φ(1/m) for a division)."""
-    for step in post:
-        eqn = step.eqn
-        if step.factor is None:
-            name = eqn.primitive.name
-            if name == "reduce_sum":
-                x = jnp.sum(x, axis=tuple(eqn.params["axes"]))
-            elif name != "convert_element_type":  # statistics keep their own dtype
-                (x,) = _bind(eqn, [x])
-            continue
-        m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
-        m = jnp.asarray(m).astype(x.dtype)
-        x = x * phi(1.0 / m if step.divide else m)
-    return x
-
-
-def _scale_sq(post: Sequence[Post], env: Mapping, dtype: Any) -> Array:
-    """Π φ(m)² over the scalings after the core (all scalar: the caller checked)."""
-    scale = jnp.ones((), dtype)
-    for step in post:
-        if step.factor is not None:
-            m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
-            m = jnp.asarray(m).astype(dtype).reshape(())
-            scale = scale * (1.0 / m if step.divide else m) ** 2
-    return scale
-
-
-def _factor_vars(post: Sequence[Post]) -> list[Any]:
-    return [s.factor for s in post if isinstance(s.factor, jcore.Var)]
-
-
 # ============================================================================================
 # §6 Routes. A route computes a leaf's ingredients (§2) from values the batched head provides,
 # and is taken only where its `match` proved the mathematics it uses. Each reads the head's
 # values for all B examples at once ("env": a leading axis B on batched values); `per_unit`
-# gives one example's per-unit gradients [U, *leaf shape] for the chunk loop.
+# gives one example's per-unit gradients [U, *leaf shape] for the chunk loop. A match result
+# is the route's own frozen dataclass: the operands it proved, and the route that proved them.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1434,18 +1798,77 @@ class Refusal:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Match:
-    """What a route proved about a leaf's gradient: the core operation and the ops after it,
-    the axes of the core's operands that index units besides the example (token granularity),
-    the terms of a sum, or the exclusive tail the fallback evaluates."""
+    """What a route proved about a leaf's gradient (no operands: an empty leaf)."""
 
-    reason: str
-    grad: Any = None  # the gradient variable this match is about
-    core: Any = None
-    post: tuple[Post, ...] = ()
+    route: "Route"  # the route that proved it; the executor asks it for the statistics
+    reason: str  # what was proven (explain prints it)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ValueMatch(Match):
+    """The gradient is a value of the graph: example-independent, or the head's per example."""
+
+    grad: Atom
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CoreMatch(Match):
+    """The gradient is `post` (layout, batch-independent scalings) after one core equation."""
+
+    core: jcore.JaxprEqn
+    post: tuple[Post, ...]
+
+    @property
+    def scalar(self) -> bool:  # every scaling after the core is by a scalar
+        return all(s.scalar for s in self.post)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankOneMatch(CoreMatch):
+    """A dot_general contracting only unit axes: `units` are the operands' axes that index
+    units besides the example (the traced position axis at token granularity, else none)."""
+
     units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-    terms: tuple[tuple["Route", "Match"], ...] = ()
-    tail: tuple[Any, ...] = ()
-    linear: bool = False  # the tail is proven linear in its cotangent inputs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnitSumMatch(CoreMatch):
+    """A reduce_sum whose summed axes include exactly one traced position axis, `axis`."""
+
+    axis: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TermsMatch(Match):
+    """A sum of contributions, each proven by a route of its own."""
+
+    parts: tuple[CoreMatch, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    starts: tuple[int, ...]
+    part_shape: tuple[int, ...]  # in the leaf (with the stacked axis, if any)
+    stacked: int | None = None  # `stack` places the part as index starts[axis] of this axis
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartsMatch(TermsMatch):
+    """Parts placed at static disjoint windows (`places`), summed by `core`, then `post`."""
+
+    core: jcore.JaxprEqn
+    post: tuple[Post, ...]
+    places: tuple[Placement, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TailMatch(Match):
+    """The gradient `grad` and the ops only it needs (`tail`; empty when the head computes it),
+    `linear` when the tail is proven linear in its cotangent inputs."""
+
+    grad: Atom
+    tail: tuple[jcore.JaxprEqn, ...]
+    linear: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1463,18 +1886,26 @@ class Cost:
         return self.flops / 2e10 + self.bytes / 1e10
 
 
-class Route:
+M = TypeVar("M", bound=Match)
+C = TypeVar("C", bound=CoreMatch)
+T = TypeVar("T", bound=TermsMatch)
+Env = Mapping[Any, Any]  # graph variables -> values (batched ones with a leading axis B)
+
+
+class Route(Generic[M]):
     """One way to compute a leaf's statistics; subclasses document their identities."""
 
     name: ClassVar[str]
 
-    def match(self, graph: Graph, leaf: Leaf, var: Any = None) -> Match | Refusal:
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> M | Refusal:
+        """Recognise the pattern in `var` (default: the leaf's gradient) and prove every
+        precondition the route's identities need, or say why not."""
         raise NotImplementedError
 
-    def methods(self, graph: Graph, leaf: Leaf, m: Match, need: tuple[str, ...]) -> dict[str, str]:
+    def methods(self, graph: Graph, leaf: Leaf, m: M, need: tuple[str, ...]) -> dict[str, str]:
         return {w: "factorized" for w in need}
 
-    def cost(self, graph: Graph, leaf: Leaf, m: Match, methods: Mapping[str, str]) -> Cost:
+    def cost(self, graph: Graph, leaf: Leaf, m: M, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
         materialization of every unit's gradient (written once, read per ingredient)."""
         total = Cost()
@@ -1488,42 +1919,44 @@ class Route:
             total = total + Cost(unit + n * p * chunked, 4.0 * n * p * (1 + chunked))
         return total
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: Match, what: str) -> Cost:
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: M, what: str) -> Cost:
         return Cost(2.0 * graph.n_units * leaf.size, 4.0 * leaf.size)
 
-    def unit_flops(self, graph: Graph, leaf: Leaf, m: Match) -> float:
+    def unit_flops(self, graph: Graph, leaf: Leaf, m: M) -> float:
         """Operations to form one example's per-unit gradients."""
         return 2.0 * graph.per_example * leaf.size
 
-    def reads(self, graph: Graph, m: Match) -> list[Any]:
+    def reads(self, graph: Graph, m: M) -> list[jcore.Var]:
         """The head's values this route reads."""
-        return [v for v in (*m.core.invars, *_factor_vars(m.post)) if isinstance(v, jcore.Var)]
+        return []
 
-    def compute(self, graph: Graph, leaf: Leaf, m: Match, env: Mapping, what: str) -> Array:
+    def compute(self, graph: Graph, leaf: Leaf, m: M, env: Env, what: str) -> Array:
         """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
         raise NotImplementedError
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array) -> Array:
+    def clipped(self, graph: Graph, leaf: Leaf, m: M, env: Env, weights: Array) -> Array:
         """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
         raise NotImplementedError
 
     def per_unit(
-        self, graph: Graph, leaf: Leaf, m: Match, env: Mapping, example: Any, params: Any
+        self, graph: Graph, leaf: Leaf, m: M, env: Env, example: Any, params: Any
     ) -> Array:
         """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
         raise NotImplementedError
 
 
-def _dot_dims(core: Any) -> tuple[tuple[int, ...], ...]:
-    (lc, rc), (lb, rb) = core.params["dimension_numbers"]
-    return tuple(tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+class CoreRoute(Route[C]):
+    """A route reading the operands of its core and the scalings after it. Norms factorize
+    where every scaling is by a scalar (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked."""
+
+    def methods(self, graph: Graph, leaf: Leaf, m: C, need: tuple[str, ...]) -> dict[str, str]:
+        return {w: "chunked" if w == "norms" and not m.scalar else "factorized" for w in need}
+
+    def reads(self, graph: Graph, m: C) -> list[jcore.Var]:
+        return [v for v in (*m.core.invars, *_factor_vars(m.post)) if isinstance(v, jcore.Var)]
 
 
-def _shift(axes: Sequence[int]) -> tuple[int, ...]:
-    return tuple(a + 1 for a in axes)
-
-
-def _operands(core: Any, env: Mapping, dtype: Any, tie: bool) -> tuple[Array, Array]:
+def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Array, Array]:
     """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
     first. x exists from the forward pass, δ only in the backward pass: left alone, XLA fuses
     φ(x) into the forward pass and holds it until the backward pass needs it (an extra
@@ -1555,69 +1988,81 @@ def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
     return weights.reshape(shape)
 
 
-class Empty(Route):
+def _dot_sum(
+    graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str, weights: Array | None = None
+) -> Array:
+    """(1/N) Σ_u φ(a_u ⊗ b_u) as one dot_general contracting the examples and the unit axes
+    (φ = identity when `weights` [B, U] scale the units)."""
+    dtype, phi = leaf.stat_dtype, _PHI[what]
+    a, b = _operands(m.core, env, dtype, tie=weights is None)
+    a = phi(a)
+    if weights is not None:  # the units' axes of a: the contracted ones for a rank-one core
+        units = m.units[0] if isinstance(m, RankOneMatch) else ()
+        a = a * _unit_weights(weights.astype(dtype), a.ndim, units)
+    dn = _over_examples(*_dot_dims(m.core))
+    g = jax.lax.dot_general(a * (1.0 / graph.n_units), phi(b), dn, preferred_element_type=dtype)
+    return _replay(m.post, g, env, phi)
+
+
+class Empty(Route[Match]):
     """A leaf with no entries: every statistic is an empty array."""
 
     name = "empty"
 
-    def match(self, graph, leaf, var=None):
-        return Match("no entries") if leaf.size == 0 else Refusal("the leaf has entries")
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> Match | Refusal:
+        return Match(self, "no entries") if leaf.size == 0 else Refusal("the leaf has entries")
 
-    def reads(self, graph, m):
-        return []
-
-    def cost(self, graph, leaf, m, methods):
+    def cost(self, graph: Graph, leaf: Leaf, m: Match, methods: Mapping[str, str]) -> Cost:
         return Cost()
 
-    def compute(self, graph, leaf, m, env, what):
+    def compute(self, graph: Graph, leaf: Leaf, m: Match, env: Env, what: str) -> Array:
         if what == "norms":
             return jnp.zeros((graph.n_examples, graph.per_example), leaf.stat_dtype)
         return jnp.zeros(leaf.shape, leaf.stat_dtype)
 
-    def clipped(self, graph, leaf, m, env, weights):
+    def clipped(self, graph: Graph, leaf: Leaf, m: Match, env: Env, weights: Array) -> Array:
         return jnp.zeros(leaf.shape, leaf.stat_dtype)
 
 
-class Constant(Route):
+class Constant(Route[ValueMatch]):
     """The gradient does not depend on the example: g_u = g for every unit, so every mean is
     φ(g), the variance is 0 and each unit's norm is ‖g‖². At token granularity only a proven
     zero gradient (an unused parameter) splits over positions."""
 
     name = "constant"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> ValueMatch | Refusal:
         var = leaf.grad if var is None else var
         if graph.is_batched(var):
             return Refusal("the gradient depends on the example")
+        if graph.weighted:
+            return Refusal("a mask weighs the examples: the gradient is taken per example")
         if graph.token and not graph.is_zero(var):
             return Refusal("an example-independent gradient has no per-position split")
-        reason = (
-            "unused: the gradient is 0"
-            if graph.token
-            else "the gradient does not depend on the example"
-        )
-        return Match(reason, grad=var)
+        if graph.token:
+            return ValueMatch(self, "unused: the gradient is 0", var)
+        return ValueMatch(self, "the gradient does not depend on the example", var)
 
-    def reads(self, graph, m):
+    def reads(self, graph: Graph, m: ValueMatch) -> list[jcore.Var]:
         return [m.grad] if isinstance(m.grad, jcore.Var) else []
 
-    def factored_cost(self, graph, leaf, m, what):
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: ValueMatch, what: str) -> Cost:
         return Cost(leaf.size, 4.0 * leaf.size)
 
-    def _g(self, leaf: Leaf, m: Match, env: Mapping) -> Array:
+    def _g(self, leaf: Leaf, m: ValueMatch, env: Env) -> Array:
         return jnp.broadcast_to(jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype), leaf.shape)
 
-    def compute(self, graph, leaf, m, env, what):
+    def compute(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, what: str) -> Array:
         g = self._g(leaf, m, env)
         if what == "norms":
             return jnp.full((graph.n_examples, graph.per_example), jnp.sum(g * g))
         return jnp.zeros_like(g) if what == "var" else _PHI[what](g)
 
-    def clipped(self, graph, leaf, m, env, weights):
+    def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
         return self._g(leaf, m, env) * (jnp.sum(weights) / graph.n_units).astype(leaf.stat_dtype)
 
 
-class OuterProduct(Route):
+class OuterProduct(CoreRoute[RankOneMatch]):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
     contracts nothing but the unit axes — no axis at example granularity (a dense weight used
     once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
@@ -1632,7 +2077,7 @@ class OuterProduct(Route):
 
     name = "outer-product"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> RankOneMatch | Refusal:
         var = leaf.grad if var is None else var
         core, post = graph.core(var)
         if core is None or core.primitive.name != "dot_general":
@@ -1644,19 +2089,16 @@ class OuterProduct(Route):
         if not graph.token:
             if lc:
                 return Refusal(f"the dot_general sums {len(lc)} axes per example (not rank one)")
-            return Match("dense weight used once per example: g_i = δ_i ⊗ x_i", var, core, post)
+            reason = "dense weight used once per example: g_i = δ_i ⊗ x_i"
+            return RankOneMatch(self, reason, core, post)
         if len(lc) != 1:
             return Refusal(f"contracts {len(lc)} axes; a per-token term contracts one (positions)")
         if lc[0] not in graph.position_axes(a) or rc[0] not in graph.position_axes(b):
             return Refusal("the contracted axes are not both traced to the example's positions")
         reason = "weight at every position: g_t = δ_t ⊗ x_t over the traced position axis"
-        return Match(reason, var, core, post, units=((lc[0],), (rc[0],)))
+        return RankOneMatch(self, reason, core, post, ((lc[0],), (rc[0],)))
 
-    def methods(self, graph, leaf, m, need):
-        scalar = all(s.scalar for s in m.post)
-        return {w: "chunked" if w == "norms" and not scalar else "factorized" for w in need}
-
-    def factored_cost(self, graph, leaf, m, what):
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: RankOneMatch, what: str) -> Cost:
         n, p = graph.n_units, leaf.size
         factors = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars)
         if what == "norms":
@@ -1664,20 +2106,11 @@ class OuterProduct(Route):
         matmuls = 4 if what == "var" else 1
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
-    def _dims(self, m: Match) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
-        _, _, lb, rb = _dot_dims(m.core)
-        ua, ub = m.units
-        dn = (((0, *_shift(ua)), (0, *_shift(ub))), (_shift(lb), _shift(rb)))
-        return dn, lb, rb
-
-    def compute(self, graph, leaf, m, env, what):
-        dtype, n = leaf.stat_dtype, graph.n_units
-        dn, lb, rb = self._dims(m)
+    def compute(self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, what: str) -> Array:
         if what in _PHI:
-            a, b = _operands(m.core, env, dtype, tie=True)
-            phi = _PHI[what]
-            g = jax.lax.dot_general(phi(a) * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
-            return _replay(m.post, g, env, phi)
+            return _dot_sum(graph, leaf, m, env, what)
+        dtype, n = leaf.stat_dtype, graph.n_units
+        _, _, lb, rb = _dot_dims(m.core)
         a, b = _operands(m.core, env, dtype, tie=False)
         ua, ub = m.units
         A, B = _units_layout(a, lb, ua), _units_layout(b, rb, ub)  # [B, U, nb, f]
@@ -1706,15 +2139,12 @@ class OuterProduct(Route):
         var = jnp.maximum(total, 0.0) / (n - 1)
         return _replay(m.post, var.reshape(_shape(m.core.outvars[0])), env, jnp.square)
 
-    def clipped(self, graph, leaf, m, env, weights):
-        dtype = leaf.stat_dtype
-        dn, _, _ = self._dims(m)
-        a, b = _operands(m.core, env, dtype, tie=False)
-        a = a * _unit_weights(weights.astype(dtype), a.ndim, m.units[0])
-        g = jax.lax.dot_general(a * (1.0 / graph.n_units), b, dn, preferred_element_type=dtype)
-        return _replay(m.post, g, env, _PHI["sum"])
+    def clipped(self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, weights: Array) -> Array:
+        return _dot_sum(graph, leaf, m, env, "sum", weights)
 
-    def per_unit(self, graph, leaf, m, env, example, params):
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, example: Any, params: Any
+    ) -> Array:
         dtype = leaf.stat_dtype
         a, b = (_read(env, v).astype(dtype) for v in m.core.invars[:2])
         lc, rc, lb, rb = _dot_dims(m.core)
@@ -1726,7 +2156,7 @@ class OuterProduct(Route):
         return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
 
 
-class Contraction(Route):
+class Contraction(CoreRoute[CoreMatch]):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
@@ -1735,7 +2165,7 @@ class Contraction(Route):
 
     name = "contraction"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
         var = leaf.grad if var is None else var
         core, post = graph.core(var)
         if core is None or core.primitive.name != "dot_general":
@@ -1749,47 +2179,45 @@ class Contraction(Route):
         if not lc:
             return Refusal("the dot_general sums nothing (rank one: outer-product)")
         terms = math.prod(_shape(a)[k] for k in lc)
-        return Match(f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k", var, core, post)
+        reason = f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k"
+        return CoreMatch(self, reason, core, post)
 
-    def _gram_pays(self, m: Match) -> bool:
-        lc, rc, lb, rb = _dot_dims(m.core)
+    def _sizes(self, m: CoreMatch) -> tuple[int, int, int, int]:
+        """(terms K, batch-dim slices, free entries of a, free entries of b)."""
+        lc, _, lb, rb = _dot_dims(m.core)
         a, b = (_shape(v) for v in m.core.invars)
-        terms = math.prod(a[k] for k in lc)
-        free_a = math.prod(a) // (terms * math.prod(a[k] for k in lb))
-        free_b = math.prod(b) // (terms * math.prod(b[k] for k in rb))
-        return 2 * terms * terms < free_a * free_b
+        terms, slices = math.prod(a[k] for k in lc), math.prod(a[k] for k in lb)
+        free_a = math.prod(a) // (terms * slices)
+        return terms, slices, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
 
-    def methods(self, graph, leaf, m, need):
-        gram = self._gram_pays(m) and all(s.scalar for s in m.post)
+    def methods(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, need: tuple[str, ...]
+    ) -> dict[str, str]:
+        terms, _, free_a, free_b = self._sizes(m)
+        gram = 2 * terms * terms < free_a * free_b and m.scalar
         factored = {"sum", "clipped"} | ({"norms"} if gram else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and list(methods.values()).count("chunked"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
 
-    def factored_cost(self, graph, leaf, m, what):
-        lc, _, lb, _ = _dot_dims(m.core)
-        a, b = (_shape(v) for v in m.core.invars)
-        terms, slices = math.prod(a[k] for k in lc), math.prod(a[k] for k in lb)
-        factors = graph.n_examples * (math.prod(a) + math.prod(b))
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, what: str) -> Cost:
+        terms, slices, _, _ = self._sizes(m)
+        factors = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
         if what == "norms":  # two Grams and their inner product
             grams = graph.n_examples * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
         return Cost(2.0 * graph.n_examples * terms * leaf.size, 4.0 * (factors + leaf.size))
 
-    def unit_flops(self, graph, leaf, m):
-        lc, _, _, _ = _dot_dims(m.core)
-        return 2.0 * leaf.size * math.prod(_shape(m.core.invars[0])[k] for k in lc)
+    def unit_flops(self, graph: Graph, leaf: Leaf, m: CoreMatch) -> float:
+        return 2.0 * leaf.size * self._sizes(m)[0]
 
-    def compute(self, graph, leaf, m, env, what):
+    def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
+        if what == "sum":
+            return _dot_sum(graph, leaf, m, env, what)
+        assert what == "norms"
         dtype = leaf.stat_dtype
         lc, rc, lb, rb = _dot_dims(m.core)
-        if what == "sum":
-            a, b = _operands(m.core, env, dtype, tie=True)
-            dn = (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
-            g = jax.lax.dot_general(a * (1.0 / graph.n_units), b, dn, preferred_element_type=dtype)
-            return _replay(m.post, g, env, _PHI["sum"])
-        assert what == "norms"
         a, b = _operands(m.core, env, dtype, tie=False)
         ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
         gb = _units_layout(b, rb, rc)
@@ -1798,30 +2226,26 @@ class Contraction(Route):
         norms = jnp.sum(gram_a * gram_b, axis=(1, 2, 3))[:, None]
         return norms * _scale_sq(m.post, env, dtype)
 
-    def clipped(self, graph, leaf, m, env, weights):
-        dtype = leaf.stat_dtype
-        lc, rc, lb, rb = _dot_dims(m.core)
-        a, b = _operands(m.core, env, dtype, tie=False)
-        a = a * _unit_weights(weights.astype(dtype), a.ndim, ())
-        dn = (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
-        g = jax.lax.dot_general(a * (1.0 / graph.n_units), b, dn, preferred_element_type=dtype)
-        return _replay(m.post, g, env, _PHI["sum"])
+    def clipped(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, weights: Array) -> Array:
+        return _dot_sum(graph, leaf, m, env, "sum", weights)
 
-    def per_unit(self, graph, leaf, m, env, example, params):
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, example: Any, params: Any
+    ) -> Array:
         a, b = (_read(env, v).astype(leaf.stat_dtype) for v in m.core.invars[:2])
         lc, rc, lb, rb = _dot_dims(m.core)
         g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)))
         return _replay(m.post, g, env, _PHI["sum"])[None]
 
 
-class UnitSum(Route):
+class UnitSum(CoreRoute[UnitSumMatch]):
     """Token granularity: the core sums an example-dependent value z over axes that include
     exactly one traced position axis (a bias, a norm layer's scale): unit t's gradient is z at
     t summed over the other axes — small (N × leaf), so it is formed and reduced directly."""
 
     name = "unit-sum"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> UnitSumMatch | Refusal:
         var = leaf.grad if var is None else var
         if not graph.token:
             return Refusal("example granularity: a sum over positions is one example's term")
@@ -1832,33 +2256,22 @@ class UnitSum(Route):
         found = graph.position_axes(z) & set(core.params["axes"])
         if not graph.is_batched(z) or len(found) != 1:
             return Refusal(f"the sum runs over {len(found)} traced position axes, not one")
-        return Match(
-            "a sum over positions (bias, scale): g_t = z_t",
-            var,
-            core,
-            post,
-            units=((next(iter(found)),), ()),
-        )
+        reason = "a sum over positions (bias, scale): g_t = z_t"
+        return UnitSumMatch(self, reason, core, post, next(iter(found)))
 
-    def methods(self, graph, leaf, m, need):
-        scalar = all(s.scalar for s in m.post)
-        return {w: "chunked" if w == "norms" and not scalar else "factorized" for w in need}
-
-    def factored_cost(self, graph, leaf, m, what):
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, what: str) -> Cost:
         z = graph.n_examples * math.prod(_shape(m.core.invars[0]))
         return Cost(z + 2.0 * graph.n_units * leaf.size, 4.0 * (z + graph.n_units * leaf.size))
 
-    def _per_unit(self, m: Match, z: Array) -> Array:
+    def _units(self, m: UnitSumMatch, z: Array) -> Array:
         """[B, ...] -> [B, T, *core output]: each unit's own sum."""
-        (p,) = m.units[0]
-        rest = tuple(a + 1 for a in m.core.params["axes"] if a != p)
-        z = jnp.sum(z, axis=rest, keepdims=True)
-        z = jnp.moveaxis(z, p + 1, 1)
+        rest = tuple(a + 1 for a in m.core.params["axes"] if a != m.axis)
+        z = jnp.moveaxis(jnp.sum(z, axis=rest, keepdims=True), m.axis + 1, 1)
         return z.reshape(z.shape[0], z.shape[1], *_shape(m.core.outvars[0]))
 
-    def compute(self, graph, leaf, m, env, what):
+    def compute(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, what: str) -> Array:
         dtype, n = leaf.stat_dtype, graph.n_units
-        g = self._per_unit(m, _read(env, m.core.invars[0]).astype(dtype))
+        g = self._units(m, _read(env, m.core.invars[0]).astype(dtype))
         if what == "norms":
             return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(m.post, env, dtype)
         g = _merge01(g)
@@ -1868,19 +2281,21 @@ class UnitSum(Route):
         phi = _PHI[what]
         return _replay(m.post, _sum0(phi(g)) * (1.0 / n), env, phi)
 
-    def clipped(self, graph, leaf, m, env, weights):
+    def clipped(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, weights: Array) -> Array:
         dtype = leaf.stat_dtype
-        g = _merge01(self._per_unit(m, _read(env, m.core.invars[0]).astype(dtype)))
+        g = _merge01(self._units(m, _read(env, m.core.invars[0]).astype(dtype)))
         total = jnp.tensordot(weights.reshape(-1).astype(dtype), g, axes=1) / graph.n_units
         return _replay(m.post, total, env, _PHI["sum"])
 
-    def per_unit(self, graph, leaf, m, env, example, params):
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, example: Any, params: Any
+    ) -> Array:
         z = _read(env, m.core.invars[0]).astype(leaf.stat_dtype)
-        g = self._per_unit(m, z[None])[0]
+        g = self._units(m, z[None])[0]
         return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
 
 
-class RowScatter(Route):
+class RowScatter(CoreRoute[CoreMatch]):
     """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
     core is scatter-add(0, idx, upd) with one window per row of `upd`. Example granularity:
     the indices are static and the windows — start and size, after the mode's clamping — are
@@ -1891,7 +2306,7 @@ class RowScatter(Route):
 
     name = "row-scatter"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
         var = leaf.grad if var is None else var
         core, post = graph.core(var)
         if core is None or core.primitive.name != "scatter-add":
@@ -1911,28 +2326,21 @@ class RowScatter(Route):
         if graph.token:
             if 0 not in graph.position_axes(updates):
                 return Refusal("the row axis is not traced to the example's positions")
-            return Match(
-                "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions",
-                var,
-                core,
-                post,
-            )
+            reason = "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions"
+            return CoreMatch(self, reason, core, post)
         if not graph.is_static(indices):
             return Refusal("rows depend on the example (repeated rows add up before φ)")
         overlap = _windows_overlap(core, graph.static_value(indices), mode)
         if overlap:
             return Refusal(overlap)
-        return Match("rows at static, pairwise disjoint windows (e.g. positions)", var, core, post)
+        reason = "rows at static, pairwise disjoint windows (e.g. positions)"
+        return CoreMatch(self, reason, core, post)
 
-    def methods(self, graph, leaf, m, need):
-        scalar = all(s.scalar for s in m.post)
-        return {w: "chunked" if w == "norms" and not scalar else "factorized" for w in need}
-
-    def factored_cost(self, graph, leaf, m, what):
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, what: str) -> Cost:
         rows = graph.n_examples * math.prod(_shape(m.core.invars[2]))
         return Cost(3.0 * rows, 4.0 * (rows + leaf.size))
 
-    def _rows(self, graph: Graph, m: Match, env: Mapping, dtype: Any) -> tuple[Array, Array]:
+    def _rows(self, graph: Graph, m: CoreMatch, env: Env, dtype: Any) -> tuple[Array, Array]:
         """Indices [B·R, k] (broadcast when static) and updates [B·R, *window]."""
         _, indices, updates = m.core.invars
         idx, upd = _read(env, indices), _read(env, updates).astype(dtype)
@@ -1940,12 +2348,12 @@ class RowScatter(Route):
             idx = jnp.broadcast_to(idx, (upd.shape[0], *jnp.shape(idx)))
         return idx.reshape(-1, idx.shape[-1]), upd.reshape(-1, *upd.shape[2:])
 
-    def _scatter(self, m: Match, idx: Array, upd: Array) -> Array:
+    def _scatter(self, m: CoreMatch, idx: Array, upd: Array) -> Array:
         zeros = jnp.zeros(_shape(m.core.outvars[0]), upd.dtype)
         dn, mode = m.core.params["dimension_numbers"], m.core.params["mode"]
         return jax.lax.scatter_add(zeros, idx, upd, dn, mode=mode)
 
-    def _in_bounds(self, m: Match, idx: Array) -> Array:
+    def _in_bounds(self, m: CoreMatch, idx: Array) -> Array:
         """[rows] bool: the row's window is written (always, after clamping, in CLIP mode)."""
         if str(m.core.params["mode"]).endswith("CLIP"):
             return jnp.ones(idx.shape[:1], bool)
@@ -1954,7 +2362,7 @@ class RowScatter(Route):
         limit = jnp.asarray([_shape(m.core.outvars[0])[d] - sizes[d] for d in dims], idx.dtype)
         return jnp.all((idx >= 0) & (idx <= limit), axis=-1)
 
-    def compute(self, graph, leaf, m, env, what):
+    def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
         dtype, n = leaf.stat_dtype, graph.n_units
         idx, upd = self._rows(graph, m, env, dtype)
         if what in _PHI:
@@ -1983,7 +2391,7 @@ class RowScatter(Route):
         var = (spread + (n - writers) * mean * mean) / (n - 1)
         return _replay(m.post, var, env, jnp.square)
 
-    def clipped(self, graph, leaf, m, env, weights):
+    def clipped(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, weights: Array) -> Array:
         dtype = leaf.stat_dtype
         idx, upd = self._rows(graph, m, env, dtype)
         rows = upd.shape[0] // graph.n_examples
@@ -1993,7 +2401,9 @@ class RowScatter(Route):
         upd = upd * w.reshape(-1, *[1] * (upd.ndim - 1)) / graph.n_units
         return _replay(m.post, self._scatter(m, idx, upd), env, _PHI["sum"])
 
-    def per_unit(self, graph, leaf, m, env, example, params):
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, example: Any, params: Any
+    ) -> Array:
         _, indices, updates = m.core.invars
         idx, upd = _read(env, indices), _read(env, updates).astype(leaf.stat_dtype)
         if graph.token:
@@ -2003,14 +2413,14 @@ class RowScatter(Route):
         return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
 
 
-def _window_sizes(core: Any) -> tuple[int, ...]:
+def _window_sizes(core: jcore.JaxprEqn) -> tuple[int, ...]:
     dn = core.params["dimension_numbers"]
     operand, updates = _shape(core.outvars[0]), _shape(core.invars[2])
     window = iter(updates[1:])
     return tuple(1 if d in dn.inserted_window_dims else next(window) for d in range(len(operand)))
 
 
-def _windows_overlap(core: Any, indices: np.ndarray, mode: str) -> str:
+def _windows_overlap(core: jcore.JaxprEqn, indices: np.ndarray, mode: str) -> str:
     """Why the static windows of a row scatter are not pairwise disjoint and in bounds, or ""."""
     dn = core.params["dimension_numbers"]
     operand, sizes = _shape(core.outvars[0]), _window_sizes(core)
@@ -2033,17 +2443,45 @@ def _windows_overlap(core: Any, indices: np.ndarray, mode: str) -> str:
     return ""
 
 
-_UNIT_ROUTES: tuple[Route, ...] = ()  # filled below: the routes a per-token term may take
+class _Composite(Route[T]):
+    """A gradient made of parts, each proven by a route of its own: costs add up, and every
+    ingredient is the parts' ingredients combined (`_combine`)."""
+
+    def _combine(self, m: T, parts: list[Array], what: str, env: Env) -> Array:
+        raise NotImplementedError
+
+    def compute(self, graph: Graph, leaf: Leaf, m: T, env: Env, what: str) -> Array:
+        parts = [p.route.compute(graph, leaf, p, env, what) for p in m.parts]
+        return self._combine(m, parts, what, env)
+
+    def clipped(self, graph: Graph, leaf: Leaf, m: T, env: Env, weights: Array) -> Array:
+        parts = [p.route.clipped(graph, leaf, p, env, weights) for p in m.parts]
+        return self._combine(m, parts, "sum", env)
+
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: T, env: Env, example: Any, params: Any
+    ) -> Array:
+        parts = [p.route.per_unit(graph, leaf, p, env, example, params) for p in m.parts]
+        return self._combine(m, parts, "sum", env)
+
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: T, what: str) -> Cost:
+        return sum((p.route.factored_cost(graph, leaf, p, what) for p in m.parts), Cost())
+
+    def unit_flops(self, graph: Graph, leaf: Leaf, m: T) -> float:
+        return float(sum(p.route.unit_flops(graph, leaf, p) for p in m.parts))
+
+    def reads(self, graph: Graph, m: T) -> list[jcore.Var]:
+        return list(dict.fromkeys(v for p in m.parts for v in p.route.reads(graph, p)))
 
 
-class Terms(Route):
+class Terms(_Composite[TermsMatch]):
     """Token granularity: several per-position contributions added (a tied embedding and
     output head, W + Wᵀ): unit t's gradient is the sum of its terms at t, each proven by a
     per-token route; linear ingredients add up term by term, the others are chunked."""
 
     name = "terms"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> TermsMatch | Refusal:
         if not graph.token:
             return Refusal("contributions added before φ (a weight used twice per example)")
         terms = _split_terms(graph, leaf, leaf.grad if var is None else var, ())
@@ -2051,42 +2489,26 @@ class Terms(Route):
             return terms
         if len(terms) < 2:
             return Refusal("not a sum of contributions")
-        return Match(f"{len(terms)} per-position contributions added", terms=tuple(terms))
+        return TermsMatch(self, f"{len(terms)} per-position contributions added", tuple(terms))
 
-    def methods(self, graph, leaf, m, need):
+    def methods(
+        self, graph: Graph, leaf: Leaf, m: TermsMatch, need: tuple[str, ...]
+    ) -> dict[str, str]:
         return {w: "factorized" if w in ("sum", "clipped") else "chunked" for w in need}
 
-    def reads(self, graph, m):
-        return list(dict.fromkeys(v for route, t in m.terms for v in route.reads(graph, t)))
-
-    def factored_cost(self, graph, leaf, m, what):
-        return sum((r.factored_cost(graph, leaf, t, what) for r, t in m.terms), Cost())
-
-    def unit_flops(self, graph, leaf, m):
-        return sum(r.unit_flops(graph, leaf, t) for r, t in m.terms)
-
-    def compute(self, graph, leaf, m, env, what):
-        parts = [route.compute(graph, leaf, t, env, what) for route, t in m.terms]
-        return sum(parts[1:], parts[0])
-
-    def clipped(self, graph, leaf, m, env, weights):
-        parts = [route.clipped(graph, leaf, t, env, weights) for route, t in m.terms]
-        return sum(parts[1:], parts[0])
-
-    def per_unit(self, graph, leaf, m, env, example, params):
-        parts = [route.per_unit(graph, leaf, t, env, example, params) for route, t in m.terms]
+    def _combine(self, m: TermsMatch, parts: list[Array], what: str, env: Env) -> Array:
         return sum(parts[1:], parts[0])
 
 
 def _split_terms(
-    graph: Graph, leaf: Leaf, var: Any, outer: tuple[Post, ...]
-) -> list[tuple[Route, Match]] | Refusal:
+    graph: Graph, leaf: Leaf, var: Atom, outer: tuple[Post, ...]
+) -> list[CoreMatch] | Refusal:
     """Split a sum of contributions into per-token terms (the layout and scaling ops after the
     sum are linear, so each term takes them too)."""
     core, post = graph.core(var)
     post = (*post, *outer)
     if core is not None and core.primitive.name == "add_any":
-        terms: list[tuple[Route, Match]] = []
+        terms: list[CoreMatch] = []
         for operand in core.invars:
             sub = _split_terms(graph, leaf, operand, post)
             if isinstance(sub, Refusal):
@@ -2096,13 +2518,13 @@ def _split_terms(
     refusals = []
     for route in _UNIT_ROUTES:
         m = route.match(graph, leaf, var)
-        if isinstance(m, Match):
-            return [(route, dataclasses.replace(m, post=(*m.post, *outer)))]
+        if isinstance(m, CoreMatch):
+            return [dataclasses.replace(m, post=(*m.post, *outer))]
         refusals.append(m.reason)
     return Refusal(f"a term no per-token route proves ({refusals[0]})")
 
 
-class DisjointParts(Route):
+class DisjointParts(_Composite[PartsMatch]):
     """Example granularity: the gradient is a sum of parts placed at static, pairwise disjoint
     windows of the leaf (a stacked weight read as w[l] in a Python loop: each read's gradient
     is padded into place). Every entry of g_i comes from one part or is 0, so φ and the
@@ -2111,7 +2533,7 @@ class DisjointParts(Route):
 
     name = "disjoint-parts"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> PartsMatch | Refusal:
         if graph.token:
             return Refusal("token granularity: parts are split per position instead")
         core, post = graph.core(leaf.grad if var is None else var)
@@ -2120,7 +2542,9 @@ class DisjointParts(Route):
         parts = _placed_parts(graph, leaf, core)
         if isinstance(parts, Refusal):
             return parts
-        windows = [w for _, w, _, _ in parts]
+        if not parts:
+            return Refusal("every placed part is zero")
+        windows = [w for w, _, _ in parts]
         for i, a in enumerate(windows):
             for b in windows[:i]:
                 if all(
@@ -2129,68 +2553,54 @@ class DisjointParts(Route):
                 ):
                     return Refusal(f"parts overlap (windows {a} and {b})")
         reason = f"{len(parts)} parts at disjoint static windows"
-        terms = tuple((route, m) for route, _, m, _ in parts)
-        return Match(reason, core=core, post=post, terms=terms, tail=tuple(p for *_, p in parts))
+        matches, places = tuple(m for _, m, _ in parts), tuple(p for *_, p in parts)
+        return PartsMatch(self, reason, matches, core, post, places)
 
-    def methods(self, graph, leaf, m, need):
+    def methods(
+        self, graph: Graph, leaf: Leaf, m: PartsMatch, need: tuple[str, ...]
+    ) -> dict[str, str]:
         factored = {
             w
             for w in need
-            if all(r.methods(graph, leaf, t, (w,))[w] == "factorized" for r, t in m.terms)
+            if all(p.route.methods(graph, leaf, p, (w,))[w] == "factorized" for p in m.parts)
         }
         if not all(s.scalar for s in m.post):
             factored.discard("norms")
         return {w: "factorized" if w in factored else "chunked" for w in need}
 
-    def reads(self, graph, m):
-        factors = [v for v in _factor_vars(m.post)]
-        return list(dict.fromkeys([*(v for r, t in m.terms for v in r.reads(graph, t)), *factors]))
+    def reads(self, graph: Graph, m: PartsMatch) -> list[jcore.Var]:
+        return list(dict.fromkeys([*super().reads(graph, m), *_factor_vars(m.post)]))
 
-    def factored_cost(self, graph, leaf, m, what):
-        return sum((r.factored_cost(graph, leaf, t, what) for r, t in m.terms), Cost())
-
-    def unit_flops(self, graph, leaf, m):
-        return sum(r.unit_flops(graph, leaf, t) for r, t in m.terms)
-
-    def _assemble(self, m: Match, parts: list[Array], phi: Callable, env: Mapping) -> Array:
-        """The parts put in place (with any leading unit axes), then the ops after the sum."""
-        lead = parts[0].shape[: parts[0].ndim - len(m.tail[0].part_shape)]
+    def _combine(self, m: PartsMatch, parts: list[Array], what: str, env: Env) -> Array:
+        """The parts put in place (with any leading unit axes), then the ops after the sum;
+        norms add up."""
+        if what == "norms":
+            return sum(parts[1:], parts[0]) * _scale_sq(m.post, env, parts[0].dtype)
+        phi = jnp.square if what == "var" else _PHI[what]
+        first = m.places[0]
+        lead = parts[0].shape[: parts[0].ndim - len(first.part_shape) + (first.stacked is not None)]
         out = jnp.zeros((*lead, *_shape(m.core.outvars[0])), parts[0].dtype)
-        for part, place in zip(parts, m.tail, strict=True):
+        for part, place in zip(parts, m.places, strict=True):
+            if place.stacked is not None:
+                part = jnp.expand_dims(part, len(lead) + place.stacked)
             out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
         if lead:
             return jax.vmap(lambda x: _replay(m.post, x, env, phi))(out)
         return _replay(m.post, out, env, phi)
 
-    def compute(self, graph, leaf, m, env, what):
-        parts = [r.compute(graph, leaf, t, env, what) for r, t in m.terms]
-        if what == "norms":
-            return sum(parts[1:], parts[0]) * _scale_sq(m.post, env, leaf.stat_dtype)
-        return self._assemble(m, parts, jnp.square if what == "var" else _PHI[what], env)
 
-    def clipped(self, graph, leaf, m, env, weights):
-        parts = [r.clipped(graph, leaf, t, env, weights) for r, t in m.terms]
-        return self._assemble(m, parts, _PHI["sum"], env)
-
-    def per_unit(self, graph, leaf, m, env, example, params):
-        parts = [r.per_unit(graph, leaf, t, env, example, params) for r, t in m.terms]
-        return self._assemble(m, parts, _PHI["sum"], env)
+# The ops that put a part into a zero table: the transposes of slicing, indexing and
+# splitting (`concatenate` with proven-zero operands is how jnp.split's unused parts come back).
+_PLACEMENTS = ("pad", "dynamic_update_slice", "concatenate", "stack")
 
 
-_PLACEMENTS = ("pad", "dynamic_update_slice")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    starts: tuple[int, ...]
-    part_shape: tuple[int, ...]
-
-
-def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
-    """The parts of a sum of placements: (route, window, match, placing eqn) each, the part
-    proven by a route of its own; windows as ((lo, hi) per axis) after clamping."""
+def _placed_parts(
+    graph: Graph, leaf: Leaf, core: jcore.JaxprEqn
+) -> list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] | Refusal:
+    """The parts of a sum of placements: (window, match, placement) each, the part proven by a
+    route of its own; windows as ((lo, hi) per axis) after clamping."""
+    found: list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] = []
     if core.primitive.name == "add_any":
-        found: list[tuple] = []
         for operand in core.invars:
             inner, post = graph.core(operand)
             if inner is None or post:
@@ -2200,6 +2610,23 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
                 return sub
             found += sub
         return found
+    if core.primitive.name in ("concatenate", "stack"):  # each operand not proven 0 is a part
+        stacked = core.primitive.name == "stack"
+        dim = int(core.params["axis" if stacked else "dimension"])
+        offset = 0
+        for operand in core.invars:
+            at = [0] * len(_shape(core.outvars[0]))
+            at[dim] = offset
+            offset += 1 if stacked else _shape(operand)[dim]
+            if graph.is_zero(operand):
+                continue
+            placed = _placed_part(graph, leaf, operand, at, dim if stacked else None)
+            if isinstance(placed, Refusal):
+                return placed
+            found.append(placed)
+        return found
+    if core.primitive.name not in _PLACEMENTS:
+        return Refusal(f"a summand made by '{core.primitive.name}', not a placement")
     shape = _shape(core.outvars[0])
     part = core.invars[0] if core.primitive.name == "pad" else core.invars[1]
     size = _shape(part)
@@ -2219,15 +2646,30 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Any) -> list[tuple] | Refusal:
             int(np.clip(graph.static_value(v), 0, n - k))
             for v, n, k in zip(core.invars[2:], shape, size, strict=True)
         ]
-    for route in (_ROUTE["outer-product"], _ROUTE["contraction"]):
+    placed = _placed_part(graph, leaf, part, starts)
+    return placed if isinstance(placed, Refusal) else [placed]
+
+
+def _placed_part(
+    graph: Graph, leaf: Leaf, part: Atom, starts: Sequence[int], stacked: int | None = None
+) -> tuple[tuple[tuple[int, int], ...], CoreMatch, Placement] | Refusal:
+    """A part placed at `starts` (as one index of axis `stacked`), proven by a route of its
+    own."""
+    size = _shape(part)
+    if stacked is not None:
+        size = (*size[:stacked], 1, *size[stacked:])
+    for route in _PART_ROUTES:
         m = route.match(graph, leaf, part)
-        if isinstance(m, Match):
+        if isinstance(m, CoreMatch):
             window = tuple((s, s + k) for s, k in zip(starts, size, strict=True))
-            return [(route, window, m, _Placement(tuple(starts), size))]
+            return (window, m, Placement(tuple(starts), size, stacked))
     return Refusal("a part no route proves")
 
 
-class HeadValue(Route):
+_IN_HEAD = "its per-example gradient is a value of the backward pass"
+
+
+class HeadValue(Route[ValueMatch]):
     """Example granularity: the gradient needs no op of its own after the backward pass (a
     bias, a norm layer's scale used once per example): g_i is a value the batched head
     computes anyway — plain grad holds it too, as the cotangent it sums. Every statistic reads
@@ -2236,23 +2678,23 @@ class HeadValue(Route):
 
     name = "head-value"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> ValueMatch | Refusal:
         if graph.token:
             return Refusal("token granularity: a unit is a position, not an example")
         if graph.exclusive_tail(leaf.grad):
             return Refusal("the gradient needs ops of its own after the backward pass")
         if not (isinstance(leaf.grad, jcore.Var) and graph.is_batched(leaf.grad)):
             return Refusal("the gradient does not depend on the example")
-        return Match("its per-example gradient is a value of the backward pass", grad=leaf.grad)
+        return ValueMatch(self, _IN_HEAD, leaf.grad)
 
-    def reads(self, graph, m):
-        return [m.grad]
+    def reads(self, graph: Graph, m: ValueMatch) -> list[jcore.Var]:
+        return [m.grad] if isinstance(m.grad, jcore.Var) else []
 
-    def cost(self, graph, leaf, m, methods):
+    def cost(self, graph: Graph, leaf: Leaf, m: ValueMatch, methods: Mapping[str, str]) -> Cost:
         n = graph.n_examples * leaf.size
         return Cost(3.0 * n * len(methods), 4.0 * n)
 
-    def compute(self, graph, leaf, m, env, what):
+    def compute(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, what: str) -> Array:
         dtype, n = leaf.stat_dtype, graph.n_examples
         g = jnp.asarray(_read(env, m.grad)).astype(dtype).reshape(n, -1)
         if what in _PHI:  # a mean, not a dot with ones: here XLA then holds fewer buffers
@@ -2264,25 +2706,28 @@ class HeadValue(Route):
         centred = g - ones @ g
         return (ones @ (centred * centred) * (n / (n - 1))).reshape(leaf.shape)
 
-    def clipped(self, graph, leaf, m, env, weights):
-        return _linear_sum(graph, leaf, m, env, weights)
+    def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
+        return _linear_sum(graph, leaf, m.grad, (), env, weights)
+
+    def per_unit(self, graph, leaf, m, env, example, params):
+        return jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)[None]
 
 
-class Fallback(Route):
+class Fallback(Route[TailMatch]):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient tail (the ops
     only its gradient needs) evaluated per example, a bounded chunk of examples at a time.
     Token granularity: the untied reference (§4) for this leaf, per example, in chunks."""
 
     name = "fallback"
 
-    def match(self, graph, leaf, var=None):
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> TailMatch | Refusal:
         if graph.token:
-            return Match("exact: this leaf untied per position, per example", grad=leaf.grad)
+            reason = "exact: this leaf untied per position, per example"
+            return TailMatch(self, reason, leaf.grad, (), False)
         tail = graph.exclusive_tail(leaf.grad)
         if not tail:
-            reason = "exact: its per-example gradient is a value of the backward pass"
-            return Match(reason, grad=leaf.grad, linear=True)
-        why = graph.nonlinear_in_seed(tail)
+            return TailMatch(self, f"exact: {_IN_HEAD}", leaf.grad, (), True)
+        why = graph.nonlinear_in_seed(tail, leaf.grad)
         linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
         reason = f"exact: its own gradient ops ({len(tail)}) per example"
         reason += (
@@ -2290,10 +2735,13 @@ class Fallback(Route):
             if linear
             else f" ({why or 'half precision'})"
         )
-        return Match(reason, grad=leaf.grad, tail=tail, linear=linear)
+        return TailMatch(self, reason, leaf.grad, tail, linear)
 
-    def methods(self, graph, leaf, m, need):
-        linear = m.linear and not graph.token
+    def methods(
+        self, graph: Graph, leaf: Leaf, m: TailMatch, need: tuple[str, ...]
+    ) -> dict[str, str]:
+        # With a mask a masked example's inputs may be anything (NaN): no transposition.
+        linear = m.linear and not graph.token and not graph.weighted
         methods = {
             w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need
         }
@@ -2301,39 +2749,31 @@ class Fallback(Route):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
 
-    def factored_cost(self, graph, leaf, m, what):
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: TailMatch, what: str) -> Cost:
         n = graph.n_examples
         reads = sum(math.prod(_shape(v)) for v in self.reads(graph, m))
         return Cost(n * (sum(_flops(e) for e in m.tail) + reads), 4.0 * (n * reads + leaf.size))
 
-    def compute(self, graph, leaf, m, env, what):
-        assert what == "sum"
-        return _linear_sum(graph, leaf, m, env, None)
-
-    def clipped(self, graph, leaf, m, env, weights):
-        return _linear_sum(graph, leaf, m, env, weights)
-
-    def unit_flops(self, graph, leaf, m):
+    def unit_flops(self, graph: Graph, leaf: Leaf, m: TailMatch) -> float:
         if graph.token:  # the untied forward and backward: T copies at every boundary
             return 4.0 * graph.per_example * sum(_flops(e) for e in graph.jaxpr.eqns)
-        return sum(_flops(e) for e in m.tail) + leaf.size
+        return float(sum(_flops(e) for e in m.tail) + leaf.size)
 
-    def reads(self, graph, m):
+    def reads(self, graph: Graph, m: TailMatch) -> list[jcore.Var]:
         if graph.token:
             return []
-        if not m.tail:
-            return [m.grad] if isinstance(m.grad, jcore.Var) else []
-        produced = {v for e in m.tail for v in e.outvars}
-        return list(
-            dict.fromkeys(
-                v
-                for e in m.tail
-                for v in e.invars
-                if isinstance(v, jcore.Var) and v not in produced
-            )
-        )
+        return _inputs(m.grad, m.tail)
 
-    def per_unit(self, graph, leaf, m, env, example, params):
+    def compute(self, graph: Graph, leaf: Leaf, m: TailMatch, env: Env, what: str) -> Array:
+        assert what == "sum"
+        return _linear_sum(graph, leaf, m.grad, m.tail, env, None)
+
+    def clipped(self, graph: Graph, leaf: Leaf, m: TailMatch, env: Env, weights: Array) -> Array:
+        return _linear_sum(graph, leaf, m.grad, m.tail, env, weights)
+
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: TailMatch, env: Env, example: Any, params: Any
+    ) -> Array:
         if graph.token:
             assert graph.untie is not None
             _, grads = graph.untie.value_and_grad(params, example, frozenset({leaf.index}))
@@ -2343,7 +2783,26 @@ class Fallback(Route):
         return jnp.asarray(_read(local, m.grad)).astype(leaf.stat_dtype)[None]
 
 
-def _linear_sum(graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array | None) -> Array:
+def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
+    """What the head provides for `tail` to compute `grad` (the gradient itself if no tail)."""
+    if not tail:
+        return [grad] if isinstance(grad, jcore.Var) else []
+    produced = {v for e in tail for v in e.outvars}
+    return list(
+        dict.fromkeys(
+            v for e in tail for v in e.invars if isinstance(v, jcore.Var) and v not in produced
+        )
+    )
+
+
+def _linear_sum(
+    graph: Graph,
+    leaf: Leaf,
+    grad: Atom,
+    tail: tuple[jcore.JaxprEqn, ...],
+    env: Env,
+    weights: Array | None,
+) -> Array:
     """(1/N) Σ_i w_i g_i for a gradient the head computes (read it) or whose tail is linear in
     its cotangent inputs c_i given its primal inputs x_i: g_i = L_{x_i}(c_i). Then
     Σ_i L_{x_i}(c_i) = Mᵀ(c) with M(W) = (L_{x_i}ᵀ W)_i — JAX transposes the tail twice, and
@@ -2355,24 +2814,24 @@ def _linear_sum(graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array
         if weights is None
         else weights.reshape(-1).astype(dtype)
     )
-    if not m.tail:
-        g = jnp.asarray(_read(env, m.grad)).astype(dtype)
+    if not tail:
+        g = jnp.asarray(_read(env, grad)).astype(dtype)
         g = jnp.broadcast_to(g, (graph.n_examples, *leaf.shape))
         return jnp.tensordot(w / n, g, axes=1)
-    inputs = Fallback().reads(graph, m)
+    inputs = _inputs(grad, tail)
     cts = [v for v in inputs if v in graph.seeded]
     primals = [v for v in inputs if v not in graph.seeded and v in graph.batched]
     fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
 
-    def tail(c: list, x: list) -> Array:
+    def run_tail(c: list, x: list) -> Any:
         local = {**fixed, **dict(zip(cts, c, strict=True)), **dict(zip(primals, x, strict=True))}
-        _evaluate(m.tail, local)
-        return _read(local, m.grad)
+        _evaluate(tail, local)
+        return _read(local, grad)
 
     per_example = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in cts]
 
     def transposed(w_: Array, x: list) -> list:
-        (c,) = jax.linear_transpose(lambda c: tail(c, x), per_example)(w_)
+        (c,) = jax.linear_transpose(lambda c: run_tail(c, x), per_example)(w_)
         return c
 
     def to_batch(w_: Array) -> list:
@@ -2389,23 +2848,15 @@ def _linear_sum(graph: Graph, leaf: Leaf, m: Match, env: Mapping, weights: Array
     return total.astype(dtype)
 
 
-def _flops(eqn: Any) -> float:
-    out = sum(math.prod(_shape(v)) for v in eqn.outvars)
-    if eqn.primitive.name == "dot_general":
-        lc, _, _, _ = _dot_dims(eqn)
-        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in lc)
-    if eqn.primitive.name == "conv_general_dilated":
-        return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
-    return float(out)
-
-
-_UNIT_ROUTES = (OuterProduct(), UnitSum(), RowScatter())
+_OUTER_PRODUCT, _CONTRACTION = OuterProduct(), Contraction()
+_UNIT_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, UnitSum(), RowScatter())  # per-token terms
+_PART_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, _CONTRACTION)  # placed parts
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
-ROUTES: tuple[Route, ...] = (
+ROUTES: tuple[Route[Any], ...] = (
     Empty(),
     Constant(),
-    _UNIT_ROUTES[0],
-    Contraction(),
+    _OUTER_PRODUCT,
+    _CONTRACTION,
     _UNIT_ROUTES[1],
     _UNIT_ROUTES[2],
     Terms(),
@@ -2413,48 +2864,39 @@ ROUTES: tuple[Route, ...] = (
     HeadValue(),
     Fallback(),
 )
-_ROUTE = {route.name: route for route in ROUTES}
 
 
 # ============================================================================================
 # §7 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
 
-# False: take the first matching route in precedence order instead. The tests do, so that
-# every route runs on models small enough for materializing per-example gradients to be as
-# cheap (and the cost model does not hide a route from them).
-CHEAPEST_ROUTE = True
 
-
-def plan(graph: Graph, stats: Sequence[str]) -> tuple[LeafPlan, ...]:
+def plan(
+    graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
+) -> tuple[LeafPlan, ...]:
+    """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or
+    with choose="first" the first that matches in precedence order."""
     need = _ingredients(stats)
     plans = []
     for leaf in graph.leaves:
         refused: list[tuple[str, str]] = []
-        best: tuple[float, Route, Match, dict[str, str], Cost] | None = None
+        best: tuple[float, Match, dict[str, str], Cost] | None = None
         for route in ROUTES:
-            m = route.match(graph, leaf)
+            try:
+                m = route.match(graph, leaf)
+            except Exception as error:  # a route that cannot prove its case refuses it
+                m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
             if isinstance(m, Refusal):
                 refused.append((route.name, m.reason))
                 continue
             methods = route.methods(graph, leaf, m, need)
+            if graph.weighted and "var" in methods and not isinstance(route, Empty):
+                methods["var"] = "chunked"  # Chan merges of kept examples: no cancellation
             cost = route.cost(graph, leaf, m, methods)
-            if best is None or (CHEAPEST_ROUTE and cost.seconds < best[0]):
-                best = (cost.seconds, route, m, methods, cost)
+            if best is None or (choose == "cheapest" and cost.seconds < best[0]):
+                best = (cost.seconds, m, methods, cost)
         assert best is not None  # the fallback always matches
-        _, route, m, methods, cost = best
-        plans.append(
-            LeafPlan(
-                leaf.path,
-                leaf.shape,
-                route.name,
-                m.reason,
-                methods,
-                cost,
-                tuple(refused),
-                m,
-                leaf.index,
-            )
-        )
+        _, m, methods, cost = best
+        plans.append(LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index))
     return tuple(plans)
 
 
@@ -2470,33 +2912,50 @@ def _execute(
     clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
-) -> tuple[Float[Array, ""], Stats]:
-    need = _ingredients(stats)
+    keep: Array | None = None,
+    drop: bool = False,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    need = _ingredients((*stats, "sq_norms") if drop else stats)
     leaves = graph.leaves
-    early = [w for w in need if w != "clipped"]
+    # With `drop`, which examples count is known once every norm is: the other ingredients
+    # wait for it (the head's values they read are kept until then, as for clipping).
+    early = [w for w in need if w != "clipped" and (w == "norms" or not drop)]
+    late = [w for w in need if w != "clipped" and w not in early]
 
     def on_ready(ready: list[int], env: dict) -> dict:
         results = {}
         for i in ready:
-            p = plans[i]
+            p, local = plans[i], _masked(graph, env, keep, reads[i])
             for what in early:
                 if p.methods[what] == "factorized":
-                    results[what, i] = _ROUTE[p.route].compute(graph, leaves[i], p.match, env, what)
+                    results[what, i] = p.match.route.compute(graph, leaves[i], p.match, local, what)
         return results
 
-    reads = [_ROUTE[p.route].reads(graph, p.match) for p in plans]
-    losses, batched, unbatched, results = _run_head(graph, reads, params, batch, on_ready)
-    env = {**batched, **unbatched}
-    chunked = {p.index: [w for w in early if p.methods[w] == "chunked"] for p in plans}
-    chunked = {i: ws for i, ws in chunked.items() if ws}
-    chunk = _chunk(graph, chunk_size, chunked, batched)
-    loop, loop_norms = _chunk_loop(graph, plans, chunked, batched, unbatched, batch, params, chunk)
-    results.update(loop)
-    means: dict[str, PyTree] = {
-        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
-        for w in early
-        if w != "norms"
-    }
+    reads = [p.match.route.reads(graph, p.match) for p in plans]
+    losses, batched, unbatched, results, aux = _run_head(graph, reads, params, batch, on_ready)
+
+    def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
+        found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
+        return {i: ws for i, ws in found.items() if ws}
+
+    chunk = _chunk(graph, chunk_size, {**chunked_in(late), **chunked_in(early)}, batched)
+
+    def loop(wanted: Sequence[str], keep: Array | None, weights: Array | None = None) -> tuple:
+        return _chunk_loop(
+            graph,
+            plans,
+            chunked_in(wanted),
+            batched,
+            unbatched,
+            batch,
+            params,
+            chunk,
+            weights,
+            keep,
+        )
+
+    found, loop_norms = loop(early, keep)
+    results.update(found)
     sq_norms = None
     if "norms" in need:
         dtype = _widest([leaf.dtype for leaf in leaves])
@@ -2506,24 +2965,66 @@ def _execute(
         sq_norms = sum(
             (x.reshape(-1).astype(dtype) for x in parts), jnp.zeros((graph.n_units,), dtype)
         )
+    if drop:
+        assert sq_norms is not None
+        by_example = sq_norms.reshape(graph.n_examples, graph.per_example)
+        finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
+        keep = finite if keep is None else keep & finite
+    units = None if keep is None else jnp.repeat(keep, graph.per_example)
+    if units is not None and sq_norms is not None:
+        sq_norms = _where_units(units, sq_norms)
+    env = _masked(graph, {**batched, **unbatched}, keep, list(batched))
+    for p in plans:
+        for what in late:
+            if p.methods[what] == "factorized":
+                results[what, p.index] = p.match.route.compute(
+                    graph, leaves[p.index], p.match, env, what
+                )
+    results.update(loop(late, keep)[0])
+    means: dict[str, PyTree] = {
+        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
+        for w in (*early, *late)
+        if w != "norms"
+    }
     if "clipped" in need:
         assert clip_norm is not None and sq_norms is not None
-        weights = _clip_factors(sq_norms, clip_norm).reshape(graph.n_examples, graph.per_example)
+        factors = _clip_factors(sq_norms, clip_norm)
+        factors = factors if units is None else _where_units(units, factors)
+        weights = factors.reshape(graph.n_examples, graph.per_example)
         clipped: list[Any] = [None] * len(leaves)
         for p in plans:
             if p.methods["clipped"] == "factorized":
-                clipped[p.index] = _ROUTE[p.route].clipped(
+                clipped[p.index] = p.match.route.clipped(
                     graph, leaves[p.index], p.match, env, weights
                 )
-        later = {i: ["clipped"] for i, p in enumerate(plans) if p.methods["clipped"] == "chunked"}
-        weighted, _ = _chunk_loop(
-            graph, plans, later, batched, unbatched, batch, params, chunk, weights
-        )
-        for (_, i), value in weighted.items():
+        for (_, i), value in loop(["clipped"], keep, weights)[0].items():
             clipped[i] = value
         means["clipped"] = jax.tree.unflatten(graph.param_tree, clipped)
-    loss = losses.mean().astype(stat_dtype(losses.dtype))
-    return loss, _publish(stats, means, sq_norms, graph.n_units)
+    n_units: Any = graph.n_units
+    if keep is None:
+        loss = losses.mean()
+    else:  # the sums above are over kept units, divided by all N
+        kept = jnp.sum(keep)
+        loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
+        n_units = kept * graph.per_example
+        scale = graph.n_units / n_units
+        for w in ("sum", "sq", "sign", "clipped"):
+            if w in means:
+                means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
+    loss = loss.astype(stat_dtype(losses.dtype))
+    return loss, _publish(stats, means, sq_norms, n_units), aux
+
+
+def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]) -> dict:
+    """`env` with the batched values among `names` replaced by 0 at examples not kept: every
+    route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
+    that its sums are over the kept examples — and a NaN there goes nowhere."""
+    if keep is None:
+        return dict(env)
+    return {
+        **env,
+        **{v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env},
+    }
 
 
 def _run_head(
@@ -2532,8 +3033,9 @@ def _run_head(
     params: PyTree,
     batch: PyTree,
     on_ready: Callable[[list[int], dict], dict],
-) -> tuple[Array, dict, dict, dict]:
-    """Losses [B] and the values the routes read: batched ones with a leading B, others once.
+) -> tuple[Array, dict, dict, dict, PyTree]:
+    """Losses [B], the values the routes read (batched ones with a leading B, others once),
+    the factorized results and the auxiliary outputs [B, ...].
 
     The head is every equation those values need, evaluated batched (vmap over examples) in
     segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
@@ -2542,7 +3044,8 @@ def _run_head(
     gradient and the activations they read die as early as they do there."""
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
-    needed: set[Any] = {v for v in [jaxpr.outvars[0], *interface] if isinstance(v, jcore.Var)}
+    outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
+    needed: set[Any] = {v for v in [*outputs, *interface] if isinstance(v, jcore.Var)}
     head: list[Any] = []
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
@@ -2561,7 +3064,9 @@ def _run_head(
         )
         for vs in reads
     ]
-    last_use: dict[Any, int] = {v: len(head) for v in [jaxpr.outvars[0], *interface]}
+    last_use: dict[Any, int] = {
+        v: len(head) for v in [*outputs, *interface] if isinstance(v, jcore.Var)
+    }
     for k, eqn in enumerate(head):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
@@ -2583,22 +3088,26 @@ def _run_head(
             new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
             values.update(zip(live, kept, strict=True))
             results.update(new)
-    loss_var = jaxpr.outvars[0]
-    losses = _read(values, loss_var)
-    if not graph.is_batched(loss_var):
-        losses = jnp.broadcast_to(losses, (graph.n_examples,))
+    losses, *aux = [
+        x if graph.is_batched(v) else jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))
+        for v in outputs
+        for x in [_read(values, v)]
+    ]
     return (
         losses,
         {v: values[v] for v in interface if v in graph.batched},
         {v: _read(values, v) for v in interface if v not in graph.batched},
         results,
+        jax.tree.unflatten(graph.aux_tree, aux),
     )
 
 
 def _run_segment(graph: Graph, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
     """Evaluate head equations batched (vmap over examples), adding to `values` every result
     used after position `end`."""
-    produced = {v for e in segment for v in e.outvars}
+    produced = dict.fromkeys(
+        v for e in segment for v in e.outvars
+    )  # ordered: one program per trace
     reads = list(
         dict.fromkeys(
             v for e in segment for v in e.invars if isinstance(v, jcore.Var) and v not in produced
@@ -2642,15 +3151,6 @@ def _chunk(graph: Graph, chunk_size: int | None, chunked: Mapping[int, Any], bat
     return max(1, min(n, max(parameters, activations) // materialized))
 
 
-def _chan(a: tuple, b: tuple) -> tuple:
-    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
-    na, ma, sa = a
-    nb, mb, sb = b
-    n = na + nb
-    delta = mb - ma
-    return n, ma + delta * (nb / n), sa + sb + delta * delta * (na * nb / n)
-
-
 def _chunk_loop(
     graph: Graph,
     plans: tuple[LeafPlan, ...],
@@ -2661,6 +3161,7 @@ def _chunk_loop(
     params: PyTree,
     chunk: int,
     weights: Array | None = None,
+    keep: Array | None = None,
 ) -> tuple[dict[tuple[str, int], Array], Array | None]:
     """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
     ingredients each needs: means of φ, per-unit norms ([B, U], summed over these leaves),
@@ -2669,25 +3170,27 @@ def _chunk_loop(
     if not chunked:
         return {}, None
     n_units = graph.n_units
-    routes = {i: _ROUTE[plans[i].route] for i in chunked}
+    matches = {i: plans[i].match for i in chunked}
     keys = list(
-        dict.fromkeys(
-            v for i in chunked for v in routes[i].reads(graph, plans[i].match) if v in batched
-        )
+        dict.fromkeys(v for m in matches.values() for v in m.route.reads(graph, m) if v in batched)
     )
     with_norms = any("norms" in ws for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     w = jnp.ones((graph.n_examples, graph.per_example), dtype) if weights is None else weights
+    shape = (graph.n_examples, graph.per_example)
+    k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
 
     def per_chunk(xs: tuple) -> tuple[dict, Array]:
-        values, examples, unit_w = xs
+        values, examples, unit_w, unit_k = xs
 
-        def one(value: list, example: Any) -> tuple[dict, Array]:
+        def one(value: list, example: Any, kept: Array) -> tuple[dict, Array]:
             env = {**unbatched, **dict(zip(keys, value, strict=True))}
             grads = {
-                i: routes[i].per_unit(graph, graph.leaves[i], plans[i].match, env, example, params)
-                for i in chunked
+                i: m.route.per_unit(graph, graph.leaves[i], m, env, example, params)
+                for i, m in matches.items()
             }
+            if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
+                grads = {i: _where_units(kept, g) for i, g in grads.items()}
             norms = sum(
                 (
                     jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype)
@@ -2698,17 +3201,22 @@ def _chunk_loop(
             )
             return grads, norms
 
-        grads, norms = jax.vmap(one)(values, examples)
+        grads, norms = jax.vmap(one)(values, examples, unit_k)
         out: dict = {}
         for i, g in grads.items():
             g = _merge01(g)  # [chunk·U, ...]
             for what in chunked[i]:
                 if what in _PHI:
                     out[what, i] = _sum0(_PHI[what](g) * (1.0 / n_units))
-                elif what == "var":
+                elif what == "var" and keep is None:
                     mean = jnp.mean(g, 0)
                     count = jnp.asarray(g.shape[0], g.dtype)
                     out[what, i] = (count, mean, jnp.sum((g - mean) ** 2, 0))
+                elif what == "var":  # over the kept units of the chunk (masked ones are 0)
+                    kept = _merge01(unit_k)
+                    count = jnp.sum(kept).astype(g.dtype)
+                    mean = _sum0(g) / jnp.maximum(count, 1.0)
+                    out[what, i] = (count, mean, jnp.sum(_where_units(kept, g - mean) ** 2, 0))
                 elif what == "clipped":
                     out[what, i] = (
                         jnp.tensordot(_merge01(unit_w).astype(g.dtype), g, axes=1) / n_units
@@ -2719,9 +3227,9 @@ def _chunk_loop(
         return {k: _chan(acc[k], v) if k[0] == "var" else acc[k] + v for k, v in part.items()}
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
-    xs = ([batched[v] for v in keys], examples, w)
+    xs = ([batched[v] for v in keys], examples, w, k)
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
     out = {}
     for key, value in acc.items():
-        out[key] = value[2] / (n_units - 1) if key[0] == "var" else value
+        out[key] = value[2] / (value[0] - 1) if key[0] == "var" else value
     return out, (norms if with_norms and weights is None else None)

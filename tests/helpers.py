@@ -7,8 +7,7 @@ against them. The naive loop and its statistics never touch pegrad.
 the gradient with respect to copy t is position t's contribution, by construction.
 """
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
@@ -17,26 +16,16 @@ import numpy as np
 
 import pegrad
 
-# (impl, chunk_size, planner): the factorized path runs with every route it can prove (on models
-# this small the cost model might materialize instead) and with the cost model's choice.
+# (impl, chunk_size, choose): the factorized path runs with every route it can prove ("first":
+# on models this small the cost model might materialize instead) and with the cost model's
+# choice ("cheapest", the default).
 IMPLS = [
     ("vmap", None, "cheapest"),
     ("vmap", 2, "cheapest"),
-    ("factorized", None, "routes"),
-    ("factorized", 2, "routes"),
+    ("factorized", None, "first"),
+    ("factorized", 2, "first"),
     ("factorized", None, "cheapest"),
 ]
-
-
-@contextlib.contextmanager
-def planner(choice: str) -> Iterator[None]:
-    """ "routes": the first route that matches, in precedence order; "cheapest": the default."""
-    saved = pegrad.CHEAPEST_ROUTE
-    pegrad.CHEAPEST_ROUTE = choice == "cheapest"
-    try:
-        yield
-    finally:
-        pegrad.CHEAPEST_ROUTE = saved
 
 
 def example_at(batch: Any, i: int) -> Any:
@@ -123,9 +112,9 @@ def check_every_implementation(
             chunk_size=chunk,
             granularity=cast(pegrad.Granularity, granularity),
             clip_norm=clip_norm,
+            choose=cast(pegrad.Choose, choice),
         )
-        with planner(choice):
-            loss_value, got = jax.jit(fn)(params, batch)
+        loss_value, got = jax.jit(fn)(params, batch)
         where = f"{what}/{granularity}/{impl}/chunk={chunk}/{choice}"
         np.testing.assert_allclose(loss_value, losses.mean(), rtol=1e-12, err_msg=where)
         assert int(got["batch_size"]) == n_units, where
@@ -155,22 +144,22 @@ def _distinct(
     chunking, and the cost model's plan may be the one the routes give anyway."""
     n = jax.tree.leaves(batch)[0].shape[0]
     plans = {}
-    for choice in ("routes", "cheapest"):
-        with planner(choice):
-            found = pegrad.explain(
-                loss,
-                params,
-                batch,
-                stats,
-                granularity=cast(pegrad.Granularity, granularity),
-                clip_norm=0.5,
-            )
+    for choice in ("first", "cheapest"):
+        found = pegrad.explain(
+            loss,
+            params,
+            batch,
+            stats,
+            granularity=cast(pegrad.Granularity, granularity),
+            clip_norm=0.5,
+            choose=choice,
+        )
         plans[choice] = [p.route for p in found]
     kept = []
     for impl, chunk, choice in impls:
         if chunk is not None and chunk >= n:
             continue
-        if impl == "factorized" and choice == "cheapest" and plans["cheapest"] == plans["routes"]:
+        if impl == "factorized" and choice == "cheapest" and plans["cheapest"] == plans["first"]:
             continue
         kept.append((impl, chunk, choice))
     return kept
@@ -190,9 +179,9 @@ def check_token_statistics(
             chunk_size=chunk,
             granularity="token",
             clip_norm=clip_norm,
+            choose=cast(pegrad.Choose, choice),
         )
-        with planner(choice):
-            return jax.jit(fn)(params, batch)
+        return jax.jit(fn)(params, batch)
 
     reference_loss, reference = run("vmap", None, "cheapest")
     for impl, chunk, choice in _distinct(IMPLS, loss, params, batch, "token", stats):
