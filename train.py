@@ -341,15 +341,8 @@ def join_processes(cfg: Config) -> None:
     wanted = cfg.distributed or any(x is not None for x in given)
     if not (wanted or "JAX_COORDINATOR_ADDRESS" in os.environ) or jax.distributed.is_initialized():
         return  # one process; or a driver calling main() again, or one that initialised JAX
-    # Each process compiles the step itself. XLA:CPU's concurrency-optimized scheduler may
-    # order two independent collectives differently in two processes (seen in about 1 run in 3
-    # with --param-sharding fsdp, jax 0.10.2): two same-shaped all-gathers then pair up
-    # crosswise and the numbers are wrong, with no error. Its other scheduler ordered them alike
-    # in all 13 runs we tried. XLA reads the flag when the backend starts, after this; CPU only.
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in xla_flags:
-        flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-        os.environ["XLA_FLAGS"] = f"{xla_flags} {flag}".strip()
+    # Each process traces and compiles the step itself; main checks that they all compiled the
+    # same programs (agree_across_processes) before the first step.
     try:
         jax.distributed.initialize(*given)
     except (RuntimeError, ValueError, TypeError) as err:  # e.g. no process count given or found
