@@ -35,7 +35,8 @@ leaf is split along its longest axis that the device count divides (`fsdp_axis`)
 processes (hosts) run the same command, each with its --process-id (or --distributed under
 Slurm, Open MPI, Cloud TPU: JAX detects the rest); they join through jax.distributed and one
 mesh spans all their devices. Process 0 prints and writes; checkpoints are gathered to it and
-resume on any number of processes and devices.
+resume on any number of processes and devices. Before step 0 the processes check that they hold
+the same config, data, initial state and compiled programs, or stop (`agree_across_processes`).
 
 Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1.
 In-process, `main(Config(...))` returns the final metrics; `build(Config(...))` is what a run

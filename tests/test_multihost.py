@@ -6,6 +6,10 @@ with --param-sharding fsdp, and the checkpoint they write resumes in one process
 never stopped; on two (fake) devices in one process, FSDP gives the replicated losses while the
 step really keeps parameters and optimizer state split; each device draws only its own rows of
 a batch; the FSDP rule (which axis of a leaf is split); bad process flags as one-line errors.
+Determinism: gloo pairs the collectives of two processes by their order in each process's
+program, so the processes must run one program: two fresh processes trace the step of several
+configs to the same text, and processes that differ (config, initial parameters, compiled
+program) stop before step 0 with one line saying what differs (train.agree_across_processes).
 
 Tolerance: the runs are float64, and two processes add the two halves of a batch's gradient
 sums in another order than one device does, so only rounding may differ: losses agree to
