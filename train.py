@@ -423,10 +423,12 @@ def make_sampler(task: Task, mesh: Mesh) -> Callable[..., Any]:
     return jax.jit(task.sample, out_shardings=NamedSharding(mesh, P("data")))
 
 
-def agree_across_processes(cfg: Config, run: "Run", programs: Mapping[str, Any]) -> None:
+def agree_across_processes(
+    cfg: Config, run: "Run", programs: Mapping[str, tuple[Any, tuple[Any, ...]]]
+) -> None:
     """Stop with ConfigError unless every process has the same config, data, initial state
-    and compiled programs (`programs`: name -> `jax.jit(...).lower(...)`, compiled here, so the
-    run reuses them). One process: nothing to compare.
+    and compiled programs (`programs`: name -> (jitted function, the arguments the run calls it
+    with), compiled here, so the run reuses them). One process: nothing to compare.
 
     Why programs: CPU collectives (gloo) pair the collectives of two processes by their
     position in each one's program, not by any name, so two programs that order two
@@ -450,8 +452,9 @@ def agree_across_processes(cfg: Config, run: "Run", programs: Mapping[str, Any])
         with on_host():
             state = {"params": run.task.params, "opt_state": run.opt.init(run.task.params)}
         digests["initial parameters and optimizer state"] = _digest(state)
-    for name, lowered in programs.items():
-        digests[f"compiled {name}"] = _digest(_program_text(lowered.compile().as_text()))
+    for name, (jitted, args) in programs.items():
+        compiled = jitted.lower(*args).compile()
+        digests[f"compiled {name}"] = _digest(_program_text(compiled.as_text()))
     mine = np.stack([np.frombuffer(d, np.uint8) for d in digests.values()])
     every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, items, 32]
     for k, name in enumerate(digests):
@@ -768,8 +771,8 @@ def main(cfg: Config) -> dict[str, Any]:
         cfg,
         run,
         {
-            "train step": train_step.lower(tree["params"], tree["opt_state"], eval_sets[0]),
-            "eval loss": eval_loss.lower(tree["params"], eval_sets[0]),
+            "train step": (train_step, (tree["params"], tree["opt_state"], eval_sets[0])),
+            "eval loss": (eval_loss, (tree["params"], eval_sets[0])),
         },
     )
     schedule = make_schedule(cfg)
