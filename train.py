@@ -35,7 +35,8 @@ leaf is split along its longest axis that the device count divides (`fsdp_axis`)
 processes (hosts) run the same command, each with its --process-id (or --distributed under
 Slurm, Open MPI, Cloud TPU: JAX detects the rest); they join through jax.distributed and one
 mesh spans all their devices. Process 0 prints and writes; checkpoints are gathered to it and
-resume on any number of processes and devices.
+resume on any number of processes and devices. Before step 0 the processes check that they hold
+the same config, data, initial state and compiled programs, or stop (`agree_across_processes`).
 
 Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1.
 In-process, `main(Config(...))` returns the final metrics; `build(Config(...))` is what a run
@@ -47,9 +48,11 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 import types
@@ -338,15 +341,8 @@ def join_processes(cfg: Config) -> None:
     wanted = cfg.distributed or any(x is not None for x in given)
     if not (wanted or "JAX_COORDINATOR_ADDRESS" in os.environ) or jax.distributed.is_initialized():
         return  # one process; or a driver calling main() again, or one that initialised JAX
-    # Each process compiles the step itself. XLA:CPU's concurrency-optimized scheduler may
-    # order two independent collectives differently in two processes (seen in about 1 run in 3
-    # with --param-sharding fsdp, jax 0.10.2): two same-shaped all-gathers then pair up
-    # crosswise and the numbers are wrong, with no error. Its other scheduler ordered them alike
-    # in all 13 runs we tried. XLA reads the flag when the backend starts, after this; CPU only.
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in xla_flags:
-        flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-        os.environ["XLA_FLAGS"] = f"{xla_flags} {flag}".strip()
+    # Each process traces and compiles the step itself; main checks that they all compiled the
+    # same programs (agree_across_processes) before the first step.
     try:
         jax.distributed.initialize(*given)
     except (RuntimeError, ValueError, TypeError) as err:  # e.g. no process count given or found
@@ -424,6 +420,71 @@ def make_sampler(task: Task, mesh: Mesh) -> Callable[..., Any]:
     step is the same whatever the devices and processes (threefry random bits depend on an
     element's index, not on how the array is split: jax_threefry_partitionable, the default)."""
     return jax.jit(task.sample, out_shardings=NamedSharding(mesh, P("data")))
+
+
+def agree_across_processes(
+    cfg: Config, run: "Run", programs: Mapping[str, tuple[Any, tuple[Any, ...]]]
+) -> None:
+    """Stop with ConfigError unless every process has the same config, data, initial state
+    and compiled programs (`programs`: name -> (jitted function, the arguments the run calls it
+    with), compiled here, so the run reuses them). One process: nothing to compare.
+
+    Why programs: CPU collectives (gloo) pair the collectives of two processes by their
+    position in each one's program, not by any name, so two programs that order two
+    same-shaped all-gathers differently exchange the wrong arrays with no error. Each process
+    traces and compiles the step itself; if tracing is not deterministic (it was not:
+    pegrad iterated a set of jaxpr variables, ordered by address), the programs differ. Why not
+    a checksum of the loss or the parameters after a step: the loss is all-reduced, so every
+    process holds the same number, wrong or not, and with FSDP no process holds another's
+    shard to compare with. Identical compiled programs (the schedule included) fed identical
+    inputs are what make the collectives pair up; this checks exactly that, before step 0."""
+    if jax.process_count() == 1:
+        return
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "process_id"}
+    digests = {
+        "config (except --process-id)": _digest(json.dumps(config, sort_keys=True)),
+        "training and held-out data": _digest((run.task.train_data, run.task.eval_data)),
+    }
+    if cfg.resume:  # the state is what each process read from --out
+        digests["checkpoint file"] = _digest((Path(str(cfg.out)) / "checkpoint.npz").read_bytes())
+    else:
+        with on_host():
+            state = {"params": run.task.params, "opt_state": run.opt.init(run.task.params)}
+        digests["initial parameters and optimizer state"] = _digest(state)
+    for name, (jitted, args) in programs.items():
+        compiled = jitted.lower(*args).compile()
+        digests[f"compiled {name}"] = _digest(_program_text(compiled.as_text()))
+    mine = np.stack([np.frombuffer(d, np.uint8) for d in digests.values()])
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, items, 32]
+    for k, name in enumerate(digests):
+        differ = [i for i in range(len(every)) if not np.array_equal(every[i, k], every[0, k])]
+        if differ:
+            raise ConfigError(
+                f"processes {differ} differ from process 0 in their {name}: their collectives "
+                "would exchange the wrong arrays, silently; stopped before step 0"
+            )
+
+
+def _program_text(hlo: str) -> str:
+    """A compiled HLO module's text without what may differ between hosts running the same
+    program (source files, lines, stack frames, op names); what is left holds the schedule,
+    so the order of the collectives."""
+    debug = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+    blocks = [b for b in hlo.split("\n\n") if not b.lstrip().startswith(debug)]
+    return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
+
+
+def _digest(x: Any) -> bytes:
+    """SHA-256 of a string, bytes, or the leaves of a tree (dtype, shape and bytes of each)."""
+    h = hashlib.sha256()
+    if isinstance(x, str | bytes):
+        h.update(x.encode() if isinstance(x, str) else x)
+        return h.digest()
+    for leaf in jax.tree.leaves(x):
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).view(np.uint8).tobytes())
+    return h.digest()
 
 
 def gather(tree: PyTree) -> PyTree:
@@ -717,6 +778,14 @@ def main(cfg: Config) -> dict[str, Any]:
         sample(eval_data, key=jax.random.fold_in(eval_key, i)) for i in range(cfg.eval_batches)
     ]
     eval_loss = jax.jit(eval_loss_fn(task), out_shardings=everywhere)
+    agree_across_processes(
+        cfg,
+        run,
+        {
+            "train step": (train_step, (tree["params"], tree["opt_state"], eval_sets[0])),
+            "eval loss": (eval_loss, (tree["params"], eval_sets[0])),
+        },
+    )
     schedule = make_schedule(cfg)
 
     # A resumed run keeps the metrics of the steps before its checkpoint and redoes the rest.

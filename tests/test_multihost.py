@@ -6,6 +6,10 @@ with --param-sharding fsdp, and the checkpoint they write resumes in one process
 never stopped; on two (fake) devices in one process, FSDP gives the replicated losses while the
 step really keeps parameters and optimizer state split; each device draws only its own rows of
 a batch; the FSDP rule (which axis of a leaf is split); bad process flags as one-line errors.
+Determinism: gloo pairs the collectives of two processes by their order in each process's
+program, so the processes must run one program: two fresh processes trace the step of several
+configs to the same text, and processes that differ (config, initial parameters, compiled
+program) stop before step 0 with one line saying what differs (train.agree_across_processes).
 
 Tolerance: the runs are float64, and two processes add the two halves of a batch's gradient
 sums in another order than one device does, so only rounding may differ: losses agree to
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 from test_train import argv, checkpoint, metrics, run_script, tiny
@@ -77,12 +82,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: train.Config, logs: Path, processes: int = 2, timeout: float = 240) -> list[str]:
+def launch(
+    cfg: train.Config,
+    logs: Path,
+    processes: int = 2,
+    timeout: float = 240,
+    perturb: str | None = None,
+) -> list[str]:
     """Run `cfg` as `processes` local processes of one run (python train.py ... --coordinator
     --num-processes --process-id); return each one's stdout. Output goes to files, not pipes,
-    so that no process blocks on a full pipe while another waits for it in a collective."""
+    so that no process blocks on a full pipe while another waits for it in a collective.
+    `perturb`: the last process runs this file as a script that first changes its own
+    `perturb` (see PERTURB below); processes may then fail: their exit codes are not checked."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE, "PYTHONPATH": str(REPO)}
     logs.mkdir(parents=True, exist_ok=True)
     running, files = [], []
     deadline = time.monotonic() + timeout
@@ -93,6 +106,8 @@ def launch(cfg: train.Config, logs: Path, processes: int = 2, timeout: float = 2
             )
             files += [open(logs / f"{i}.out", "w"), open(logs / f"{i}.err", "w")]  # noqa: SIM115
             cmd = [sys.executable, "train.py", *argv(me)]
+            if perturb is not None and i == processes - 1:
+                cmd = [sys.executable, __file__, "perturb", perturb, *argv(me)]
             running.append(
                 subprocess.Popen(cmd, cwd=REPO, env=env, stdout=files[-2], stderr=files[-1])
             )
@@ -110,7 +125,8 @@ def launch(cfg: train.Config, logs: Path, processes: int = 2, timeout: float = 2
             f.close()
     for i, p in enumerate(running):
         stderr = (logs / f"{i}.err").read_text()[-3000:]
-        assert p.returncode == 0, f"process {i} exited {p.returncode} (killed: -9): {stderr}"
+        ok = p.returncode == 0 or perturb is not None
+        assert ok, f"process {i} exited {p.returncode} (killed: -9): {stderr}"
     return [(logs / f"{i}.out").read_text() for i in range(processes)]
 
 
@@ -138,6 +154,73 @@ def test_two_processes_give_the_losses_of_one_and_resume_in_one(
     assert json.loads((run / "checkpoint.json").read_text())["step"] == 2
     train.main(dataclasses.replace(one, out=str(run), resume=True, param_sharding="replicated"))
     assert_same_run(Path(str(one.out)), run)
+
+
+# What the last process changes in itself before train.main (the script mode "perturb" below):
+# each is a way for processes to disagree that no collective would report.
+PERTURB = {
+    "config": "--lr",  # launched with another learning rate
+    "parameters": "one initial weight",  # e.g. a model initialised differently on one host
+    "program": "its loss rounded to float32",  # the step traced to another program
+}
+
+
+@pytest.mark.parametrize(
+    "perturb, message",
+    [
+        ("config", "in their config (except --process-id)"),
+        ("parameters", "in their initial parameters and optimizer state"),
+        ("program", "in their compiled train step"),
+    ],
+)
+def test_processes_that_disagree_stop_before_step_0(
+    one: train.Config, tmp_path: Path, perturb: str, message: str
+):
+    """The guard (train.agree_across_processes): when one process differs, every process stops
+    with one line naming what differs, before any step; never a silently wrong number."""
+    run = tmp_path / "run"
+    cfg = dataclasses.replace(one, out=str(run), steps=2, param_sharding="fsdp")
+    launch(cfg, tmp_path / "logs", perturb=perturb)
+    for i in range(2):
+        stderr = (tmp_path / "logs" / f"{i}.err").read_text()
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert errors == [f"error: processes [1] differ from process 0 {message}: their "
+                          "collectives would exchange the wrong arrays, silently; stopped before "
+                          "step 0"], stderr[-3000:]  # fmt: skip
+    metrics_file = run / "metrics.jsonl"
+    assert not metrics_file.exists() or not metrics_file.read_text()  # no step was taken
+
+
+# Configs whose step is traced by two fresh processes (below): a jaxpr variable's hash is its
+# address, so a set of them iterated in two processes comes out in two orders.
+TRACED = {
+    "transformer": {},
+    "token granularity": {"granularity": "token", "optimizer": "micro_adam_var"},
+    "vmap": {"impl": "vmap", "optimizer": "micro_adam_msq"},
+    "chunked": {"chunk_size": 2},
+    "mlp": {"model": "mlp", "optimizer": "sign_ema"},
+}
+
+
+def test_every_process_traces_the_step_to_the_same_program(tmp_path: Path):
+    """The cause of the wrong step-0 losses this file once saw with fsdp: two processes traced
+    the step to programs whose all-gathers came in another order. Two fresh interpreters
+    (other string hashes, other addresses) must lower each config's step to the same text."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE, "PYTHONPATH": str(REPO)}
+    texts = []
+    for seed in ("1", "2"):
+        proc = subprocess.run(
+            [sys.executable, __file__, "trace", str(tmp_path)],
+            env={**env, "PYTHONHASHSEED": seed},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        texts.append(json.loads(proc.stdout.splitlines()[-1]))
+    assert texts[0].keys() == TRACED.keys()
+    assert [k for k in TRACED if texts[0][k] != texts[1][k]] == []
 
 
 @pytest.fixture(scope="module")
@@ -223,9 +306,59 @@ def test_fsdp_axis(shape: tuple[int, ...], n: int, axis: int | None):
 # given as JSON, recording the shardings of the parameters and optimizer state that the first
 # step returns, and compile the sampler; the report is the last line of stdout.
 
-if __name__ == "__main__":
-    import jax
 
+def perturbed_main(what: str, args: list[str]) -> None:
+    """train.py's command line, after changing `what` (PERTURB) in this process."""
+    import jax.numpy as jnp
+
+    import models
+
+    cfg = train.parse_config(args)
+    if what == "config":
+        cfg = dataclasses.replace(cfg, lr=cfg.lr * 2)
+    elif what == "parameters":
+        build = train.build
+
+        def perturbed_build(cfg: train.Config) -> train.Run:
+            run = build(cfg)
+            leaves, treedef = jax.tree.flatten(run.task.params)
+            leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(1e-12)
+            params = jax.tree.unflatten(treedef, leaves)
+            return run._replace(task=run.task._replace(params=params))
+
+        train.build = perturbed_build
+    elif what == "program":
+        lm_loss = models.lm_loss
+        models.lm_loss = lambda *a: lm_loss(*a).astype(jnp.float32).astype(jnp.float64)
+    else:
+        raise ValueError(what)
+    try:
+        train.main(cfg)
+    except train.ConfigError as err:
+        sys.exit(f"error: {err}")
+
+
+def trace(out: str) -> None:
+    """Print {config: sha256 of the lowered step} for the configs in TRACED."""
+    import hashlib
+
+    jax.config.update("jax_enable_x64", True)
+    digests = {}
+    for name, overrides in TRACED.items():
+        cfg = base(Path(out) / name, **overrides)
+        run = train.build(cfg)
+        params = run.task.params
+        batch = run.task.sample(run.task.train_data, key=jax.random.key(0))
+        lowered = jax.jit(run.step).lower(params, run.opt.init(params), batch)
+        digests[name] = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    print(json.dumps(digests))
+
+
+if __name__ == "__main__" and sys.argv[1] == "perturb":
+    perturbed_main(sys.argv[2], sys.argv[3:])
+elif __name__ == "__main__" and sys.argv[1] == "trace":
+    trace(sys.argv[2])
+elif __name__ == "__main__":
     cfg = train.Config(**json.loads(sys.argv[1]))
     seen: dict[str, str] = {}
     jit_step = train.jit_step
