@@ -2022,6 +2022,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="a summary.json: its chosen lrs, evaluated on --seeds without selection (a re-check)",
     )
     parser.add_argument(
+        "--task",
+        choices=("lm", "mlp"),
+        default=None,
+        help="the task of sign, msq and clipping (default: the scale's)",
+    )
+    parser.add_argument(
         "--cache",
         default=None,
         help="trace cache (default OUT/cache); studies sharing one share their common runs",
@@ -2039,6 +2045,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             select_seeds=select,
             lrs_from=args.lrs_from,
             cache=args.cache,
+            task=args.task,
         )
     except (train.ConfigError, ValueError) as err:
         sys.exit(f"error: {err}")
