@@ -87,6 +87,7 @@ import gzip
 import io
 import json
 import math
+import shlex
 import subprocess
 import sys
 import time
@@ -158,7 +159,8 @@ class Scale:
     max_extensions: int  # per variant: grid points added past an edge before giving up
     sign_lrs: dict[str, tuple[float, ...]]  # starting grid per sign rule
     sign_momentum: float  # β of every sign rule's EMA
-    # (name, task, config overrides): the regimes of precond; μ̂²/σ̂² is measured in each.
+    # (name, task, config overrides): the regimes of precond (those of the study's task);
+    # μ̂²/σ̂² is measured in each.
     precond_regimes: tuple[tuple[str, str, dict[str, Any]], ...]
     precond_lrs: dict[str, tuple[float, ...]]  # starting grid per optimizer (every regime)
     msq_eps: tuple[float, ...]  # MicroAdamMSQ's ε...
@@ -213,7 +215,7 @@ SCALES: dict[str, Scale] = {
                  eval_batches=16),
         lm=_lm("mini", seq_len=32, steps=1000, warmup=50, batch_size=16, eval_interval=200,
                eval_batches=16),
-        select_seeds=(0, 1, 2), eval_seeds=(3, 4, 5, 6, 7), max_extensions=2,
+        select_seeds=(0, 1, 2), eval_seeds=(3, 4, 5, 6, 7), max_extensions=3,
         sign_lrs={"micro_sign_sgd": (3e-4, 1e-3, 3e-3), "sign_sgd": GRID3,
                   "sign_ema": (3e-4, 1e-3, 3e-3)},
         sign_momentum=0.9,
@@ -384,7 +386,13 @@ def make_protocol(
 
 
 def provenance(
-    name: str, scale: str, out: Path, proto: Protocol, cache: Path, task: str | None = None
+    name: str,
+    scale: str,
+    out: Path,
+    proto: Protocol,
+    cache: Path,
+    task: str | None = None,
+    only: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """What regenerates this summary: the command and the commit (with whether the code
     differed from it), the seeds, the machine."""
@@ -406,6 +414,8 @@ def provenance(
         command += ["--seeds", seeds_text(proto.select)]
     if task is not None:
         command += ["--task", task]
+    if only is not None:
+        command += ["--only", shlex.quote(",".join(only))]
     if cache != out / "cache":
         command += ["--cache", str(cache)]
     return {
@@ -776,6 +786,7 @@ class Study:
     held: dict[str, dict[str, Any]]  # family -> `scored` on the evaluation seeds
     same_seed: dict[str, dict[str, Any] | None]  # family -> chosen and scored on select seeds
     held_traces: dict[str, dict[int, sweep.Trace]]  # family -> seed -> the scored run
+    families: tuple[str, ...] = ()  # every family of the study, scored or not
 
 
 def tune_and_score(
@@ -834,7 +845,7 @@ def tune_and_score(
             held_traces[fam] = {
                 s: t for s in proto.evaluate if (t := runs.trace(lb, lr, s)) is not None
             }
-        return Study(runs, proto, record, held, same_seed, held_traces)
+        return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
     record = select_lrs(runs, variants, proto.select, max_extensions)
     picks: dict[str, Any] = {}  # family -> chosen on all selection seeds; LOO: per seed
     for fam, labels in families.items():
@@ -880,7 +891,7 @@ def tune_and_score(
             held_traces[fam] = {
                 s: t for s in proto.evaluate if (t := runs.trace(lb, lr, s)) is not None
             }
-        return Study(runs, proto, record, held, same_seed, held_traces)
+        return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
     for fam, labels in families.items():  # leave-one-seed-out
         loo = leave_one_out(runs.rows, labels, proto.select)
         if any(c is None for c in loo.values()):
@@ -901,13 +912,15 @@ def tune_and_score(
             if c is not None
             if (t := runs.trace(c[0], c[1], s)) is not None
         }
-    return Study(runs, proto, record, held, same_seed, held_traces)
+    return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
 
 
 def verdicts_of(study: Study, pairs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
     """Each pair's held-out verdict, with the same-seed verdict of the old protocol beside it."""
     out = []
     for a, b in pairs:
+        if a not in study.families or b not in study.families:
+            continue  # left out of this run (`--only`)
         v = compare(study.held.get(a), study.held.get(b), a, b)
         old = compare(study.same_seed.get(a), study.same_seed.get(b), a, b)
         out.append(v | {"same_seed_verdict": old["verdict"]})
@@ -1207,6 +1220,17 @@ class Context:
     proto: Protocol
     cache: Path
     prov: dict[str, Any]
+    only: tuple[str, ...] | None = None  # `--only`: these families of the study, no others
+
+    def families(self, variants: Sequence[Variant], families: dict[str, Sequence[str]]):
+        """(variants, families) restricted to `only` (every name must be a family)."""
+        if self.only is None:
+            return list(variants), families
+        if unknown := [f for f in self.only if f not in families]:
+            raise ValueError(f"--only: {unknown} not among this study's {list(families)}")
+        kept = {f: families[f] for f in self.only}
+        labels = {lb for f in kept.values() for lb in f}
+        return [v for v in variants if v.label in labels], kept
 
 
 def run_sign(ctx: Context) -> dict[str, Any]:
@@ -1288,6 +1312,8 @@ def run_precond(ctx: Context) -> dict[str, Any]:
     variants: list[Variant] = []
     regimes: dict[str, train.Config] = {}
     for regime, task, overrides in scale.precond_regimes:
+        if task != scale.task:
+            continue  # `--task` picks the regimes: the LM's and the MLP's are separate studies
         cfg = dataclasses.replace(task_config(scale, task), **overrides)
         regimes[regime] = cfg
         variants += [
@@ -1955,12 +1981,14 @@ def run(
     lrs_from: str | None = None,
     cache: str | None = None,
     task: str | None = None,
+    only: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run study `name` (EXPERIMENTS or "all") at `scale` ("smoke", "tiny", "small", "paper")
     into `out`. Seeds (module docstring): `select_seeds` and `seeds` disjoint (held-out),
     `seeds` alone (leave-one-seed-out), `lrs_from` a summary.json and `seeds` (fixed); None
     everywhere: the scale's held-out defaults. `task` ("lm" or "mlp") replaces the scale's task
-    of sign, msq and clipping. Returns its summary (for "all": a dict)."""
+    of sign, precond, msq and clipping; `only` keeps these families (variants) of the study.
+    Returns its summary (for "all": a dict)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
     if name == "all":
@@ -1984,10 +2012,11 @@ def run(
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache) if cache else path / "cache"
-    prov = provenance(name, scale, path, proto, cache_dir, task)
+    prov = provenance(name, scale, path, proto, cache_dir, task, only)
     print(f"experiment {name}, scale {scale}, {proto.describe()} -> {path}", flush=True)
     t0 = time.perf_counter()
-    summary = RUNNERS[name](Context(the_scale, path, proto, cache_dir, prov))
+    ctx = Context(the_scale, path, proto, cache_dir, prov, None if only is None else tuple(only))
+    summary = RUNNERS[name](ctx)
     seconds = time.perf_counter() - t0
     summary = {**summary, **prov, "scale": scale, "total_seconds": round(seconds, 1)}
     data = json.loads((path / "summary.json").read_text())
@@ -1996,7 +2025,8 @@ def run(
     return summary
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def cli() -> argparse.ArgumentParser:
+    """The command line of `main` (a committed summary's "command" parses with it)."""
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0],
         epilog="Every study, the selection protocol, the scales and the definitions: see "
@@ -2028,10 +2058,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="the task of sign, msq and clipping (default: the scale's)",
     )
     parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated variants (families) of the study to run, e.g. SignSGD,SignEMA",
+    )
+    parser.add_argument(
         "--cache",
         default=None,
         help="trace cache (default OUT/cache); studies sharing one share their common runs",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = cli()
     args = parser.parse_args(argv)
     out = args.out or f"runs/exp-{args.name}"
     try:
@@ -2046,6 +2086,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             lrs_from=args.lrs_from,
             cache=args.cache,
             task=args.task,
+            only=None if args.only is None else args.only.split(","),
         )
     except (train.ConfigError, ValueError) as err:
         sys.exit(f"error: {err}")
