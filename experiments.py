@@ -1240,10 +1240,11 @@ def run_sign(ctx: Context) -> dict[str, Any]:
         Variant(LABELS[m], dataclasses.replace(base, optimizer=m, momentum=beta), scale.sign_lrs[m])
         for m in SIGN_METHODS
     ]
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
     study = tune_and_score(
         "sign",
         variants,
-        {v.label: [v.label] for v in variants},
+        families,
         ctx.proto,
         ctx.cache,
         scale.max_extensions,
@@ -1325,10 +1326,11 @@ def run_precond(ctx: Context) -> dict[str, Any]:
             )
             for m in PRECOND_METHODS
         ]
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
     study = tune_and_score(
         "precond",
         variants,
-        {v.label: [v.label] for v in variants},
+        families,
         ctx.proto,
         ctx.cache,
         scale.max_extensions,
@@ -1507,10 +1509,11 @@ def run_clipping(ctx: Context) -> dict[str, Any]:
         for m in ("micro_adam", "adam")
         for c in thresholds
     ]
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
     study = tune_and_score(
         "clipping",
         variants,
-        {v.label: [v.label] for v in variants},
+        families,
         ctx.proto,
         ctx.cache,
         scale.max_extensions,
