@@ -52,7 +52,7 @@ Definitions used in the summaries:
   freezes it there; it has no final loss); a finished run whose final loss is above its initial
   one "blew up" (a finite explosion). Both count as unstable.
 * spike: after warmup, a training loss (of one step's batch) above SPIKE_FACTOR (2) times the
-  running minimum of the training losses so far; consecutive spiking steps are one spike.
+  median of the last SPIKE_WINDOW (50) non-spiking ones; consecutive spiking steps are one.
 * verdict of "A vs B" (each at its chosen lr), on the evaluation seeds (or the held-out seeds of
   leave-one-seed-out): per-seed differences d_s = loss_A − loss_B (paired: one seed is one
   initialisation, batch order and held-out set for both); mean, standard error se and a 95 %
@@ -91,7 +91,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,7 @@ LABELS = {
     "micro_adam_msq": "MicroAdamMSQ",
 }
 SPIKE_FACTOR = 2.0
+SPIKE_WINDOW = 50  # steps of the median a spike is measured against
 EDGE = "edge: not a result"
 BOOTSTRAP = 1000  # seed resamples of the batch-scaling exponent's interval
 # Two-sided 95 % quantiles of Student's t by degrees of freedom (beyond 10: the normal's).
@@ -471,15 +472,21 @@ class Variant:
 
 def count_spikes(losses: Sequence[float], warmup: int) -> int:
     """Spikes in per-step training losses (index = step): after warmup, a loss above
-    SPIKE_FACTOR × the running minimum; consecutive spiking steps are one spike. NaN (a diverged
-    run's steps after divergence) is skipped."""
-    spikes, low, inside = 0, math.inf, False
+    SPIKE_FACTOR × the median of the last SPIKE_WINDOW non-spiking losses (at least 5 of them);
+    consecutive spiking steps are one spike, and a spiking step does not enter the median, so
+    a loss that jumps and stays up is one long spike. NaN (a diverged run's steps after its
+    divergence) is skipped. A median, not a running minimum: the minimum of many noisy batch
+    losses sits far below their typical value, and noise alone would cross twice it."""
+    spikes, inside, calm = 0, False, []
     for step, loss in enumerate(losses):
-        if step < warmup or not math.isfinite(loss):
+        if not math.isfinite(loss):
             continue
-        spiking = loss > SPIKE_FACTOR * low
+        spiking = step >= warmup and len(calm) >= 5
+        spiking = spiking and loss > SPIKE_FACTOR * float(np.median(calm[-SPIKE_WINDOW:]))
         spikes += spiking and not inside
-        inside, low = spiking, min(low, loss)
+        inside = spiking
+        if not spiking:
+            calm.append(loss)
     return spikes
 
 
@@ -793,7 +800,7 @@ class Study:
 def tune_and_score(
     experiment: str,
     variants: Sequence[Variant],
-    families: dict[str, Sequence[str]],
+    families: Mapping[str, Sequence[str]],
     proto: Protocol,
     cache: Path,
     max_extensions: int,
@@ -1082,7 +1089,7 @@ def write_study(
     lines += [
         "",
         "Instability over every run (every lr, both phases; spike: a step's loss > "
-        f"{SPIKE_FACTOR:g}× the running minimum; blew up: final loss > initial):",
+        f"{SPIKE_FACTOR:g}× the median of the last {SPIKE_WINDOW}; blew up: final loss > initial):",
         "",
         "| variant | runs | diverged (at steps) | blew up | with spikes |",
         "|---|---|---|---|---|",
@@ -1223,7 +1230,7 @@ class Context:
     prov: dict[str, Any]
     only: tuple[str, ...] | None = None  # `--only`: these families of the study, no others
 
-    def families(self, variants: Sequence[Variant], families: dict[str, Sequence[str]]):
+    def families(self, variants: Sequence[Variant], families: Mapping[str, Sequence[str]]):
         """(variants, families) restricted to `only` (every name must be a family)."""
         if self.only is None:
             return list(variants), families

@@ -521,10 +521,15 @@ def test_groups_split_what_cannot_share_a_program():
 
 
 def test_count_spikes():
-    losses = [5.0, 1.0, 3.0, 2.5, 1.0, 0.5, 0.9, 1.2, 1.1, float("nan")]
-    # warmup 1: running min 1.0, then 3.0 and 2.5 (one spike), 0.5 -> 1.2 and 1.1 (another)
-    assert experiments.count_spikes(losses, warmup=1) == 2
-    assert experiments.count_spikes(losses[:2], warmup=0) == 0
+    rng = np.random.default_rng(0)
+    calm = list(1.0 + 0.1 * rng.standard_normal(200))  # noise alone: its minimum is ~0.7
+    assert experiments.count_spikes(calm, warmup=10) == 0
+    burst = calm[:100] + [3.0, 3.2, 2.9] + calm[103:150] + [5.0] + calm[151:]
+    assert experiments.count_spikes(burst, warmup=10) == 2  # 3 steps in a row are one
+    stays_up = calm[:100] + [4.0] * 100  # a jump that stays: one long spike
+    assert experiments.count_spikes(stays_up, warmup=10) == 1
+    assert experiments.count_spikes(burst[:101], warmup=101) == 0  # in warmup: not counted
+    assert experiments.count_spikes([*calm[:50], float("nan"), 3.0], warmup=0) == 1
 
 
 def agg(per_seed: dict[int, float]) -> dict[str, Any]:
