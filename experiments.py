@@ -241,7 +241,7 @@ SCALES: dict[str, Scale] = {
         sign_lrs={"micro_sign_sgd": (3e-3, 1e-2, 3e-2), "sign_sgd": (3e-4, 1e-3, 3e-3),
                   "sign_ema": (3e-4, 1e-3, 3e-3)},
         sign_momentum=0.9,
-        precond_regimes=(("LM, 64 tokens", "lm", {}), ("LM, 128 tokens", "lm", {"seq_len": 128}),
+        precond_regimes=(("LM, 64 tokens", "lm", {}), ("LM, 128 tokens", "lm", {"seq_len": 128, "context_length": 128}),
                          ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={m: (3e-4, 1e-3, 3e-3, 1e-2) for m in PRECOND_METHODS},
         msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(3e-4, 1e-3, 3e-3),
