@@ -417,8 +417,8 @@ def provenance(
         command += ["--seeds", seeds_text(proto.select)]
     if task is not None:
         command += ["--task", task]
-    if only is not None:
-        command += ["--only", shlex.quote(",".join(only))]
+    for name_ in only or ():
+        command += ["--only", shlex.quote(name_)]
     if cache != out / "cache":
         command += ["--cache", str(cache)]
     return {
@@ -2071,8 +2071,10 @@ def cli() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--only",
+        action="append",
         default=None,
-        help="comma-separated variants (families) of the study to run, e.g. SignSGD,SignEMA",
+        help="run this variant (family) of the study and not the others; repeat for more, "
+        "e.g. --only SignSGD --only SignEMA",
     )
     parser.add_argument(
         "--cache",
@@ -2098,7 +2100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             lrs_from=args.lrs_from,
             cache=args.cache,
             task=args.task,
-            only=None if args.only is None else args.only.split(","),
+            only=args.only,
         )
     except (train.ConfigError, ValueError) as err:
         sys.exit(f"error: {err}")

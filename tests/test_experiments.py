@@ -590,6 +590,10 @@ def test_only_keeps_the_named_variants(tmp_path: Path):
     rows, data = check_files(tmp_path / "s", "sign")
     assert {r["method"] for r in rows} == {"SignSGD", "SignEMA"}
     assert [(v["a"], v["b"]) for v in data["verdicts"]] == [("SignEMA", "SignSGD")]
-    assert "--only SignSGD,SignEMA" in summary["command"]
+    assert "--only SignSGD --only SignEMA" in summary["command"]
+    assert experiments.cli().parse_args(shlex.split(summary["command"])[2:]).only == [
+        "SignSGD",
+        "SignEMA",
+    ]
     with pytest.raises(ValueError, match="not among"):
         smoke("sign", tmp_path / "t", only=("Adam",))
