@@ -1686,7 +1686,7 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
                 if (e := fit_exponent(best_lr_per_b(runs.rows, interior, list(r)))) is not None
             ]
             lo, hi = np.percentile(boot, [2.5, 97.5]).tolist() if boot else (None, None)
-            inside = None if lo is None or hi is None else lo <= power <= hi
+            inside = None if lo is None or hi is None else lo - 1e-9 <= power <= hi + 1e-9
             verdict = (
                 "no verdict: fewer than two batch sizes with an interior best lr"
                 if point is None
