@@ -1812,7 +1812,12 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
             f"| {LABELS[t['method']]} | {t['arm']} | {t['batch_size']} | {t['b2']:.5g} "
             f"| {fmt_lr(t['best_lr'])}{flag} ({picks}) | {loss} |"
         )
-    lines += ["", "Fitted exponents (over the B whose best lr is interior):", ""]
+    lines += [
+        "",
+        "Fitted exponents (over the B whose best lr is interior; fitted on the selection "
+        "seeds alone, the evaluation seeds are not used here; interval: seed bootstrap):",
+        "",
+    ]
     lines += [f"- {LABELS[f['method']]} ({f['arm']}): {f['verdict']}" for f in fits]
     lines += ["", "Regime (loss after a fixed number of examples, smallest B vs the next):", ""]
     lines += [
