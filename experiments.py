@@ -1,27 +1,49 @@
-"""experiments.py: one command per finding of Roulet & Agarwala (arXiv 2510.00236), with plots.
+"""experiments.py: one command per finding of Roulet & Agarwala (arXiv 2510.00236), each verdict
+computed on seeds its learning rates were not chosen on.
 
-    python experiments.py sign --scale tiny --out runs/sign          # sign placement, SNR model
-    python experiments.py precond --scale tiny --out runs/precond    # Adam-family preconditioners
-    python experiments.py batch-scaling --scale tiny --out runs/bs   # lr ∝ √B (Adam), ∝ B (Micro)
-    python experiments.py overhead --scale tiny --out runs/overhead  # bench.py's cost table
-    python experiments.py vectorize --scale tiny --out runs/vec      # runs/hour: vmap vs one by one
-    python experiments.py all --scale tiny --out runs/all            # every one of them
-    python experiments.py sign --seeds 5 ...                         # seeds 0..4 (default: 3)
+    python experiments.py sign --out results/sign           # sign placement, with the SNR model
+    python experiments.py precond --out results/precond     # Adam / MicroAdam / MicroAdamVar per
+                                                            #   regime, with μ̂²/σ̂² measured
+    python experiments.py msq --out results/msq             # MicroAdamMSQ's ε; Adam the control
+    python experiments.py clipping --out results/clipping   # MicroAdam and Adam, clipped
+    python experiments.py batch-scaling --out results/bs    # best lr vs B, two β₂ arms
+    python experiments.py overhead --out runs/overhead      # bench.py's cost table
+    python experiments.py vectorize --out runs/vec          # runs/hour: vmap vs one by one
+    python experiments.py sign --select-seeds 0,1,2 --seeds 3-7    # the protocol, explicitly
+    python experiments.py sign --seeds 0-4                  # leave-one-seed-out on seeds 0..4
+    python experiments.py sign --seeds 20-24 --lrs-from results/sign/summary.json
+                                                            # re-check committed settings, new seeds
 
-This is the studies' one entry point (train.py trains one run). In Python:
-`experiments.run(name, scale=..., out=..., seeds=3) -> summary dict`.
+This is the studies' one entry point (train.py trains one run). In Python: `experiments.run(name,
+scale=..., out=..., seeds=(3, 4, 5), select_seeds=(0, 1, 2)) -> summary dict`.
 
-Every training study is a grid of `train.Config`s, each repeated for seeds 0..N-1, trained by
-sweep.py: runs that differ only in the optimizer's numbers (lr, β, ε, clipping threshold) and
-the seed are one vectorized program (vmap over a leading run axis), one program per optimizer
-and batch size. Traces are cached in OUT/cache/ per program, so an interrupted study continues
-and a re-run only redraws. Each study writes OUT/summary.csv (one row per run and seed),
-OUT/summary.json (the grid, per-setting statistics over seeds, best settings, the verdicts) and
-OUT/<name>.png (with matplotlib).
+Selection protocol (every training study but batch-scaling):
 
-Scales (SCALES): `smoke` (tiny MLP, a few steps, 2 seeds: tests), `tiny` (the default "mini"
-byte-level transformer LM of train.py at 32 tokens a window, 1000 steps, 3 seeds: a CPU study;
-README's results), `small` and `paper` (larger, longer: for accelerators; not run here).
+* held-out (the default: `--select-seeds` and `--seeds` disjoint): each variant's lr grid is
+  trained on the selection seeds; its lr is the one with the lowest mean final loss over them
+  among the lrs at which every selection seed finished. While that lr is at an edge of the grid
+  (or no lr finished), the grid is extended by one of its own steps past that edge and the new
+  point trained, up to `Scale.max_extensions` times per variant. The chosen lr is then trained on
+  the evaluation seeds, and every verdict is computed on those alone.
+* leave-one-seed-out (`--seeds` only): the whole grid on every seed; seed s is scored at the lr
+  chosen on the other seeds.
+* fixed (`--lrs-from SUMMARY --seeds ...`): no selection; each variant at the lr a committed
+  summary chose, on the given (unseen) seeds. This is the independent re-check.
+A family of variants (e.g. MicroAdamMSQ at every ε) is chosen the same way: the member and its
+lr with the lowest selection mean. Summaries record the protocol, the real seed numbers, every
+grid tried and its extensions, the command line and the git commit; a chosen lr still at an edge
+of its grid after the extensions is marked "edge: not a result", and so is any verdict using it.
+
+Each study writes OUT/summary.csv (one row per run and seed, with its phase), OUT/summary.json,
+OUT/summary.md (for people), OUT/traces.csv.gz (every run's binned training loss and diagnostic
+and its held-out losses: `python plots.py OUT` redraws OUT/<name>.png from it and summary.json).
+Runs that differ only in the optimizer's numbers (lr, β, ε, clipping threshold) and the seed are
+one vectorized program (sweep.py); their traces are cached in `--cache` (default OUT/cache), so an
+interrupted study continues and studies sharing a cache share their common runs.
+
+Scales (SCALES): `smoke` (tiny MLP, a few steps: tests), `tiny` (the default "mini" byte-level LM
+of train.py on 32-token windows, 1000 steps of batch 16, and the "mini" teacher-student MLP: a
+CPU study), `small` and `paper` (larger, longer: for accelerators; not run here).
 
 Definitions used in the summaries:
 
@@ -30,39 +52,46 @@ Definitions used in the summaries:
   freezes it there; it has no final loss); a finished run whose final loss is above its initial
   one "blew up" (a finite explosion). Both count as unstable.
 * spike: after warmup, a training loss (of one step's batch) above SPIKE_FACTOR (2) times the
-  running minimum of the training losses so far; consecutive spiking steps are one spike.
-* per setting (an optimizer variant at one lr): mean, sd, min and max of the final loss over
-  the seeds; a setting with an unstable seed has no mean. The best lr of a variant is the
-  setting with the lowest mean.
-* verdict of "A vs B": both at their best lr, the per-seed differences d_s = loss_A − loss_B
-  (paired: one seed is one initialisation, batch order and held-out set for both). "consistent"
-  when every seed agrees on the sign of d and |mean d| > 2·sd(d)/√n; "no difference" when
-  |mean d| ≤ sd(d)/√n; otherwise "weak". The best lr is chosen on the same seeds, which favours
-  each method a little; a few seeds make every verdict provisional.
+  median of the last SPIKE_WINDOW (50) non-spiking ones; consecutive spiking steps are one.
+* verdict of "A vs B" (each at its chosen lr), on the evaluation seeds (or the held-out seeds of
+  leave-one-seed-out): per-seed differences d_s = loss_A − loss_B (paired: one seed is one
+  initialisation, batch order and held-out set for both); mean, standard error se and a 95 %
+  t-interval. "consistent" when every seed agrees on the sign of d and |mean d| > 2·se; "no
+  difference" when |mean d| ≤ se; otherwise "weak". A seed on which either diverged or blew up
+  is left out of d and named. Beside it, the "same-seed" verdict of the old protocol (lr chosen
+  and scored on the selection seeds) shows what held-out selection changed.
+* μ̂²/σ̂² (`measure_mu_sigma`): per coordinate, from pegrad's "mean" and "sq_mean" on
+  `snr_batches` fresh batches of `snr_batch_size` examples (N in all): μ̂² = max(0, (N·ḡ² −
+  q)/(N − 1)) (unbiased, clamped), σ̂² = N/(N − 1)·(q − ḡ²), the per-example variance. Its median
+  over coordinates says whether the mean matters per example (≳ 1: MicroAdamVar's σ̂² and
+  MicroAdam's q = μ² + σ² differ) or not (≪ 1: they are nearly the same optimizer).
 * mean-dominated coordinates (train.diagnostics, every step, from the training batch): the
   fraction of coordinates with μ̂² > σ̂²/B, i.e. where the squared mean outweighs the noise of
   ḡ in Adam's ν = μ² + σ²/B.
-* SNR model (SPEC §4, `snr_prediction`): per coordinate g_i ~ N(μ, σ²). The expected update
-  direction of each sign rule is E[sign(g_i)] = erf(μ/(√2σ)) (MicroSignSGD: sign before the
-  average), E[sign(ḡ)] = erf(√B μ/(√2σ)) (SignSGD) and ≈ erf(√(B(1+β)/(1−β)) μ/(√2σ)) (SignEMA:
-  the EMA averages (1+β)/(1−β) times more steps). The predicted alignment of a rule is the
-  expected descent per step relative to sign(μ): Σ_j |μ_j|·erf(k|μ_j|/(√2σ_j)) / Σ_j |μ_j|, in
-  [0, 1], higher is better. μ and σ are measured with pegrad ("mean", "sq_mean") on
-  `snr_batches` fresh batches of `snr_batch_size` examples (N in all) at each seed's
-  initialisation and at the final parameters of each rule's best run of that seed. Estimators:
-  μ² ≈ max(0, (N·ḡ² − q)/(N − 1)) (unbiased, clamped), σ² = N/(N − 1)·(q − ḡ²).
+* SNR model (SPEC §4, `snr_prediction`): per coordinate g_i ~ N(μ, σ²); the expected update
+  direction of each sign rule is erf(k·μ/(√2σ)) with k = 1 (MicroSignSGD), √B (SignSGD),
+  √(B(1+β)/(1−β)) (SignEMA: the EMA averages (1+β)/(1−β) times more steps). The predicted
+  alignment of a rule is Σ_j |μ_j|·erf(k|μ_j|/(√2σ_j)) / Σ_j |μ_j| in [0, 1], higher is better.
+* batch-scaling: per method, arm and B, the lr chosen on the selection seeds from an absolute
+  grid (the same at every B, extended at edges); the exponent is the least-squares slope of
+  log(best lr) against log B over the B whose best lr is interior, with a 95 % interval from
+  resampling the seeds with replacement (each resample re-chooses every best lr).
 """
 
 import argparse
 import contextlib
 import csv
 import dataclasses
+import datetime
+import gzip
 import io
 import json
 import math
+import shlex
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +104,11 @@ import plots
 import sweep
 import train
 
-EXPERIMENTS = ("sign", "precond", "batch-scaling", "overhead", "vectorize")
+EXPERIMENTS = ("sign", "precond", "msq", "clipping", "batch-scaling", "overhead", "vectorize")
+TRAINING = ("sign", "precond", "msq", "clipping", "batch-scaling")  # the seeded studies
 TASK_NAMES = {"mlp": "MLP teacher-student", "lm": "byte-level LM"}  # in figure titles
 SIGN_METHODS = ("micro_sign_sgd", "sign_sgd", "sign_ema")
-ADAM_METHODS = ("adam", "micro_adam", "micro_adam_var", "micro_adam_msq")
+PRECOND_METHODS = ("adam", "micro_adam", "micro_adam_var")
 LABELS = {
     "micro_sign_sgd": "MicroSignSGD",
     "sign_sgd": "SignSGD",
@@ -89,14 +119,29 @@ LABELS = {
     "micro_adam_msq": "MicroAdamMSQ",
 }
 SPIKE_FACTOR = 2.0
-PAPER_CLIP = 1e-2  # the paper's clipping threshold for MicroAdam's spikes
+SPIKE_WINDOW = 50  # steps of the median a spike is measured against
+EDGE = "edge: not a result"
+BOOTSTRAP = 1000  # seed resamples of the batch-scaling exponent's interval
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (beyond 10: the normal's).
+T975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+}
 
 # fmt: off
 CSV_COLUMNS = (
-    "experiment", "task", "method", "optimizer", "lr", "lr_mult", "momentum", "eps",
-    "max_grad_norm", "msq_block", "batch_size", "steps", "examples", "seed", "status",
-    "diverged_step", "first_eval_loss", "final_loss", "final_train_loss", "spikes",
-    "final_frac_mean_dominated", "seconds",
+    "experiment", "phase", "task", "regime", "arm", "method", "optimizer", "lr", "momentum",
+    "b2", "eps", "max_grad_norm", "msq_block", "noise", "seq_len", "batch_size", "steps",
+    "examples", "seed", "status", "diverged_step", "first_eval_loss", "final_loss",
+    "final_train_loss", "spikes", "final_frac_mean_dominated", "seconds",
 )
 # fmt: on
 
@@ -107,21 +152,26 @@ CSV_COLUMNS = (
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    task: str  # "lm" or "mlp": the task of every training study at this scale
+    task: str  # "lm" or "mlp": the task of sign, msq and clipping at this scale
     lm: train.Config  # byte-level transformer LM on CPython's English text
     mlp: train.Config  # teacher-student regression (label noise sets the gradient SNR)
-    seeds: int  # default --seeds
-    sign_lrs: dict[str, tuple[float, ...]]  # per sign rule
-    sign_momenta: tuple[float, ...]  # β of SignSGD and SignEMA; MicroSignSGD runs the first
-    precond_lrs: tuple[float, ...]
-    var_batch_size: int  # MicroAdamVar (and Adam, the control) again at this larger batch...
-    var_steps: int  # ...for this many steps, where its instability should show
-    var_lrs: tuple[float, ...]
+    select_seeds: tuple[int, ...]  # default --select-seeds: each lr is chosen on these...
+    eval_seeds: tuple[int, ...]  # ...and each verdict computed on these (default --seeds)
+    max_extensions: int  # per variant: grid points added past an edge before giving up
+    sign_lrs: dict[str, tuple[float, ...]]  # starting grid per sign rule
+    sign_momentum: float  # β of every sign rule's EMA
+    # (name, task, config overrides): the regimes of precond (those of the study's task);
+    # μ̂²/σ̂² is measured in each.
+    precond_regimes: tuple[tuple[str, str, dict[str, Any]], ...]
+    precond_lrs: dict[str, tuple[float, ...]]  # starting grid per optimizer (every regime)
+    msq_eps: tuple[float, ...]  # MicroAdamMSQ's ε...
+    msq_lrs: tuple[float, ...]  # ...each with this starting grid; Adam's is precond_lrs'
+    clip_thresholds: tuple[float, ...]  # max_grad_norm of clipped MicroAdam and clipped Adam
+    batch_task: str  # the task of batch-scaling
     batch_sizes: tuple[int, ...]
-    batch_base: int  # B₀ of lr = mult·lr₀·(B/B₀)^p
+    batch_base: int  # B_ref: β₂(B) = β₂_ref^(B/B_ref) in the half-life arm
     batch_examples: int  # examples seen by every run: steps = examples // B
-    batch_lr0: dict[str, float]  # lr₀ per method at B₀
-    batch_lr_mults: tuple[float, ...]
+    batch_lrs: tuple[float, ...]  # absolute starting grid, the same at every B
     snr_batches: int
     snr_batch_size: int
     vectorize_runs: int  # runs of the timed group (lrs × seeds); the sequential side times...
@@ -139,6 +189,8 @@ def _lm(size: str, **kw: Any) -> train.Config:
     return train.Config(**{**base, **kw})
 
 
+GRID3 = (1e-3, 3e-3, 1e-2)
+
 # fmt: off
 SCALES: dict[str, Scale] = {
     "smoke": Scale(  # seconds per program, MLP: for tests
@@ -146,33 +198,37 @@ SCALES: dict[str, Scale] = {
         mlp=_mlp("tiny", steps=4, warmup=1, batch_size=8, eval_interval=2, eval_batches=1),
         lm=_lm("tiny", n_layers=1, seq_len=8, steps=4, warmup=1, batch_size=4, eval_interval=2,
                eval_batches=1),
-        seeds=2,
-        sign_lrs={m: (1e-3, 1e-2) for m in SIGN_METHODS}, sign_momenta=(0.9, 0.99),
-        # The larger-B runs at the base's B and steps: one program with the main grid's.
-        precond_lrs=(1e-2,), var_batch_size=8, var_steps=4, var_lrs=(1e-2,),
-        batch_sizes=(8, 16), batch_base=8, batch_examples=32,
-        batch_lr0={"adam": 1e-2, "micro_adam": 1e-2}, batch_lr_mults=(1.0, 2.0),
+        select_seeds=(0, 1), eval_seeds=(2, 3), max_extensions=1,
+        sign_lrs={m: (1e-3, 1e-2) for m in SIGN_METHODS}, sign_momentum=0.9,
+        precond_regimes=(("MLP", "mlp", {}), ("MLP, noise 0", "mlp", {"noise": 0.0})),
+        precond_lrs={m: (1e-3, 1e-2) for m in PRECOND_METHODS},
+        msq_eps=(1e-8, 1e-2), msq_lrs=(1e-3, 1e-2), clip_thresholds=(1e-2,),
+        batch_task="mlp", batch_sizes=(4, 8), batch_base=8, batch_examples=32,
+        batch_lrs=(1e-3, 1e-2),
         snr_batches=1, snr_batch_size=8, vectorize_runs=4, vectorize_sequential=2,
         bench=dict(quick=True, sections=("mlp",), stat_sets=("mean+sq_mean",), reps=1,
                    min_time_s=0.0, mlp_in=16, mlp_width=32, mlp_depth=2, mlp_batch=8,
                    mlp_batch_sizes=(8,)),
     ),
-    "tiny": Scale(  # the default "mini" LM (120k parameters), 32-token windows, on a 2-core CPU
+    "tiny": Scale(  # the "mini" LM (120k parameters) on 32-token windows and the "mini" MLP: CPU
         task="lm",
-        mlp=_mlp("mini", steps=1000, warmup=50, batch_size=32, eval_interval=200,
-                 eval_batches=32),
+        # Noise-free labels: at noise 1 every optimizer ends at the noise floor within 0.3 %.
+        mlp=_mlp("mini", noise=0.0, steps=1000, warmup=50, batch_size=16, eval_interval=200,
+                 eval_batches=16),
         lm=_lm("mini", seq_len=32, steps=1000, warmup=50, batch_size=16, eval_interval=200,
                eval_batches=16),
-        seeds=3,
-        # Grown (twice) where a pass found a best lr at the grid's lower edge.
-        sign_lrs={"micro_sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
-                  "sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2),
-                  "sign_ema": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)},
-        sign_momenta=(0.9, 0.99),
-        precond_lrs=(1e-3, 3e-3, 1e-2), var_batch_size=64, var_steps=500, var_lrs=(1e-3, 3e-3),
-        batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32, batch_examples=8192,
-        batch_lr0={"adam": 2e-3, "micro_adam": 4e-3},
-        batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
+        select_seeds=(0, 1, 2), eval_seeds=(3, 4, 5, 6, 7), max_extensions=3,
+        sign_lrs={"micro_sign_sgd": (3e-4, 1e-3, 3e-3), "sign_sgd": GRID3,
+                  "sign_ema": (3e-4, 1e-3, 3e-3)},
+        sign_momentum=0.9,
+        precond_regimes=(("LM, 32 tokens", "lm", {}), ("MLP, noise 1", "mlp", {"noise": 1.0}),
+                         ("MLP, noise 0", "mlp", {"noise": 0.0})),
+        precond_lrs={"adam": GRID3, "micro_adam": (3e-3, 1e-2, 3e-2),
+                     "micro_adam_var": (3e-3, 1e-2, 3e-2)},
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2, 1e-1), msq_lrs=GRID3,
+        clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
+        batch_task="mlp", batch_sizes=(4, 8, 16, 32, 64), batch_base=16,
+        batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
         snr_batches=8, snr_batch_size=128, vectorize_runs=9, vectorize_sequential=3,
         bench=dict(quick=True),
     ),
@@ -182,14 +238,18 @@ SCALES: dict[str, Scale] = {
                  eval_batches=32),
         lm=_lm("small", seq_len=64, steps=2000, warmup=100, batch_size=32, eval_interval=250,
                eval_batches=16),
-        seeds=3,
-        sign_lrs={"micro_sign_sgd": (3e-3, 1e-2, 3e-2, 1e-1), "sign_sgd": (3e-4, 1e-3, 3e-3, 1e-2),
-                  "sign_ema": (3e-4, 1e-3, 3e-3, 1e-2)},
-        sign_momenta=(0.9, 0.99),
-        precond_lrs=(3e-4, 1e-3, 3e-3, 1e-2), var_batch_size=128, var_steps=2000,
-        var_lrs=(3e-4, 1e-3, 3e-3),
-        batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=32, batch_examples=32 * 2000,
-        batch_lr0={"adam": 2e-3, "micro_adam": 8e-3}, batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
+        select_seeds=(0, 1, 2), eval_seeds=(3, 4, 5, 6, 7), max_extensions=3,
+        sign_lrs={"micro_sign_sgd": (3e-3, 1e-2, 3e-2), "sign_sgd": (3e-4, 1e-3, 3e-3),
+                  "sign_ema": (3e-4, 1e-3, 3e-3)},
+        sign_momentum=0.9,
+        precond_regimes=(("LM, 64 tokens", "lm", {}),
+                         ("LM, 128 tokens", "lm", {"seq_len": 128, "context_length": 128}),
+                         ("MLP, noise 0", "mlp", {"noise": 0.0})),
+        precond_lrs={m: (3e-4, 1e-3, 3e-3, 1e-2) for m in PRECOND_METHODS},
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(3e-4, 1e-3, 3e-3),
+        clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
+        batch_task="lm", batch_sizes=(2, 4, 8, 16, 32, 64, 128, 256), batch_base=32,
+        batch_examples=32 * 2000, batch_lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
         snr_batches=16, snr_batch_size=128, vectorize_runs=12, vectorize_sequential=2,
         bench=dict(),
     ),
@@ -199,14 +259,16 @@ SCALES: dict[str, Scale] = {
                  eval_batches=32),
         lm=_lm("paper", seq_len=512, steps=5000, warmup=250, batch_size=64, eval_interval=250,
                eval_batches=16),
-        seeds=3,
-        sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2, 3e-2), "sign_sgd": (3e-5, 1e-4, 3e-4, 1e-3),
-                  "sign_ema": (3e-5, 1e-4, 3e-4, 1e-3)},
-        sign_momenta=(0.9, 0.99),
-        precond_lrs=(1e-4, 3e-4, 1e-3, 3e-3), var_batch_size=256, var_steps=5000,
-        var_lrs=(1e-4, 3e-4, 1e-3),
-        batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64, batch_examples=64 * 5000,
-        batch_lr0={"adam": 6e-4, "micro_adam": 2.4e-3}, batch_lr_mults=(0.25, 0.5, 1.0, 2.0, 4.0),
+        select_seeds=(0, 1, 2), eval_seeds=(3, 4, 5, 6, 7), max_extensions=3,
+        sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2), "sign_sgd": (3e-5, 1e-4, 3e-4),
+                  "sign_ema": (3e-5, 1e-4, 3e-4)},
+        sign_momentum=0.9,
+        precond_regimes=(("LM, 512 tokens", "lm", {}),),
+        precond_lrs={m: (1e-4, 3e-4, 1e-3) for m in PRECOND_METHODS},
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(1e-4, 3e-4, 1e-3),
+        clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
+        batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64,
+        batch_examples=64 * 5000, batch_lrs=(1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3),
         snr_batches=16, snr_batch_size=32, vectorize_runs=8, vectorize_sequential=1,
         bench=dict(),
     ),
@@ -214,38 +276,223 @@ SCALES: dict[str, Scale] = {
 # fmt: on
 
 
-def base_config(scale: Scale) -> train.Config:
-    return scale.lm if scale.task == "lm" else scale.mlp
+def task_config(scale: Scale, task: str | None = None) -> train.Config:
+    return scale.lm if (task or scale.task) == "lm" else scale.mlp
+
+
+def task_of(cfg: train.Config) -> str:
+    return "lm" if cfg.model == "transformer" else "mlp"
 
 
 # --------------------------------------------------------------------------------------------
-# Runs: a grid of (labels, config) points, each for every seed, trained by sweep.py.
+# Seeds, protocol and provenance.
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """ "3,4,5", "3-7" or a mix ("0,2,5-7"): the seeds in the order given, each once. A bare
+    number is refused: it once meant "seeds 0..N-1", and reading it as one seed would silently
+    change an old command's meaning."""
+    text = text.strip()
+    if text.isdigit():
+        n = int(text)
+        raise ValueError(
+            f"--seeds {text}: give the seeds themselves, e.g. 0-{max(n - 1, 0)} "
+            f"for 0..{max(n - 1, 0)} or {text}, for seed {text} alone"
+        )
+    seeds: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            span = range(int(lo), int(hi) + 1) if sep else [int(part)]
+        except ValueError:
+            raise ValueError(f"seeds: cannot read {part!r} in {text!r}") from None
+        if sep and int(hi) < int(lo):
+            raise ValueError(f"seeds: empty range {part!r}")
+        seeds += [s for s in span if s not in seeds]
+    if not seeds or any(s < 0 for s in seeds):
+        raise ValueError(f"seeds: need one or more seeds >= 0, got {text!r}")
+    return tuple(seeds)
+
+
+def seeds_text(seeds: Sequence[int]) -> str:
+    return ",".join(str(s) for s in seeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """Which seeds choose the lrs and which decide the verdicts (module docstring)."""
+
+    select: tuple[int, ...]  # the lr grid runs on these (empty with fixed lrs)
+    evaluate: tuple[int, ...]  # the verdicts use these; empty: leave-one-seed-out on select
+    fixed: tuple[tuple[str, str, float], ...] = ()  # (family, variant, lr) from a summary
+    source: str | None = None  # the summary `fixed` was read from
+
+    @property
+    def name(self) -> str:
+        if self.fixed:
+            return "fixed"
+        return "held-out" if self.evaluate else "leave-one-seed-out"
+
+    def describe(self) -> str:
+        if self.name == "fixed":
+            return (
+                f"fixed: each variant at the lr chosen in {self.source}, on seeds "
+                f"{seeds_text(self.evaluate)} (no selection here)"
+            )
+        if self.name == "held-out":
+            return (
+                f"held-out: lr chosen on seeds {seeds_text(self.select)}, verdicts on "
+                f"seeds {seeds_text(self.evaluate)}"
+            )
+        return (
+            f"leave-one-seed-out over seeds {seeds_text(self.select)}: each seed scored at "
+            "the lr chosen on the others"
+        )
+
+
+def make_protocol(
+    seeds: Sequence[int] | None,
+    select_seeds: Sequence[int] | None,
+    lrs_from: str | None,
+    scale: Scale,
+) -> Protocol:
+    """The protocol the arguments name (None: the scale's defaults), checked."""
+    if lrs_from is not None:
+        if select_seeds:
+            raise ValueError("--lrs-from takes the lrs from a summary: no --select-seeds")
+        if not seeds or len(seeds) < 2:
+            raise ValueError("--lrs-from needs --seeds with two or more (unseen) seeds")
+        data = json.loads(Path(lrs_from).read_text())
+        chosen = tuple(
+            (c["family"], c["method"], float(c["lr"]))
+            for c in data.get("chosen", ())
+            if c.get("lr") is not None
+        )
+        if not chosen:
+            raise ValueError(f"--lrs-from {lrs_from}: no chosen lrs in it (is it a summary.json?)")
+        return Protocol((), tuple(seeds), chosen, lrs_from)
+    if select_seeds is None and seeds is None:
+        select, evaluate = scale.select_seeds, scale.eval_seeds
+    elif select_seeds is None:
+        select, evaluate = tuple(seeds or ()), ()  # leave-one-seed-out
+    else:
+        select, evaluate = tuple(select_seeds), tuple(seeds or ())
+    if overlap := sorted(set(select) & set(evaluate)):
+        raise ValueError(
+            f"seeds {overlap} are both selection and evaluation seeds: the "
+            "held-out protocol needs them disjoint"
+        )
+    if not evaluate and len(select) < 2:
+        raise ValueError("leave-one-seed-out needs two or more seeds")
+    if not select:
+        raise ValueError("need one or more selection seeds")
+    return Protocol(select, evaluate)
+
+
+def provenance(
+    name: str,
+    scale: str,
+    out: Path,
+    proto: Protocol,
+    cache: Path,
+    task: str | None = None,
+    only: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """What regenerates this summary: the command and the commit (with whether the code
+    differed from it), the seeds, the machine."""
+    here = Path(__file__).resolve().parent
+    git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
+    commit = git("rev-parse", "HEAD").stdout.strip() or None
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "*.py", "*.toml")
+    command = ["python", "experiments.py", name, "--scale", scale, "--out", str(out)]
+    if proto.name == "fixed":
+        command += ["--lrs-from", str(proto.source), "--seeds", seeds_text(proto.evaluate)]
+    elif proto.name == "held-out":
+        command += [
+            "--select-seeds",
+            seeds_text(proto.select),
+            "--seeds",
+            seeds_text(proto.evaluate),
+        ]
+    else:
+        command += ["--seeds", seeds_text(proto.select)]
+    if task is not None:
+        command += ["--task", task]
+    for name_ in only or ():
+        command += ["--only", shlex.quote(name_)]
+    if cache != out / "cache":
+        command += ["--cache", str(cache)]
+    return {
+        "command": " ".join(command),
+        "git_commit": commit,
+        "code_differs_from_commit": bool(changed.stdout.strip()),
+        "protocol": proto.name,
+        "protocol_text": proto.describe(),
+        "selection_seeds": list(proto.select),
+        "evaluation_seeds": list(proto.evaluate),
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def provenance_lines(prov: dict[str, Any]) -> list[str]:
+    dirty = (
+        " (with uncommitted changes: not reproducible)" if prov["code_differs_from_commit"] else ""
+    )
+    return [
+        f"Command: `{prov['command']}`  ",
+        f"Commit: {prov['git_commit']}{dirty}; jax {prov['jax']} on {prov['device']}; "
+        f"{prov['date_utc']} UTC  ",
+        f"Protocol: {prov['protocol_text']}",
+        "",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Runs: a list of (labels, config) points, each for some seeds, trained by sweep.py.
 
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One setting of a grid: its labels (method, and what varies) and its config (seed 0)."""
+    """One setting: its labels (variant, and what else varies) and its config (any seed)."""
 
-    method: str  # a variant's label, e.g. "MicroAdamMSQ (row)"
+    method: str  # a variant's label, e.g. "MicroAdam, clip 0.01"
     cfg: train.Config
-    extra: tuple[tuple[str, Any], ...] = ()  # further labels, e.g. (("lr_mult", 2.0),)
+    extra: tuple[tuple[str, Any], ...] = ()  # further labels, e.g. (("regime", "MLP"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """An optimizer setting whose lr is chosen: its starting grid (ascending), grown at edges."""
+
+    label: str
+    cfg: train.Config  # lr and seed are set per run
+    lrs: tuple[float, ...]
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 def count_spikes(losses: Sequence[float], warmup: int) -> int:
     """Spikes in per-step training losses (index = step): after warmup, a loss above
-    SPIKE_FACTOR × the running minimum; consecutive spiking steps are one spike. NaN (a diverged
-    run's steps after divergence) is skipped."""
-    spikes, low, inside = 0, math.inf, False
+    SPIKE_FACTOR × the median of the last SPIKE_WINDOW non-spiking losses (at least 5 of them);
+    consecutive spiking steps are one spike, and a spiking step does not enter the median, so
+    a loss that jumps and stays up is one long spike. NaN (a diverged run's steps after its
+    divergence) is skipped. A median, not a running minimum: the minimum of many noisy batch
+    losses sits far below their typical value, and noise alone would cross twice it."""
+    spikes, inside, calm = 0, False, []
     for step, loss in enumerate(losses):
-        if step < warmup or not math.isfinite(loss):
+        if not math.isfinite(loss):
             continue
-        spiking = loss > SPIKE_FACTOR * low
+        spiking = step >= warmup and len(calm) >= 5
+        spiking = spiking and loss > SPIKE_FACTOR * float(np.median(calm[-SPIKE_WINDOW:]))
         spikes += spiking and not inside
-        inside, low = spiking, min(low, loss)
+        inside = spiking
+        if not spiking:
+            calm.append(loss)
     return spikes
 
 
-def row_of(experiment: str, point: Point, trace: sweep.Trace) -> dict[str, Any]:
+def row_of(experiment: str, phase: str, point: Point, trace: sweep.Trace) -> dict[str, Any]:
     cfg = trace.cfg
     first, final = float(trace.eval_loss[0]), float(trace.eval_loss[-1])
     status = trace.status
@@ -255,15 +502,20 @@ def row_of(experiment: str, point: Point, trace: sweep.Trace) -> dict[str, Any]:
     frac = trace.diagnostics["frac_snr_gt_1_over_B"][-max(1, cfg.steps // 20) :]
     return {
         "experiment": experiment,
-        "task": "lm" if cfg.model == "transformer" else "mlp",
+        "phase": phase,
+        "task": task_of(cfg),
+        "regime": None,
+        "arm": None,
         "method": point.method,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,
-        "lr_mult": None,
         "momentum": cfg.momentum,
+        "b2": cfg.b2,
         "eps": cfg.eps,
         "max_grad_norm": cfg.max_grad_norm,
         "msq_block": cfg.msq_block,
+        "noise": cfg.noise if cfg.model == "mlp" else None,
+        "seq_len": cfg.seq_len if cfg.model == "transformer" else None,
         **dict(point.extra),
         "batch_size": cfg.batch_size,
         "steps": cfg.steps,
@@ -280,24 +532,40 @@ def row_of(experiment: str, point: Point, trace: sweep.Trace) -> dict[str, Any]:
     }
 
 
-def execute(
-    experiment: str, points: Sequence[Point], seeds: int, out: Path
-) -> tuple[list[dict[str, Any]], list[sweep.Trace]]:
-    """Every point for seeds 0..seeds−1 (sweep.run, cached in OUT/cache); rows and traces in
-    the order point-major, seed-minor."""
-    configs = [dataclasses.replace(p.cfg, seed=s) for p in points for s in range(seeds)]
-    t0 = time.perf_counter()
-    log = lambda message: print(f"  [{time.perf_counter() - t0:6.0f}s] {message}", flush=True)
-    traces = sweep.run(configs, cache=out / "cache", log=log)
-    rows = [
-        row_of(experiment, p, t)
-        for p, t in zip([p for p in points for _ in range(seeds)], traces, strict=True)
-    ]
-    return rows, traces
+@dataclasses.dataclass
+class Runs:
+    """Every run of a study so far: rows (summary.csv) and traces, in the same order."""
+
+    experiment: str
+    cache: Path
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    traces: list[sweep.Trace] = dataclasses.field(default_factory=list)
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def train(self, phase: str, points: Sequence[tuple[Point, int]]) -> None:
+        """Train (or load from the cache) each (point, seed) not yet here."""
+        have = {(r["method"], r["lr"], r["seed"]) for r in self.rows}
+        todo = [(p, s) for p, s in dict.fromkeys(points) if (p.method, p.cfg.lr, s) not in have]
+        if not todo:
+            return
+        log = lambda m: print(f"  [{time.perf_counter() - self.t0:6.0f}s] {m}", flush=True)
+        configs = [dataclasses.replace(p.cfg, seed=s) for p, s in todo]
+        traces = sweep.run(configs, cache=self.cache, log=log)
+        self.rows += [
+            row_of(self.experiment, phase, p, t) for (p, _), t in zip(todo, traces, strict=True)
+        ]
+        self.traces += traces
+
+    def trace(self, method: str, lr: float, seed: int) -> sweep.Trace | None:
+        for r, t in zip(self.rows, self.traces, strict=True):
+            if (r["method"], r["lr"], r["seed"]) == (method, lr, seed):
+                return t
+        return None
 
 
 def aggregate(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[dict[str, Any]]:
-    """Per setting (rows equal in `keys`): the final loss over seeds (see the docstring)."""
+    """Per setting (rows equal in `keys`): the final loss over its seeds; a setting with an
+    unstable seed has no mean."""
     found: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         found.setdefault(tuple(r[k] for k in keys), []).append(r)
@@ -336,24 +604,151 @@ def best(aggs: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[tuple, dic
     return out
 
 
-def compare(a: dict[str, Any] | None, b: dict[str, Any] | None, name_a: str, name_b: str):
-    """The paired verdict of A vs B (docstring): lower loss is better."""
+# --------------------------------------------------------------------------------------------
+# Choosing lrs: on some seeds, at interior points of the grid, scored on other seeds.
+
+
+def choose(
+    rows: Sequence[dict[str, Any]], labels: Sequence[str], seeds: Sequence[int]
+) -> dict[str, Any] | None:
+    """Among the variants `labels` and their lrs at which every one of `seeds` finished, the
+    (variant, lr) with the lowest mean final loss over `seeds`: its setting restricted to those
+    seeds ("method", "lr", "mean", "per_seed", ...), or None if none finished everywhere."""
+    wanted = set(seeds)
+    mine = [r for r in rows if r["method"] in labels and r["seed"] in wanted]
+    complete = [a for a in aggregate(mine, ("method", "lr")) if set(a["per_seed"]) == wanted]
+    found = best(complete, ())
+    return found.get(())
+
+
+def grid_edge(lrs: Sequence[float], lr: float | None) -> str | None:
+    """ "top" or "bottom" when `lr` is the largest or smallest of the grid `lrs` (None: no lr
+    finished, so the grid must grow downwards); None when it has a neighbour on each side."""
+    grid = sorted(set(lrs))
+    if lr is None or lr == grid[0]:
+        return "bottom"
+    return "top" if lr == grid[-1] else None
+
+
+def extend_grid(lrs: Sequence[float], side: str) -> float:
+    """The next lr past `side` of the grid, one of the grid's own end steps away (3
+    significant digits, so the same point gets the same number every time)."""
+    grid = sorted(set(lrs))
+    if len(grid) < 2:
+        new = grid[0] * (2.0 if side == "top" else 0.5)
+    elif side == "top":
+        new = grid[-1] * grid[-1] / grid[-2]
+    else:
+        new = grid[0] * grid[0] / grid[1]
+    return float(f"{new:.3g}")
+
+
+def select_lrs(
+    runs: Runs, variants: Sequence[Variant], seeds: Sequence[int], max_extensions: int
+) -> dict[str, dict[str, Any]]:
+    """Each variant's grid on `seeds`, extended past an edge while its best lr sits there (up
+    to max_extensions points per variant). Per variant: the grid, the points added, the chosen
+    setting on `seeds` (or None) and the edge it still sits at (or None)."""
+    grids = {v.label: sorted(v.lrs) for v in variants}
+    added: dict[str, list[float]] = {v.label: [] for v in variants}
+    while True:
+        points = [
+            (Point(v.label, dataclasses.replace(v.cfg, lr=lr), v.extra), s)
+            for v in variants
+            for lr in grids[v.label]
+            for s in seeds
+        ]
+        runs.train("select", points)
+        grew = False
+        for v in variants:
+            chosen = choose(runs.rows, [v.label], seeds)
+            side = grid_edge(grids[v.label], None if chosen is None else chosen["lr"])
+            if side is not None and len(added[v.label]) < max_extensions:
+                new = extend_grid(grids[v.label], side)
+                grids[v.label] = sorted({*grids[v.label], new})
+                added[v.label].append(new)
+                grew = True
+        if not grew:
+            break
+    out = {}
+    for v in variants:
+        chosen = choose(runs.rows, [v.label], seeds)
+        out[v.label] = {
+            "grid": grids[v.label],
+            "extended_with": added[v.label],
+            "chosen": chosen,
+            "edge": grid_edge(grids[v.label], None if chosen is None else chosen["lr"]),
+        }
+    return out
+
+
+def leave_one_out(
+    rows: Sequence[dict[str, Any]], labels: Sequence[str], seeds: Sequence[int]
+) -> dict[int, tuple[str, float, float | None] | None]:
+    """Per seed s: the (variant, lr) chosen among `labels` on the other seeds, and s's final
+    loss there (None: s diverged or blew up there); None when nothing finished on the others."""
+    out: dict[int, tuple[str, float, float | None] | None] = {}
+    for s in seeds:
+        chosen = choose(rows, labels, [t for t in seeds if t != s])
+        if chosen is None:
+            out[s] = None
+            continue
+        mine = [
+            r
+            for r in rows
+            if (r["method"], r["lr"], r["seed"]) == (chosen["method"], chosen["lr"], s)
+        ]
+        out[s] = (chosen["method"], chosen["lr"], mine[0]["final_loss"] if mine else None)
+    return out
+
+
+def compare(
+    a: dict[str, Any] | None,
+    b: dict[str, Any] | None,
+    name_a: str,
+    name_b: str,
+    lower: str = "better",
+):
+    """The paired verdict of A vs B (module docstring): lower loss is better (`lower`: the word
+    for it). `a` and `b` carry "per_seed" ({seed: final loss or None}), optionally "lr", "edge"."""
     if a is None or b is None:
         missing = name_a if a is None else name_b
         return {"a": name_a, "b": name_b, "verdict": f"no verdict: {missing} has no stable lr"}
-    seeds = sorted(set(a["per_seed"]) & set(b["per_seed"]))
+    both = sorted(set(a["per_seed"]) & set(b["per_seed"]))
+    lost = {
+        name: [s for s in both if x["per_seed"][s] is None]
+        for name, x in ((name_a, a), (name_b, b))
+    }
+    seeds = [s for s in both if a["per_seed"][s] is not None and b["per_seed"][s] is not None]
+    note = "".join(
+        f"; {name} unstable on seed(s) {seeds_text(ss)} (left out)"
+        for name, ss in lost.items()
+        if ss
+    )
+    edges = [n for n, x in ((name_a, a), (name_b, b)) if x.get("edge")]
+    if edges:
+        note += f"; {EDGE} ({' and '.join(edges)} at the edge of the lr grid)"
+    if not seeds:
+        return {
+            "a": name_a,
+            "b": name_b,
+            "verdict": f"no verdict: no seed where both finished{note}",
+            "edge": bool(edges),
+        }
     d = np.array([a["per_seed"][s] - b["per_seed"][s] for s in seeds])
     n, mean = len(d), float(d.mean())
     se = float(d.std(ddof=1)) / math.sqrt(n) if n > 1 else math.inf
+    half = T975.get(n - 1, 1.96) * se if n > 1 else math.inf
     agree = int((d < 0).sum()) if mean < 0 else int((d > 0).sum())
     better, worse = (name_a, name_b) if mean < 0 else (name_b, name_a)
+    interval = f"95% CI of {name_a} − {name_b}: [{mean - half:+.3f}, {mean + half:+.3f}]"
     if abs(mean) <= se:
-        verdict = f"no difference: {name_a} − {name_b} = {mean:+.4f}, within its seed error"
+        verdict = f"no difference: {name_a} − {name_b} = {mean:+.4f} ({interval}, n={n})"
     else:
         strength = "consistent" if agree == n and abs(mean) > 2 * se else "weak"
         verdict = (
-            f"{strength}: {better} better than {worse} by {abs(mean):.4f} "
-            f"({agree}/{n} seeds agree, paired sd {se * math.sqrt(n):.4f})"
+            f"{strength}: {better} {lower} than {worse} by {abs(mean):.4f} "
+            f"({agree}/{n} seeds agree; {interval})"
         )
     return {
         "a": name_a,
@@ -362,49 +757,360 @@ def compare(a: dict[str, Any] | None, b: dict[str, Any] | None, name_a: str, nam
         "lr_b": b.get("lr"),
         "mean_diff": mean,
         "se": se if n > 1 else None,
+        "ci95": [mean - half, mean + half] if n > 1 else None,
         "seeds": n,
         "seeds_agreeing": agree,
         "per_seed_diff": dict(zip(seeds, d.tolist(), strict=True)),
-        "verdict": verdict,
+        "edge": bool(edges),
+        "verdict": verdict + note,
     }
 
 
-def write_summary(out: Path, rows: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
+def scored(
+    label: str,
+    lr: float | None,
+    per_seed: dict[int, float | None],
+    edge: str | None = None,
+    lr_per_seed: dict[int, float] | None = None,
+) -> dict[str, Any]:
+    """A variant's held-out score: its final loss per evaluation seed, summarised."""
+    ok = [v for v in per_seed.values() if v is not None]
+    return {
+        "method": label,
+        "lr": lr,
+        "edge": edge,
+        "per_seed": per_seed,
+        "lr_per_seed": lr_per_seed,
+        "seeds": len(per_seed),
+        "seeds_ok": len(ok),
+        "mean": float(np.mean(ok)) if ok else None,
+        "sd": float(np.std(ok, ddof=1)) if len(ok) > 1 else None,
+        "min": min(ok) if ok else None,
+        "max": max(ok) if ok else None,
+        "unstable": len(ok) < len(per_seed),
+    }
+
+
+@dataclasses.dataclass
+class Study:
+    """The outcome of `tune_and_score`: per family, its held-out score (and the runs behind
+    it), the selection record of every variant, the same-seed scores of the old protocol."""
+
+    runs: Runs
+    proto: Protocol
+    variants: dict[str, dict[str, Any]]  # label -> grid, extended_with, chosen, edge
+    held: dict[str, dict[str, Any]]  # family -> `scored` on the evaluation seeds
+    same_seed: dict[str, dict[str, Any] | None]  # family -> chosen and scored on select seeds
+    held_traces: dict[str, dict[int, sweep.Trace]]  # family -> seed -> the scored run
+    families: tuple[str, ...] = ()  # every family of the study, scored or not
+
+
+def tune_and_score(
+    experiment: str,
+    variants: Sequence[Variant],
+    families: Mapping[str, Sequence[str]],
+    proto: Protocol,
+    cache: Path,
+    max_extensions: int,
+) -> Study:
+    """The protocol (module docstring) over `variants`; `families` names the groups whose best
+    member is chosen and scored (a variant alone is a family of one)."""
+    runs = Runs(experiment, cache)
+    by_label = {v.label: v for v in variants}
+    held: dict[str, dict[str, Any]] = {}
+    held_traces: dict[str, dict[int, sweep.Trace]] = {}
+    same_seed: dict[str, dict[str, Any] | None] = {}
+    if proto.name == "fixed":
+        fixed = {fam: (member, lr) for fam, member, lr in proto.fixed}
+        record = {
+            v.label: {
+                "grid": [],
+                "extended_with": [],
+                "chosen": None,
+                "edge": None,
+                "lr_from": proto.source,
+            }
+            for v in variants
+        }
+        for fam in families:
+            if fam in fixed and fixed[fam][0] not in by_label:
+                raise ValueError(
+                    f"--lrs-from {proto.source}: {fam!r} chose {fixed[fam][0]!r}, "
+                    "which is not a variant of this study at this scale"
+                )
+        mine = [(fam, *fixed[fam]) for fam in families if fam in fixed]
+        runs.train(
+            "evaluate",
+            [
+                (Point(lb, dataclasses.replace(by_label[lb].cfg, lr=lr), by_label[lb].extra), s)
+                for _, lb, lr in mine
+                for s in proto.evaluate
+            ],
+        )
+        for fam, lb, lr in mine:
+            record[lb]["grid"] = [lr]
+            per = {
+                s: next(
+                    r["final_loss"]
+                    for r in runs.rows
+                    if (r["method"], r["lr"], r["seed"]) == (lb, lr, s)
+                )
+                for s in proto.evaluate
+            }
+            held[fam] = scored(lb, lr, per) | {"member": lb}
+            held_traces[fam] = {
+                s: t for s in proto.evaluate if (t := runs.trace(lb, lr, s)) is not None
+            }
+        return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
+    record = select_lrs(runs, variants, proto.select, max_extensions)
+    picks: dict[str, Any] = {}  # family -> chosen on all selection seeds; LOO: per seed
+    for fam, labels in families.items():
+        chosen = choose(runs.rows, labels, proto.select)
+        edge = None if chosen is None else record[chosen["method"]]["edge"]
+        same_seed[fam] = (
+            None
+            if chosen is None
+            else (
+                scored(chosen["method"], chosen["lr"], chosen["per_seed"], edge)
+                | {"member": chosen["method"]}
+            )
+        )
+        picks[fam] = (chosen, edge)
+    if proto.name == "held-out":  # every family's pick on the evaluation seeds: one pass
+        todo = [
+            (
+                Point(
+                    c["method"],
+                    dataclasses.replace(by_label[c["method"]].cfg, lr=c["lr"]),
+                    by_label[c["method"]].extra,
+                ),
+                s,
+            )
+            for c, _ in picks.values()
+            if c is not None
+            for s in proto.evaluate
+        ]
+        runs.train("evaluate", todo)
+        for fam, (c, edge) in picks.items():
+            if c is None:
+                continue
+            lb, lr = c["method"], c["lr"]
+            per = {
+                s: next(
+                    r["final_loss"]
+                    for r in runs.rows
+                    if (r["method"], r["lr"], r["seed"]) == (lb, lr, s)
+                )
+                for s in proto.evaluate
+            }
+            held[fam] = scored(lb, lr, per, edge) | {"member": lb}
+            held_traces[fam] = {
+                s: t for s in proto.evaluate if (t := runs.trace(lb, lr, s)) is not None
+            }
+        return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
+    for fam, labels in families.items():  # leave-one-seed-out
+        loo = leave_one_out(runs.rows, labels, proto.select)
+        if any(c is None for c in loo.values()):
+            continue
+        chosen, edge = picks[fam]
+        per = {s: c[2] for s, c in loo.items() if c is not None}
+        edges = [record[c[0]]["edge"] for c in loo.values() if c is not None]
+        held[fam] = scored(
+            chosen["method"] if chosen else labels[0],
+            None if chosen is None else chosen["lr"],
+            per,
+            edge or next((e for e in edges if e), None),
+            lr_per_seed={s: c[1] for s, c in loo.items() if c is not None},
+        ) | {"member": None if chosen is None else chosen["method"]}
+        held_traces[fam] = {
+            s: t
+            for s, c in loo.items()
+            if c is not None
+            if (t := runs.trace(c[0], c[1], s)) is not None
+        }
+    return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
+
+
+def verdicts_of(study: Study, pairs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Each pair's held-out verdict, with the same-seed verdict of the old protocol beside it."""
+    out = []
+    for a, b in pairs:
+        if a not in study.families or b not in study.families:
+            continue  # left out of this run (`--only`)
+        v = compare(study.held.get(a), study.held.get(b), a, b)
+        old = compare(study.same_seed.get(a), study.same_seed.get(b), a, b)
+        out.append(v | {"same_seed_verdict": old["verdict"]})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Writing a study: summary.csv, traces.csv.gz, summary.json, summary.md, the figure.
+
+TRACE_BINS = 100  # training-loss points per run in traces.csv.gz
+TRACE_COLUMNS = ("phase", "method", "lr", "seed", "batch_size", "kind", "step", "value")
+
+
+def write_traces(path: Path, runs: Runs) -> None:
+    """Every run's curves, compact: the training loss and the mean-dominated fraction binned
+    (plots.binned) to TRACE_BINS points, the held-out losses at their steps, the gradient norm's
+    binned median (for the clipping study). gzip, 5 significant digits."""
+    with gzip.open(path, "wt", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(TRACE_COLUMNS)
+        for r, t in zip(runs.rows, runs.traces, strict=True):
+            head = [r["phase"], r["method"], r["lr"], r["seed"], r["batch_size"]]
+            series = {
+                "train_loss": plots.binned(t.loss, TRACE_BINS),
+                "frac_mean_dominated": plots.binned(
+                    t.diagnostics["frac_snr_gt_1_over_B"], TRACE_BINS
+                ),
+                "grad_norm": plots.binned(t.diagnostics["grad_norm"], TRACE_BINS),
+                "eval_loss": (t.eval_steps, t.eval_loss),
+            }
+            for kind, (x, y) in series.items():
+                for step, value in zip(x, y, strict=True):
+                    writer.writerow([*head, kind, f"{float(step):g}", f"{float(value):.5g}"])
+
+
+def instability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per variant, over every run (every lr, both phases)."""
+    out = []
+    for label in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == label]
+        out.append(
+            {
+                "method": label,
+                "runs": len(mine),
+                "diverged": sum(r["status"] == "diverged" for r in mine),
+                "blew_up": sum(r["status"] == "blew_up" for r in mine),
+                "runs_with_spikes": sum(r["spikes"] > 0 for r in mine),
+                "spikes": sum(r["spikes"] for r in mine),
+                "diverged_steps": sorted(
+                    {r["diverged_step"] for r in mine if r["diverged_step"] is not None}
+                ),
+            }
+        )
+    return out
+
+
+def fmt_lr(lr: float | None) -> str:
+    return "–" if lr is None else f"{lr:.3g}"
+
+
+def fmt_num(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def fmt_loss(a: dict[str, Any] | None) -> str:
+    """A setting's final loss over seeds: mean ± sd (min–max)."""
+    if a is None:
+        return "–"
+    if a["mean"] is None or a.get("unstable"):
+        bad = a["seeds"] - a["seeds_ok"]
+        mean = "" if a["mean"] is None else f"{a['mean']:.3f} on the others; "
+        return f"{mean}unstable on {bad}/{a['seeds']} seeds"
+    sd = "" if a["sd"] is None else f" ± {a['sd']:.3f}"
+    return f"{a['mean']:.3f}{sd} ({a['min']:.3f}–{a['max']:.3f})"
+
+
+def write_study(
+    out: Path,
+    experiment: str,
+    title: str,
+    study: Study,
+    verdicts: Sequence[dict[str, Any]],
+    prov: dict[str, Any],
+    extra_md: Sequence[str] = (),
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    rows = study.runs.rows
+    sel = [r for r in rows if r["phase"] == "select"]
+    unstable = instability(rows)
+    summary = {
+        "experiment": experiment,
+        **prov,
+        "variants": [
+            {
+                "method": lb,
+                **{k: v for k, v in rec.items() if k != "chosen"},
+                "lr": None if rec["chosen"] is None else rec["chosen"]["lr"],
+                "selection": rec["chosen"],
+            }
+            for lb, rec in study.variants.items()
+        ],
+        "chosen": [
+            {"family": fam, "method": h["member"], "lr": h["lr"], "edge": h["edge"]}
+            for fam, h in study.held.items()
+        ],
+        "held_out": study.held,
+        "same_seed": study.same_seed,
+        "settings": aggregate(sel, ("method", "lr")),
+        "instability": unstable,
+        "verdicts": list(verdicts),
+        **(extra or {}),
+    }
     with open(out / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
             writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
-    (out / "summary.json").write_text(json.dumps({**summary, "runs": list(rows)}, indent=1))
-
-
-def fmt_lr(lr: float) -> str:
-    return f"{lr:.3g}"
-
-
-def fmt_loss(a: dict[str, Any]) -> str:
-    """A setting's final loss over seeds: mean ± sd (min–max)."""
-    if a["mean"] is None:
-        return f"unstable ({a['seeds'] - a['seeds_ok']}/{a['seeds']} seeds)"
-    sd = "" if a["sd"] is None else f" ± {a['sd']:.3f}"
-    return f"{a['mean']:.3f}{sd} ({a['min']:.3f}–{a['max']:.3f})"
-
-
-def markdown(
-    out: Path,
-    title: str,
-    best_rows: Sequence[dict[str, Any]],
-    verdicts: Sequence[dict[str, Any]],
-    *extra: str,
-) -> None:
-    """OUT/summary.md: the best setting of each variant and the verdicts, for people."""
-    lines = [f"# {title}\n", "| variant | best lr | final loss: mean ± sd (min–max) | seeds |",
-             "|---|---|---|---|"]  # fmt: skip
-    for a in best_rows:
-        lines.append(f"| {a['method']} | {fmt_lr(a['lr'])} | {fmt_loss(a)} | {a['seeds']} |")
-    lines += ["", "Verdicts (paired over seeds, each at its best lr):", ""]
-    lines += [f"- {v['a']} vs {v['b']}: {v['verdict']}" for v in verdicts]
-    (out / "summary.md").write_text("\n".join([*lines, "", *extra]) + "\n")
+    write_traces(out / "traces.csv.gz", study.runs)
+    (out / "summary.json").write_text(json.dumps({**summary, "runs": rows}, indent=1))
+    where = "leave-one-seed-out" if study.proto.name == "leave-one-seed-out" else "evaluation"
+    lines = [
+        f"# {title}\n",
+        *provenance_lines(prov),
+        f"| variant | lr grid tried (added at an edge) | chosen lr | final loss on the "
+        f"{where} seeds: mean ± sd (min–max) | seeds |",
+        "|---|---|---|---|---|",
+    ]
+    for fam, h in study.held.items():
+        rec = study.variants.get(h["member"] or "", {})
+        grid = ", ".join(fmt_lr(x) for x in rec.get("grid", []))
+        added = rec.get("extended_with") or []
+        grid += f" (added {', '.join(fmt_lr(x) for x in added)})" if added else ""
+        lr = (
+            fmt_lr(h["lr"])
+            if h["lr_per_seed"] is None
+            else (
+                f"{fmt_lr(h['lr'])} (per held-out seed: "
+                f"{', '.join(fmt_lr(x) for x in h['lr_per_seed'].values())})"
+            )
+        )
+        member = "" if h["member"] in (None, fam) else f" → {h['member']}"
+        flag = f" **{EDGE}** (at the {h['edge']})" if h["edge"] else ""
+        lines.append(
+            f"| {fam}{member} | {grid} | {lr}{flag} | {fmt_loss(h)} | {seeds_text(h['per_seed'])} |"
+        )
+    missing = [f for f in study.same_seed if f not in study.held]
+    lines += [f"| {f} | – | no lr finished on every selection seed | – | – |" for f in missing]
+    lines += [
+        "",
+        "Verdicts (paired over the scored seeds, each at its chosen lr); beside each, "
+        "the verdict the old protocol (lr chosen and scored on the same seeds) gives:",
+        "",
+    ]
+    for v in verdicts:
+        lines.append(f"- **{v['a']} vs {v['b']}**: {v['verdict']}")
+        if v.get("same_seed_verdict"):
+            lines.append(f"  - same seeds as the selection: {v['same_seed_verdict']}")
+    lines += [
+        "",
+        "Instability over every run (every lr, both phases; spike: a step's loss > "
+        f"{SPIKE_FACTOR:g}× the median of the last {SPIKE_WINDOW}; blew up: final loss > initial):",
+        "",
+        "| variant | runs | diverged (at steps) | blew up | with spikes |",
+        "|---|---|---|---|---|",
+    ]
+    for c in unstable:
+        at = f" ({', '.join(map(str, c['diverged_steps'][:6]))})" if c["diverged_steps"] else ""
+        lines.append(
+            f"| {c['method']} | {c['runs']} | {c['diverged']}{at} | {c['blew_up']} | "
+            f"{c['runs_with_spikes']} |"
+        )
+    (out / "summary.md").write_text("\n".join([*lines, "", *extra_md]) + "\n")
+    plots.draw(out)
+    return summary
 
 
 def say(verdicts: Sequence[dict[str, Any]]) -> None:
@@ -412,61 +1118,78 @@ def say(verdicts: Sequence[dict[str, Any]]) -> None:
         print(f"  {v['a']} vs {v['b']}: {v['verdict']}", flush=True)
 
 
-def curves_of(
-    traces: Sequence[sweep.Trace], key: str = "loss", bins: int = 100
-) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(steps, per-run binned series) of one setting's seeds."""
-    series = [t.loss if key == "loss" else t.diagnostics[key] for t in traces]
-    x = plots.binned(series[0], bins)[0]
-    return x, [plots.binned(s, bins)[1] for s in series]
-
-
-def traces_of(
-    rows: Sequence[dict[str, Any]], traces: Sequence[sweep.Trace], **match: Any
-) -> list[sweep.Trace]:
-    return [
-        t for r, t in zip(rows, traces, strict=True) if all(r[k] == v for k, v in match.items())
-    ]
+def scored_seeds(proto: Protocol) -> tuple[int, ...]:
+    return proto.evaluate if proto.evaluate else proto.select
 
 
 # --------------------------------------------------------------------------------------------
-# 1. Sign placement, with the SNR model's prediction.
+# μ and σ per coordinate, and the SNR model.
 
 
-def _flat(tree: Any) -> np.ndarray:
-    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+def _leaves(tree: Any) -> list[tuple[str, np.ndarray]]:
+    return [
+        (jax.tree_util.keystr(p), np.asarray(x, np.float64).ravel())
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
 
 
 def measure_mu_sigma(
     cfg: train.Config, points: Sequence[tuple[int, Any]], *, n_batches: int, batch_size: int
-) -> list[tuple[np.ndarray, np.ndarray, int]]:
+) -> list[tuple[np.ndarray, np.ndarray, int, list[tuple[str, int]]]]:
     """For each (seed, parameter pytree) in `points`: per-coordinate μ̂² (unbiased, clamped at
     0) and σ̂² over n_batches·batch_size fresh training examples of that seed's data stream
-    (steps beyond any run's), from pegrad's "mean" and "sq_mean" (one compile for all)."""
-    runs = {s: train.build(dataclasses.replace(cfg, seed=s, batch_size=batch_size))
-            for s in dict.fromkeys(s for s, _ in points)}  # fmt: skip
+    (steps beyond any run's), from pegrad's "mean" and "sq_mean" (one compile for all); and
+    the (leaf path, size) of each leaf, in the order of the flat arrays."""
+    runs = {
+        s: train.build(dataclasses.replace(cfg, seed=s, batch_size=batch_size))
+        for s in dict.fromkeys(s for s, _ in points)
+    }
     task = next(iter(runs.values())).task  # every seed's model has the same structure
     stats_fn = jax.jit(
         pegrad.value_and_grad_stats(task.loss_fn, ("mean", "sq_mean"), impl=cfg.impl)
     )
     sample = jax.jit(task.sample)
     batches = {
-        s: [sample(r.task.train_data, key=jax.random.fold_in(r.train_key, 10**8 + k))
-            for k in range(n_batches)]
+        s: [
+            sample(r.task.train_data, key=jax.random.fold_in(r.train_key, 10**8 + k))
+            for k in range(n_batches)
+        ]
         for s, r in runs.items()
-    }  # fmt: skip
+    }
     n = n_batches * batch_size
     results = []
     for seed, params in points:
         g = q = np.zeros(())
+        names: list[tuple[str, int]] = []
         for batch in batches[seed]:
             _, stats = stats_fn(params, batch)
-            g = g + _flat(stats["mean"]) / n_batches
-            q = q + _flat(stats["sq_mean"]) / n_batches
+            leaves = _leaves(stats["mean"])
+            names = [(name, x.size) for name, x in leaves]
+            g = g + np.concatenate([x for _, x in leaves]) / n_batches
+            q = q + np.concatenate([x for _, x in _leaves(stats["sq_mean"])]) / n_batches
         mu2 = np.maximum((n * g * g - q) / (n - 1), 0.0)
         sigma2 = np.maximum(n / (n - 1) * (q - g * g), 0.0)
-        results.append((mu2, sigma2, n))
+        results.append((mu2, sigma2, n, names))
     return results
+
+
+def snr_ratio(mu2: np.ndarray, sigma2: np.ndarray, names: Sequence[tuple[str, int]]):
+    """Median over coordinates of μ̂²/σ̂² (coordinates with σ̂² = 0 left out), overall and per
+    leaf, and the fraction of coordinates with μ̂² > σ̂² (where the mean dominates one
+    example's gradient)."""
+    keep = sigma2 > 0
+    ratio = np.where(keep, mu2 / np.where(keep, sigma2, 1.0), np.nan)
+    per_leaf, start = {}, 0
+    for name, size in names:
+        chunk = ratio[start : start + size]
+        start += size
+        if np.isfinite(chunk).any():
+            per_leaf[name] = float(np.nanmedian(chunk))
+    return {
+        "median_mu2_over_sigma2": float(np.nanmedian(ratio)),
+        "frac_mu2_gt_sigma2": float(np.mean(mu2[keep] > sigma2[keep])) if keep.any() else 0.0,
+        "per_leaf_median": per_leaf,
+    }
 
 
 def snr_prediction(
@@ -490,61 +1213,80 @@ def snr_prediction(
     return out
 
 
-def sign_label(method: str, momentum: float) -> str:
-    return f"{LABELS[method]} β={momentum:g}"
+def measured_points(cfg: train.Config, study: Study, seeds: Sequence[int]):
+    """(seed, point name, params): each seed's initialisation and the final parameters of each
+    family's scored run of that seed."""
+    named: list[tuple[int, str, Any]] = []
+    for seed in seeds:
+        named.append((seed, "init", train.build(dataclasses.replace(cfg, seed=seed)).task.params))
+        for fam, per_seed in study.held_traces.items():
+            if (t := per_seed.get(seed)) is not None and t.status == "ok":
+                named.append((seed, f"final {fam}", t.params))
+    return named
 
 
-def run_sign(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
-    base = base_config(scale)
-    task = "lm" if base.model == "transformer" else "mlp"
-    same = scale.sign_momenta[0]  # "the same β": every rule at it
-    points = [
-        Point(sign_label(m, beta), dataclasses.replace(base, optimizer=m, lr=lr, momentum=beta))
+# --------------------------------------------------------------------------------------------
+# The studies. Each returns its summary dict (without the run's provenance, which `run` adds).
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    scale: Scale
+    out: Path
+    proto: Protocol
+    cache: Path
+    prov: dict[str, Any]
+    only: tuple[str, ...] | None = None  # `--only`: these families of the study, no others
+
+    def families(self, variants: Sequence[Variant], families: Mapping[str, Sequence[str]]):
+        """(variants, families) restricted to `only` (every name must be a family)."""
+        if self.only is None:
+            return list(variants), families
+        if unknown := [f for f in self.only if f not in families]:
+            raise ValueError(f"--only: {unknown} not among this study's {list(families)}")
+        kept = {f: families[f] for f in self.only}
+        labels = {lb for f in kept.values() for lb in f}
+        return [v for v in variants if v.label in labels], kept
+
+
+def run_sign(ctx: Context) -> dict[str, Any]:
+    scale, beta = ctx.scale, ctx.scale.sign_momentum
+    base = task_config(scale)
+    variants = [
+        Variant(LABELS[m], dataclasses.replace(base, optimizer=m, momentum=beta), scale.sign_lrs[m])
         for m in SIGN_METHODS
-        for beta in (scale.sign_momenta[:1] if m == "micro_sign_sgd" else scale.sign_momenta)
-        for lr in scale.sign_lrs[m]
     ]
-    rows, traces = execute("sign", points, seeds, out)
-    aggs = aggregate(rows, ("method", "optimizer", "momentum", "lr"))
-    best_of = best(aggs, ("optimizer", "momentum"))  # each rule at each β
-    preferred = best(aggs, ("optimizer",))  # each rule at the β (and lr) it prefers
-    at = lambda m, beta: best_of.get((m, beta))
-    verdicts = [
-        compare(at("sign_ema", same), at("sign_sgd", same), f"SignEMA β={same:g}",
-                f"SignSGD β={same:g}"),
-        compare(at("sign_sgd", same), at("micro_sign_sgd", same), f"SignSGD β={same:g}",
-                f"MicroSignSGD β={same:g}"),
-        compare(at("sign_ema", same), at("micro_sign_sgd", same), f"SignEMA β={same:g}",
-                f"MicroSignSGD β={same:g}"),
-    ]  # fmt: skip
-    pe, ps = preferred.get(("sign_ema",)), preferred.get(("sign_sgd",))
-    if pe is not None and ps is not None:
-        verdicts.append(
-            compare(pe, ps, f"SignEMA β={pe['momentum']:g} (its best β)",
-                    f"SignSGD β={ps['momentum']:g} (its best β)")
-        )  # fmt: skip
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
+    study = tune_and_score(
+        "sign",
+        variants,
+        families,
+        ctx.proto,
+        ctx.cache,
+        scale.max_extensions,
+    )
+    verdicts = verdicts_of(
+        study, [("SignEMA", "SignSGD"), ("SignSGD", "MicroSignSGD"), ("SignEMA", "MicroSignSGD")]
+    )
     say(verdicts)
-
-    # The SNR model per seed: at the initialisation and at each rule's best run (same β).
-    named: list[tuple[int, str, Any]] = []  # (seed, point, params)
-    for seed in range(seeds):
-        init = train.build(dataclasses.replace(base, seed=seed)).task.params
-        named.append((seed, "init", init))
-        for m in SIGN_METHODS:
-            if (a := at(m, same)) is not None:
-                (t,) = traces_of(rows, traces, optimizer=m, momentum=same, lr=a["lr"], seed=seed)
-                named.append((seed, f"final {LABELS[m]}", t.params))
+    # The SNR model per scored seed: at init and at each rule's scored run.
+    named = measured_points(base, study, scored_seeds(ctx.proto))
     measured = measure_mu_sigma(
         base,
-        [(seed, params) for seed, _, params in named],
+        [(s, p) for s, _, p in named],
         n_batches=scale.snr_batches,
         batch_size=scale.snr_batch_size,
     )
     snr: list[dict[str, Any]] = []
-    for (seed, point, _), (mu2, sigma2, n) in zip(named, measured, strict=True):
-        outcome = {m: a["per_seed"][seed] for m in SIGN_METHODS if (a := at(m, same)) is not None}
+    for (seed, point, _), (mu2, sigma2, n, _names) in zip(named, measured, strict=True):
+        outcome = {
+            m: h["per_seed"].get(seed)
+            for m in SIGN_METHODS
+            if (h := study.held.get(LABELS[m])) is not None
+        }
+        outcome = {m: v for m, v in outcome.items() if v is not None}
         observed = sorted(outcome, key=lambda m: outcome[m])  # best first
-        pred = snr_prediction(mu2, sigma2, base.batch_size, same)
+        pred = snr_prediction(mu2, sigma2, base.batch_size, beta)
         predicted = sorted(SIGN_METHODS, key=lambda m: -pred[m])
         snr.append(
             {
@@ -554,36 +1296,12 @@ def run_sign(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
                 **pred,
                 "predicted_order": " > ".join(LABELS[m] for m in predicted),
                 "observed_order": " > ".join(LABELS[m] for m in observed),
-                "order_agrees": predicted == observed,
-                **{f"final_loss_{m}": outcome.get(m) for m in SIGN_METHODS},
+                "order_agrees": [m for m in predicted if m in outcome] == observed,
             }
         )
-        print(
-            f"  SNR seed {seed} at {point}: "
-            + "  ".join(f"{LABELS[m]} {pred[m]:.3f}" for m in SIGN_METHODS)
-            + f"; observed {snr[-1]['observed_order']}",
-            flush=True,
-        )
-
-    summary = {
-        "experiment": "sign",
-        "task": task,
-        "seeds": seeds,
-        "same_momentum": same,
-        "momenta": scale.sign_momenta,
-        "settings": aggs,
-        "best_per_rule_and_beta": [dict(a) for a in best_of.values()],
-        "best_per_rule": [dict(a) for a in preferred.values()],
-        "verdicts": verdicts,
-        "snr": snr,
-        "snr_note": "predicted alignment = Σ|μ|·erf(k|μ|/(√2σ))/Σ|μ| (higher is better), "
-        "k = 1 (MicroSignSGD), √B (SignSGD), √(B(1+β)/(1−β)) (SignEMA), β = the same β; μ, σ "
-        "from pegrad mean/sq_mean on snr_batches × snr_batch_size fresh examples",
-    }
-    write_summary(out, rows, summary)
-    snr_table = [
-        "SNR model (predicted alignment, higher is better) vs the outcome (final loss at each "
-        f"rule's best lr, β = {same:g}), per seed:",
+    table = [
+        f"SNR model (predicted alignment, higher is better; β = {beta:g}) against the outcome "
+        "on each scored seed:",
         "",
         "| seed | point | MicroSignSGD | SignSGD | SignEMA | observed (best first) | agrees |",
         "|---|---|---|---|---|---|---|",
@@ -591,376 +1309,529 @@ def run_sign(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
         f"| {e['seed']} | {e['point']} | {e['micro_sign_sgd']:.3f} | {e['sign_sgd']:.3f} | "
         f"{e['sign_ema']:.3f} | {e['observed_order']} | {e['order_agrees']} |"
         for e in snr
+        if e["point"] == "init"
     ]
-    ordered = sorted(best_of.values(), key=lambda a: a["method"])
-    markdown(out, f"Sign placement ({TASK_NAMES[task]}, {seeds} seeds)", ordered, verdicts,
-             *snr_table)  # fmt: skip
-    with open(out / "snr.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(snr[0]) if snr else ["seed"])
-        writer.writeheader()
-        writer.writerows(snr)
-    if plt := plots.pyplot():
-        fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-        series: dict[str, list[dict[str, Any]]] = {}
-        for a in aggs:
-            series.setdefault(a["method"], []).append(a)
-        color = plots.colors(list(series))
-        plots.lr_sweep(axes[0], series, f"{TASK_NAMES[task]}: final loss vs lr", color=color)
-        for ax, key in ((axes[1], "loss"), (axes[2], "frac_snr_gt_1_over_B")):
-            for a in sorted(best_of.values(), key=lambda a: list(series).index(a["method"])):
-                mine = traces_of(rows, traces, method=a["method"], lr=a["lr"])
-                x, runs = curves_of(mine, key)
-                label = f"{a['method']} (lr {fmt_lr(a['lr'])})"
-                plots.band(ax, x, runs, color[a["method"]], label)
-            if key == "loss":
-                ax.set_yscale("log")
-        plots.finish(axes[1], "training loss at each best lr (band: seeds' min–max)", "step",
-                     "training loss (binned)")  # fmt: skip
-        plots.finish(axes[2], "mean-dominated coordinates: μ̂² > σ̂²/B on the training batch",
-                     "step", "fraction of coordinates")  # fmt: skip
-        ax = axes[3]
-        width = 0.8 / len(SIGN_METHODS)
-        entries = [s for s in snr if s["point"] == "init"]
-        for i, m in enumerate(SIGN_METHODS):
-            xs = [j + (i - 1) * width for j in range(len(entries))]
-            ax.bar(
-                xs, [s[m] for s in entries], width, color=f"C{i}", label=f"{LABELS[m]}: predicted"
+    return write_study(
+        ctx.out,
+        "sign",
+        f"Sign placement ({TASK_NAMES[task_of(base)]}, β = "
+        f"{beta:g}, B = {base.batch_size}, {base.steps} steps)",
+        study,
+        verdicts,
+        ctx.prov,
+        table,
+        {"snr": snr, "momentum": beta},
+    )
+
+
+def run_precond(ctx: Context) -> dict[str, Any]:
+    scale = ctx.scale
+    variants: list[Variant] = []
+    regimes: dict[str, train.Config] = {}
+    for regime, task, overrides in scale.precond_regimes:
+        if task != scale.task:
+            continue  # `--task` picks the regimes: the LM's and the MLP's are separate studies
+        cfg = dataclasses.replace(task_config(scale, task), **overrides)
+        regimes[regime] = cfg
+        variants += [
+            Variant(
+                f"{LABELS[m]} [{regime}]",
+                dataclasses.replace(cfg, optimizer=m),
+                scale.precond_lrs[m],
+                (("regime", regime),),
             )
-        twin = ax.twinx()
-        for i, m in enumerate(SIGN_METHODS):
-            xs = [j + (i - 1) * width for j in range(len(entries))]
-            twin.plot(xs, [s[f"final_loss_{m}"] for s in entries], "k_", ms=14, mew=2)
-            twin.plot(xs, [s[f"final_loss_{m}"] for s in entries], "o", color=f"C{i}", ms=5,
-                      mec="k")  # fmt: skip
-        twin.set_ylabel("observed final loss (dots; lower is better)")
-        ax.set_xticks(range(len(entries)), [f"seed {s['seed']}" for s in entries])
-        ax.set_ylim(0, 1.05)
-        plots.finish(ax, f"SNR model at init (bars, β={same:g}) vs outcome per seed (dots)", "",
-                     "predicted alignment (higher: better)")  # fmt: skip
-        fig.suptitle(f"Sign placement on the {TASK_NAMES[task]}: is a later sign better? "
-                     f"({seeds} seeds)")  # fmt: skip
-        plots.save(fig, out / "sign.png", plt)
-    return summary
-
-
-# --------------------------------------------------------------------------------------------
-# 2. Preconditioners: mean-square vs variance dominated, spikes, clipping, MSQ's blocks.
-
-PRECOND_VARIANTS: tuple[tuple[str, str, str, float | None], ...] = (
-    # (label, optimizer, msq_block, max_grad_norm)
-    ("Adam", "adam", "none", None),
-    ("MicroAdam", "micro_adam", "none", None),
-    ("MicroAdamVar", "micro_adam_var", "none", None),
-    ("MicroAdamMSQ", "micro_adam_msq", "none", None),
-    ("MicroAdamMSQ (tensor)", "micro_adam_msq", "tensor", None),
-    ("MicroAdamMSQ (row)", "micro_adam_msq", "row", None),
-    (f"MicroAdam, clip {PAPER_CLIP:g}", "micro_adam", "none", PAPER_CLIP),
-)
-LARGE_B_METHODS = ("adam", "micro_adam_var")  # MicroAdamVar at a larger B, Adam its control
-
-
-def run_precond(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
-    base = base_config(scale)
-    task = "lm" if base.model == "transformer" else "mlp"
-    points = [
-        Point(label, dataclasses.replace(base, optimizer=o, msq_block=blk, max_grad_norm=c, lr=lr))
-        for label, o, blk, c in PRECOND_VARIANTS
-        for lr in scale.precond_lrs
+            for m in PRECOND_METHODS
+        ]
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
+    study = tune_and_score(
+        "precond",
+        variants,
+        families,
+        ctx.proto,
+        ctx.cache,
+        scale.max_extensions,
+    )
+    pairs = [
+        (f"{a} [{r}]", f"{b} [{r}]")
+        for r in regimes
+        for a, b in (("Adam", "MicroAdam"), ("MicroAdamVar", "MicroAdam"), ("MicroAdamVar", "Adam"))
     ]
-    big = scale.var_batch_size
-    stretch = lambda n: max(1, n * scale.var_steps // base.steps)  # warmup, evals: in proportion
-    large = dataclasses.replace(
-        base, batch_size=big, steps=scale.var_steps, warmup=stretch(base.warmup),
-        eval_interval=stretch(base.eval_interval),
-    )  # fmt: skip
-    points += [
-        Point(f"{LABELS[m]}, B={big}", dataclasses.replace(large, optimizer=m, lr=lr))
-        for m in LARGE_B_METHODS
-        for lr in scale.var_lrs
+    verdicts = verdicts_of(study, pairs)
+    say(verdicts)
+    # μ̂²/σ̂² per regime: at init and at the final parameters of each variant's scored runs.
+    ratios: list[dict[str, Any]] = []
+    for regime, cfg in regimes.items():
+        mine = Study(
+            study.runs,
+            study.proto,
+            study.variants,
+            study.held,
+            study.same_seed,
+            {f: t for f, t in study.held_traces.items() if f.endswith(f"[{regime}]")},
+        )
+        named = measured_points(cfg, mine, scored_seeds(ctx.proto))
+        measured = measure_mu_sigma(
+            cfg,
+            [(s, p) for s, _, p in named],
+            n_batches=scale.snr_batches,
+            batch_size=scale.snr_batch_size,
+        )
+        for (seed, point, _), (mu2, sigma2, n, names) in zip(named, measured, strict=True):
+            ratios.append(
+                {
+                    "regime": regime,
+                    "seed": seed,
+                    "point": point,
+                    "examples": n,
+                    **snr_ratio(mu2, sigma2, names),
+                }
+            )
+    table = [
+        "μ̂²/σ̂² per coordinate (median over coordinates; then median over the scored "
+        "seeds), per regime, at init and at each variant's final parameters; per-leaf "
+        "medians in summary.json:",
+        "",
+        "| regime | point | median μ̂²/σ̂² | fraction with μ̂² > σ̂² | leaf medians (min–max) |",
+        "|---|---|---|---|---|",
     ]
-    rows, traces = execute("precond", points, seeds, out)
-    aggs = aggregate(rows, ("method", "lr"))
-    best_of = best(aggs, ("method",))
-    instability = []
-    for label in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == label]
-        instability.append(
+    for regime in regimes:
+        for point in dict.fromkeys(r["point"] for r in ratios if r["regime"] == regime):
+            rs = [r for r in ratios if r["regime"] == regime and r["point"] == point]
+            leaf = [v for r in rs for v in r["per_leaf_median"].values()]
+            table.append(
+                f"| {regime} | {point.replace(f' [{regime}]', '')} | "
+                f"{np.median([r['median_mu2_over_sigma2'] for r in rs]):.3g} | "
+                f"{np.median([r['frac_mu2_gt_sigma2'] for r in rs]):.3f} | "
+                f"{min(leaf):.3g}–{max(leaf):.3g} |"
+            )
+    return write_study(
+        ctx.out,
+        "precond",
+        "Preconditioners per regime (Adam, MicroAdam, MicroAdamVar)",
+        study,
+        verdicts,
+        ctx.prov,
+        table,
+        {
+            "mu2_over_sigma2": ratios,
+            "regimes": {r: dataclasses.asdict(c) for r, c in regimes.items()},
+        },
+    )
+
+
+def frac_mu2_nonpositive(cfg: train.Config, seeds: Sequence[int]) -> list[float]:
+    """Per seed: the fraction of coordinates with μ̂² = (B·ḡ² − q)/(B − 1) ≤ 0 on the first
+    training batch at initialisation, the quantity MicroAdamMSQ's first step takes the root
+    of (a coordinate at ≤ 0 gets the step m̂/ε)."""
+    out = []
+    for s in seeds:
+        r = train.build(dataclasses.replace(cfg, seed=s))
+        stats_fn = pegrad.value_and_grad_stats(r.task.loss_fn, ("mean", "sq_mean"), impl=cfg.impl)
+        batch = r.task.sample(r.task.train_data, key=jax.random.fold_in(r.train_key, 0))
+        _, st = jax.jit(stats_fn)(r.task.params, batch)
+        g = np.concatenate([x for _, x in _leaves(st["mean"])])
+        q = np.concatenate([x for _, x in _leaves(st["sq_mean"])])
+        out.append(float(np.mean(cfg.batch_size * g * g - q <= 0)))
+    return out
+
+
+def run_msq(ctx: Context) -> dict[str, Any]:
+    scale = ctx.scale
+    base = task_config(scale)
+    msq = [
+        Variant(
+            f"MicroAdamMSQ ε={e:g}",
+            dataclasses.replace(base, optimizer="micro_adam_msq", eps=e),
+            scale.msq_lrs,
+        )
+        for e in scale.msq_eps
+    ]
+    adam = Variant("Adam", dataclasses.replace(base, optimizer="adam"), scale.precond_lrs["adam"])
+    family = "MicroAdamMSQ (ε and lr chosen)"
+    study = tune_and_score(
+        "msq",
+        [adam, *msq],
+        {"Adam": ["Adam"], family: [v.label for v in msq]},
+        ctx.proto,
+        ctx.cache,
+        scale.max_extensions,
+    )
+    verdicts = verdicts_of(study, [(family, "Adam")])
+    say(verdicts)
+    fracs = frac_mu2_nonpositive(base, scored_seeds(ctx.proto))
+    per_eps = []
+    for v in msq:
+        rec = study.variants[v.label]
+        mine = [r for r in study.runs.rows if r["method"] == v.label]
+        per_eps.append(
             {
-                "method": label,
+                "eps": v.cfg.eps,
                 "runs": len(mine),
-                "diverged": sum(r["status"] == "diverged" for r in mine),
-                "blew_up": sum(r["status"] == "blew_up" for r in mine),
-                "runs_with_spikes": sum(r["spikes"] > 0 for r in mine),
-                "spikes": sum(r["spikes"] for r in mine),
+                "unstable": sum(r["final_loss"] is None for r in mine),
+                "chosen_lr": None if rec["chosen"] is None else rec["chosen"]["lr"],
+                "selection_mean": None if rec["chosen"] is None else rec["chosen"]["mean"],
+                "edge": rec["edge"],
             }
         )
-    at = lambda label: best_of.get((label,))
-    clip = f"MicroAdam, clip {PAPER_CLIP:g}"
-    verdicts = [
-        compare(at("Adam"), at("MicroAdam"), "Adam", "MicroAdam"),
-        compare(at("MicroAdamVar"), at("MicroAdam"), "MicroAdamVar", "MicroAdam"),
-        compare(at("MicroAdamVar"), at("Adam"), "MicroAdamVar", "Adam"),
-        compare(at(clip), at("MicroAdam"), clip, "MicroAdam"),
-        compare(at("MicroAdamMSQ (tensor)"), at("Adam"), "MicroAdamMSQ (tensor)", "Adam"),
-        compare(at("MicroAdamMSQ (row)"), at("Adam"), "MicroAdamMSQ (row)", "Adam"),
-        compare(at("MicroAdamMSQ (row)"), at("MicroAdamMSQ (tensor)"), "MicroAdamMSQ (row)",
-                "MicroAdamMSQ (tensor)"),
-        compare(at(f"MicroAdamVar, B={big}"), at(f"Adam, B={big}"), f"MicroAdamVar, B={big}",
-                f"Adam, B={big}"),
-    ]  # fmt: skip
-    say(verdicts)
-    for c in instability:
-        print(
-            f"  {c['method']:<24} of {c['runs']} runs: diverged {c['diverged']}, blew up "
-            f"{c['blew_up']}, with spikes {c['runs_with_spikes']}",
-            flush=True,
+    table = (
+        [
+            f"At initialisation, on the first training batch (B = {base.batch_size}), μ̂² ≤ 0 on a "
+            f"fraction {np.mean(fracs):.3f} of the coordinates (per seed: "
+            f"{', '.join(f'{x:.3f}' for x in fracs)}): there the first step is m̂/ε.",
+            "",
+            "Per ε, on the selection seeds (every lr tried):",
+            "",
+            "| ε | runs | unstable | chosen lr | selection mean final loss |",
+            "|---|---|---|---|---|",
+        ]
+        + [
+            f"| {p['eps']:g} | {p['runs']} | {p['unstable']} | {fmt_lr(p['chosen_lr'])}"
+            f"{' (' + EDGE + ')' if p['edge'] and p['chosen_lr'] else ''} | "
+            f"{'–' if p['selection_mean'] is None else format(p['selection_mean'], '.3f')} |"
+            for p in per_eps
+        ]
+        + [
+            "",
+            "Not run here: the ε-inside-the-root placement √(ReLU(v̂) + ε) (optimizers.py offers "
+            "only √ReLU(v̂) + ε) and the block-averaged ν (tensor/row).",
+        ]
+    )
+    return write_study(
+        ctx.out,
+        "msq",
+        f"MicroAdamMSQ: an ε sweep, Adam the control ({TASK_NAMES[task_of(base)]})",
+        study,
+        verdicts,
+        ctx.prov,
+        table,
+        {"frac_mu2_nonpositive_at_step_1": fracs, "per_eps": per_eps},
+    )
+
+
+def clip_label(method: str, c: float | None) -> str:
+    return LABELS[method] if c is None else f"{LABELS[method]}, clip {c:g}"
+
+
+def run_clipping(ctx: Context) -> dict[str, Any]:
+    scale = ctx.scale
+    base = task_config(scale)
+    thresholds = (None, *scale.clip_thresholds)
+    variants = [
+        Variant(
+            clip_label(m, c),
+            dataclasses.replace(base, optimizer=m, max_grad_norm=c),
+            scale.precond_lrs[m],
         )
-    # The fraction of mean-dominated coordinates over training, at each variant's best lr.
-    frac = {}
-    for label, a in ((k[0], v) for k, v in best_of.items()):
-        mine = traces_of(rows, traces, method=label, lr=a["lr"])
-        x, runs = curves_of(mine, "frac_snr_gt_1_over_B", bins=10)
-        frac[label] = {"steps": x.tolist(), "mean_over_seeds": np.nanmean(runs, 0).tolist()}
-    summary = {
-        "experiment": "precond",
-        "task": task,
-        "seeds": seeds,
-        "spike_definition": f"after warmup, a step's loss > {SPIKE_FACTOR:g} x running min",
-        "settings": aggs,
-        "best": [dict(a) for a in best_of.values()],
-        "instability": instability,
-        "verdicts": verdicts,
-        "frac_mean_dominated_over_training": frac,
-    }
-    write_summary(out, rows, summary)
-    unstable = [
-        "Instability over every lr and seed (spike: a step's loss > "
-        f"{SPIKE_FACTOR:g}× the running minimum; blew up: final loss > initial):",
-        "",
-        "| variant | runs | diverged | blew up | with spikes | mean-dominated at the end |",
-        "|---|---|---|---|---|---|",
-    ] + [
-        f"| {c['method']} | {c['runs']} | {c['diverged']} | {c['blew_up']} | "
-        f"{c['runs_with_spikes']} | "
-        + (f"{frac[c['method']]['mean_over_seeds'][-1]:.3f} |" if c["method"] in frac else "– |")
-        for c in instability
+        for m in ("micro_adam", "adam")
+        for c in thresholds
     ]
-    markdown(out, f"Preconditioners ({TASK_NAMES[task]}, {seeds} seeds)",
-             list(best_of.values()), verdicts, *unstable)  # fmt: skip
-    if plt := plots.pyplot():
-        fig, axes = plt.subplots(1, 4, figsize=(24, 5.2))
-        series: dict[str, list[dict[str, Any]]] = {}
-        for a in aggs:
-            series.setdefault(a["method"], []).append(a)
-        color = plots.colors(list(series))
-        plots.lr_sweep(axes[0], series, f"{TASK_NAMES[task]}: final loss vs lr", color=color)
-        for ax, key, ylabel in (
-            (axes[1], "loss", "training loss (binned)"),
-            (axes[2], "frac_snr_gt_1_over_B", "fraction of coordinates"),
-        ):
-            for label, a in ((k[0], v) for k, v in best_of.items()):
-                mine = traces_of(rows, traces, method=label, lr=a["lr"])
-                x, runs = curves_of(mine, key)
-                style = "--" if "B=" in label else "-"
-                plots.band(ax, x, runs, color[label], f"{label} (lr {fmt_lr(a['lr'])})", ls=style)
-            if key == "loss":
-                ax.set_yscale("log")
-            plots.finish(ax, "at each best lr (band: seeds' min–max; dashed: larger B)"
-                         if key == "loss" else "mean-dominated coordinates: μ̂² > σ̂²/B", "step",
-                         ylabel)  # fmt: skip
-        ax = axes[3]
-        xs = np.arange(len(instability))
-        for j, (key, name) in enumerate(
-            (("runs_with_spikes", "with spikes"), ("blew_up", "blew up (final > initial)"),
-             ("diverged", "diverged (NaN/Inf)"))
-        ):  # fmt: skip
-            ax.bar(xs + (j - 1) * 0.27, [c[key] for c in instability], 0.27, label=name)
-        ax.set_xticks(xs, [c["method"] for c in instability], fontsize=7, rotation=40, ha="right")
-        plots.finish(ax, f"instability over all lrs × {seeds} seeds (spike: loss > "
-                     f"{SPIKE_FACTOR:g}× running min)", "", "runs")  # fmt: skip
-        fig.suptitle(f"Preconditioners on the {TASK_NAMES[task]}: mean-square vs variance "
-                     f"dominated, clipping, MSQ's blocks ({seeds} seeds)")  # fmt: skip
-        plots.save(fig, out / "precond.png", plt)
-    return summary
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
+    study = tune_and_score(
+        "clipping",
+        variants,
+        families,
+        ctx.proto,
+        ctx.cache,
+        scale.max_extensions,
+    )
+    pairs = [("MicroAdam", "Adam")]
+    for c in scale.clip_thresholds:
+        pairs += [
+            (clip_label("micro_adam", c), "MicroAdam"),
+            (clip_label("adam", c), "Adam"),
+            (clip_label("micro_adam", c), clip_label("adam", c)),
+        ]
+    verdicts = verdicts_of(study, pairs)
+    # Does clipping close MicroAdam's gap to Adam? The gap per seed, clipped vs not.
+    held = study.held
+
+    def gap(c: float | None) -> dict[str, Any] | None:
+        a, b = held.get(clip_label("micro_adam", c)), held.get(clip_label("adam", c))
+        if a is None or b is None:
+            return None
+        per = {
+            s: None
+            if a["per_seed"][s] is None or b["per_seed"].get(s) is None
+            else a["per_seed"][s] - b["per_seed"][s]
+            for s in a["per_seed"]
+        }
+        return {"per_seed": per, "edge": a["edge"] or b["edge"]}
+
+    for c in scale.clip_thresholds:
+        v = compare(
+            gap(c),
+            gap(None),
+            f"MicroAdam − Adam, both clipped at {c:g}",
+            "MicroAdam − Adam, unclipped",
+            lower="smaller",
+        )
+        verdicts.append(v)
+    say(verdicts)
+    clipped = []  # how often the threshold acts: steps with ‖ḡ‖ above it, in the scored runs
+    for fam, per_seed in study.held_traces.items():
+        c = next(v.cfg.max_grad_norm for v in variants if v.label == held[fam]["member"])
+        norms = np.concatenate([t.diagnostics["grad_norm"] for t in per_seed.values()])
+        norms = norms[np.isfinite(norms)]
+        clipped.append(
+            {
+                "variant": fam,
+                "threshold": c,
+                "median_grad_norm": float(np.median(norms)) if norms.size else None,
+                "frac_steps_clipped": None
+                if c is None or not norms.size
+                else float(np.mean(norms > c)),
+            }
+        )
+    table = [
+        "‖ḡ‖ (the unclipped mean gradient) over the scored runs, and how often each "
+        "threshold acts:",
+        "",
+        "| variant | median ‖ḡ‖ | fraction of steps clipped |",
+        "|---|---|---|",
+    ] + [
+        f"| {x['variant']} | {fmt_num(x['median_grad_norm'], '.3g')} | "
+        f"{fmt_num(x['frac_steps_clipped'], '.3f')} |"
+        for x in clipped
+    ]
+    return write_study(
+        ctx.out,
+        "clipping",
+        f"Clipping: MicroAdam and Adam at thresholds "
+        f"{', '.join(f'{c:g}' for c in scale.clip_thresholds)} "
+        f"({TASK_NAMES[task_of(base)]})",
+        study,
+        verdicts,
+        ctx.prov,
+        table,
+        {"clipping": clipped},
+    )
 
 
 # --------------------------------------------------------------------------------------------
-# 3. Batch-size scaling: lr ∝ √B for Adam, lr ∝ B for MicroAdam, against examples seen.
+# Batch-size scaling: the best lr against B, from an absolute grid, two β₂ arms.
 
-BATCH_POWER = {"adam": 0.5, "micro_adam": 1.0}
+BATCH_POWER = {"adam": 0.5, "micro_adam": 1.0}  # the paper's rules: lr ∝ B^p
+ARMS = ("β₂ fixed", "β₂ half-life fixed")
 
 
-def batch_config(scale: Scale, method: str, b: int, mult: float) -> train.Config:
-    base = base_config(scale)
+def batch_b2(scale: Scale, arm: str, b: int, b2_ref: float) -> float:
+    """β₂ at batch size b: fixed, or with its half-life fixed in examples (β₂_ref at B_ref,
+    β₂(B) = β₂_ref^(B/B_ref): the EMA forgets the same number of examples at every B)."""
+    return b2_ref if arm == ARMS[0] else float(b2_ref ** (b / scale.batch_base))
+
+
+def batch_config(scale: Scale, method: str, b: int, arm: str) -> train.Config:
+    base = task_config(scale, scale.batch_task)
     steps = max(1, scale.batch_examples // b)
     return dataclasses.replace(
         base,
         optimizer=method,
-        lr=mult * scale.batch_lr0[method] * (b / scale.batch_base) ** BATCH_POWER[method],
         batch_size=b,
         steps=steps,
+        b2=batch_b2(scale, arm, b, base.b2),
         warmup=max(1, steps // 20),
         eval_interval=max(1, steps // 4),
-        # The same held-out examples at every B: eval_batches·B stays the base's.
+        # The same number of held-out examples at every B.
         eval_batches=max(1, -(-base.eval_batches * base.batch_size // b)),
     )
 
 
-def run_batch_scaling(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
-    task = scale.task
-    points = [
-        Point(LABELS[m], batch_config(scale, m, b, mult), (("lr_mult", mult),))
+def best_lr_per_b(
+    rows: Sequence[dict[str, Any]], labels: dict[int, str], seeds: Sequence[int]
+) -> dict[int, float]:
+    """B -> the lr chosen on `seeds` (lowest mean among lrs every seed finished)."""
+    out = {}
+    for b, label in labels.items():
+        if (c := choose(rows, [label], seeds)) is not None:
+            out[b] = c["lr"]
+    return out
+
+
+def fit_exponent(best: dict[int, float]) -> float | None:
+    """The least-squares slope of log(lr) against log(B)."""
+    if len(best) < 2:
+        return None
+    bs = sorted(best)
+    return float(np.polyfit(np.log(bs), np.log([best[b] for b in bs]), 1)[0])
+
+
+def run_batch_scaling(ctx: Context) -> dict[str, Any]:
+    scale, proto = ctx.scale, ctx.proto
+    if proto.name == "fixed":
+        raise ValueError("batch-scaling fits an exponent to chosen lrs: --lrs-from does not apply")
+    seeds = proto.select  # the grid runs on these; held-out seeds would add no information
+    labels = {
+        (m, arm, b): f"{LABELS[m]} ({arm}) B={b}"
         for m in BATCH_POWER
+        for arm in ARMS
         for b in scale.batch_sizes
-        for mult in scale.batch_lr_mults
+    }
+    variants = [
+        Variant(lb, batch_config(scale, m, b, arm), scale.batch_lrs, (("arm", arm),))
+        for (m, arm, b), lb in labels.items()
     ]
-    rows, traces = execute("batch-scaling", points, seeds, out)
-    aggs = aggregate(rows, ("method", "optimizer", "batch_size", "lr_mult", "lr"))
-    best_of = best(aggs, ("optimizer", "batch_size"))
-    table = []
-    for m in BATCH_POWER:
-        for b in scale.batch_sizes:
-            a = best_of.get((m, b))
-            # Per seed: the multiplier that seed alone would pick (do the seeds agree?).
-            per_seed = {}
-            for s in range(seeds):
-                mine = [r for r in rows if r["optimizer"] == m and r["batch_size"] == b
-                        and r["seed"] == s and r["final_loss"] is not None]  # fmt: skip
-                if mine:
-                    per_seed[s] = min(mine, key=lambda r: r["final_loss"])["lr_mult"]
-            table.append(
+    runs = Runs("batch-scaling", ctx.cache)
+    record = select_lrs(runs, variants, seeds, scale.max_extensions)
+    rng = np.random.default_rng(0)
+    resamples = [rng.choice(seeds, size=len(seeds)) for _ in range(BOOTSTRAP)]
+    fits, table = [], []
+    for m, power in BATCH_POWER.items():
+        for arm in ARMS:
+            mine = {b: labels[(m, arm, b)] for b in scale.batch_sizes}
+            interior = {b: lb for b, lb in mine.items() if record[lb]["edge"] is None}
+            point = fit_exponent(best_lr_per_b(runs.rows, interior, seeds))
+            boot = [
+                e
+                for r in resamples
+                if (e := fit_exponent(best_lr_per_b(runs.rows, interior, list(r)))) is not None
+            ]
+            lo, hi = np.percentile(boot, [2.5, 97.5]).tolist() if boot else (None, None)
+            inside = None if lo is None or hi is None else lo - 1e-9 <= power <= hi + 1e-9
+            verdict = (
+                "no verdict: fewer than two batch sizes with an interior best lr"
+                if point is None
+                else f"exponent {point:.2f} (95% seed-bootstrap interval [{lo:.2f}, {hi:.2f}], "
+                f"{len(interior)} B with an interior best lr); predicted {power:g}: "
+                + ("inside the interval" if inside else "outside the interval")
+            )
+            fits.append(
                 {
                     "method": m,
-                    "batch_size": b,
-                    "best_lr_mult": None if a is None else a["lr_mult"],
-                    "best_lr": None if a is None else a["lr"],
-                    "final_loss": None if a is None else a["mean"],
-                    "sd": None if a is None else a["sd"],
-                    "best_lr_mult_per_seed": per_seed,
+                    "arm": arm,
+                    "predicted": power,
+                    "exponent": point,
+                    "ci95": [lo, hi],
+                    "batch_sizes_fitted": sorted(interior),
+                    "verdict": verdict,
                 }
             )
-    slopes: dict[str, Any] = {}
+            for b, lb in mine.items():
+                rec = record[lb]
+                per_seed = {}
+                for s in seeds:  # each seed's own pick: do the seeds agree?
+                    ok = [
+                        r
+                        for r in runs.rows
+                        if r["method"] == lb and r["seed"] == s and r["final_loss"] is not None
+                    ]
+                    if ok:
+                        per_seed[s] = min(ok, key=lambda r: r["final_loss"])["lr"]
+                c = rec["chosen"]
+                table.append(
+                    {
+                        "method": m,
+                        "arm": arm,
+                        "batch_size": b,
+                        "b2": batch_b2(scale, arm, b, variants[0].cfg.b2),
+                        "grid": rec["grid"],
+                        "extended_with": rec["extended_with"],
+                        "best_lr": None if c is None else c["lr"],
+                        "edge": rec["edge"],
+                        "best_lr_per_seed": per_seed,
+                        "final_loss": None if c is None else c["mean"],
+                        "sd": None if c is None else c["sd"],
+                    }
+                )
+    # The regime: below the critical batch, the loss after a fixed number of examples is flat
+    # in B; above it, it rises with B.
+    regime = []
     for m in BATCH_POWER:
-        mine = [t for t in table if t["method"] == m and t["best_lr"] is not None]
-        fit = lambda ts: float(np.polyfit(np.log([t["batch_size"] for t in ts]),
-                                          np.log([t["best_lr"] for t in ts]), 1)[0])  # fmt: skip
-        slopes[m] = {
-            "all": fit(mine) if len(mine) >= 2 else None,
-            "B<=64": fit([t for t in mine if t["batch_size"] <= 64])
-            if sum(t["batch_size"] <= 64 for t in mine) >= 2
-            else None,
-            "predicted": BATCH_POWER[m],
-        }
-    # At the base multiplier of each method's rule: how far the best multiplier drifts over B.
-    verdicts = []
-    for m, power in BATCH_POWER.items():
-        mults = {t["batch_size"]: t["best_lr_mult"] for t in table if t["method"] == m}
-        known = {b: v for b, v in mults.items() if v is not None}
-        small = [v for b, v in known.items() if b <= 64]
-        spread = max(small) / min(small) if small else math.nan
-        seeds_agree = sum(
-            len(set(t["best_lr_mult_per_seed"].values())) == 1
-            for t in table
-            if t["method"] == m and t["best_lr_mult_per_seed"]
-        )
-        verdicts.append(
-            {
-                "a": LABELS[m],
-                "b": f"lr ∝ B^{power:g}",
-                "best_mult_per_B": known,
-                "spread_B<=64": spread,
-                "batch_sizes_where_seeds_pick_the_same_mult": seeds_agree,
-                "verdict": (
-                    f"best multiplier over B ≤ 64 spans a factor {spread:g} "
-                    f"({'flat within one grid step: the rule holds' if spread <= 2 else 'drifts: the rule does not hold'}"  # noqa: E501
-                    f"); fitted exponent {slopes[m]['B<=64']} for B ≤ 64, {slopes[m]['all']} "
-                    f"for all B (predicted {power:g}); seeds pick the same multiplier at "
-                    f"{seeds_agree}/{len(scale.batch_sizes)} batch sizes"
-                ),
-            }
-        )
-    say(verdicts)
+        for arm in ARMS:
+            mine = [
+                t
+                for t in table
+                if t["method"] == m and t["arm"] == arm and t["final_loss"] is not None
+            ]
+            if len(mine) >= 2:
+                a, b = mine[0], mine[1]
+                rise = b["final_loss"] - a["final_loss"]
+                noise = math.hypot(a["sd"] or 0.0, b["sd"] or 0.0)
+                regime.append(
+                    {
+                        "method": m,
+                        "arm": arm,
+                        "smallest_b": a["batch_size"],
+                        "rise_to_next_b": rise,
+                        "seed_sd": noise,
+                        "small_b_regime_observed": rise <= noise,
+                    }
+                )
+    for f in fits:
+        print(f"  {LABELS[f['method']]} ({f['arm']}): {f['verdict']}", flush=True)
+    rows = runs.rows
     summary = {
         "experiment": "batch-scaling",
-        "task": task,
-        "seeds": seeds,
+        **ctx.prov,
+        "task": scale.batch_task,
         "examples": scale.batch_examples,
         "batch_base": scale.batch_base,
-        "lr0": scale.batch_lr0,
-        "rule": "lr = mult * lr0 * (B / B0) ** p, p = 0.5 (adam), 1 (micro_adam)",
-        "settings": aggs,
+        "rule": "best lr ∝ B^p, p = 0.5 (adam), 1 (micro_adam); β₂(B) = β₂_ref^(B/B_ref) in "
+        "the half-life arm",
+        "variants": [
+            {
+                "method": lb,
+                **{k: v for k, v in rec.items() if k != "chosen"},
+                "lr": None if rec["chosen"] is None else rec["chosen"]["lr"],
+            }
+            for lb, rec in record.items()
+        ],
+        "settings": aggregate(rows, ("method", "lr")),
         "best_lr_per_batch": table,
-        "fitted_exponent_of_best_lr_vs_B": slopes,
-        "verdicts": verdicts,
+        "fits": fits,
+        "regime": regime,
+        "instability": instability(rows),
     }
-    write_summary(out, rows, summary)
+    with open(ctx.out / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
+    write_traces(ctx.out / "traces.csv.gz", runs)
+    (ctx.out / "summary.json").write_text(json.dumps({**summary, "runs": rows}, indent=1))
+    cfg0 = task_config(scale, scale.batch_task)
     lines = [
-        f"# Batch-size scaling ({TASK_NAMES[task]}, {seeds} seeds, {scale.batch_examples} "
-        "examples per run)\n",
-        f"lr = mult · lr₀ · (B/{scale.batch_base})^p; the best multiplier per B (mean over "
-        "seeds), each seed's own pick, and the final loss there:",
+        f"# Batch-size scaling ({TASK_NAMES[scale.batch_task]}, {scale.batch_examples} examples "
+        f"per run, seeds {seeds_text(seeds)})\n",
+        *provenance_lines(ctx.prov),
+        f"Absolute lr grid {', '.join(fmt_lr(x) for x in scale.batch_lrs)} at every B (extended "
+        f"at an edge); β₂ = {cfg0.b2:g} (fixed arm) or {cfg0.b2:g}^(B/{scale.batch_base}) "
+        "(half-life arm).",
         "",
-        "| method | B | best mult | per seed | best lr | final loss: mean ± sd (min–max) |",
+        "| method | arm | B | β₂ | best lr (per seed) | final loss: mean ± sd |",
         "|---|---|---|---|---|---|",
     ]
     for t in table:
-        a = best_of.get((t["method"], t["batch_size"]))
-        picks = ", ".join(f"{v:g}" for v in t["best_lr_mult_per_seed"].values())
+        flag = f" **{EDGE}**" if t["edge"] else ""
+        picks = ", ".join(fmt_lr(x) for x in t["best_lr_per_seed"].values())
+        loss = (
+            "–"
+            if t["final_loss"] is None
+            else (f"{t['final_loss']:.3f}" + ("" if t["sd"] is None else f" ± {t['sd']:.3f}"))
+        )
         lines.append(
-            f"| {LABELS[t['method']]} | {t['batch_size']} | "
-            + ("– | – | – | unstable |" if a is None else
-               f"{a['lr_mult']:g} | {picks} | {fmt_lr(a['lr'])} | {fmt_loss(a)} |")
-        )  # fmt: skip
-    lines += ["", "Verdicts:", ""] + [f"- {v['a']}, {v['b']}: {v['verdict']}" for v in verdicts]
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    if plt := plots.pyplot():
-        fig, axes = plt.subplots(1, 4, figsize=(24, 4.8))
-        cmap = plt.get_cmap("viridis")
-        for ax, (m, power) in zip(axes[:2], BATCH_POWER.items(), strict=True):
-            at_base = best_of.get((m, scale.batch_base))
-            mult = at_base["lr_mult"] if at_base else 1.0
-            for i, b in enumerate(scale.batch_sizes):
-                mine = traces_of(rows, traces, optimizer=m, batch_size=b, lr_mult=mult)
-                x, runs = curves_of(mine, bins=min(100, mine[0].cfg.steps))
-                color = cmap(i / max(1, len(scale.batch_sizes) - 1))
-                plots.band(ax, x * b, runs, color, f"B={b}")
-            ax.set_yscale("log")
-            rule = "√(B/B₀)" if power == 0.5 else "(B/B₀)"
-            lr0 = mult * scale.batch_lr0[m]
-            plots.finish(ax, f"{LABELS[m]}: lr = {fmt_lr(lr0)}·{rule}, B₀={scale.batch_base} "
-                         "(band: seeds)", "examples seen", "training loss (binned)")  # fmt: skip
-        ax = axes[2]
-        bs = np.array(scale.batch_sizes, dtype=float)
-        for i, (m, power) in enumerate(BATCH_POWER.items()):
-            mine = [t for t in table if t["method"] == m and t["best_lr"] is not None]
-            ax.plot([t["batch_size"] for t in mine], [t["best_lr"] for t in mine], "o-",
-                    color=f"C{i}", label=f"{LABELS[m]}: best lr (mean over seeds)")  # fmt: skip
-            for t in mine:  # each seed's own pick, jittered
-                for s, mult in t["best_lr_mult_per_seed"].items():
-                    lr = mult * scale.batch_lr0[m] * (t["batch_size"] / scale.batch_base) ** power
-                    ax.plot(t["batch_size"] * (1 + 0.06 * (s - 1)), lr, ".", color=f"C{i}",
-                            alpha=0.5)  # fmt: skip
-            at_base = best_of.get((m, scale.batch_base))
-            ref = (at_base["lr_mult"] if at_base else 1.0) * scale.batch_lr0[m]
-            ax.plot(bs, ref * (bs / scale.batch_base) ** power, ":", color=f"C{i}",
-                    label=f"∝ B^{power:g} (predicted)")  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        plots.finish(ax, f"best lr vs B (dots: each seed's pick; grid ×"
-                     f"{', ×'.join(f'{m:g}' for m in scale.batch_lr_mults)})", "batch size B",
-                     "best peak learning rate")  # fmt: skip
-        ax = axes[3]
-        for i, m in enumerate(BATCH_POWER):
-            mine = [t for t in table if t["method"] == m and t["final_loss"] is not None]
-            ax.errorbar([t["batch_size"] for t in mine], [t["final_loss"] for t in mine],
-                        yerr=[t["sd"] or 0.0 for t in mine], fmt="o-", capsize=3, color=f"C{i}",
-                        label=f"{LABELS[m]} (best lr per B; bars: seed sd)")  # fmt: skip
-        ax.set_xscale("log", base=2)
-        plots.finish(ax, f"final loss after {scale.batch_examples} examples", "batch size B",
-                     "final eval loss")  # fmt: skip
-        fig.suptitle(f"Batch-size scaling on the {TASK_NAMES[task]}: do curves collapse against "
-                     f"examples seen? ({seeds} seeds)")  # fmt: skip
-        plots.save(fig, out / "batch_scaling.png", plt)
+            f"| {LABELS[t['method']]} | {t['arm']} | {t['batch_size']} | {t['b2']:.5g} "
+            f"| {fmt_lr(t['best_lr'])}{flag} ({picks}) | {loss} |"
+        )
+    lines += [
+        "",
+        "Fitted exponents (over the B whose best lr is interior; fitted on the selection "
+        "seeds alone, the evaluation seeds are not used here; interval: seed bootstrap):",
+        "",
+    ]
+    lines += [f"- {LABELS[f['method']]} ({f['arm']}): {f['verdict']}" for f in fits]
+    lines += ["", "Regime (loss after a fixed number of examples, smallest B vs the next):", ""]
+    lines += [
+        f"- {LABELS[r['method']]} ({r['arm']}): B={r['smallest_b']} → next: "
+        f"{r['rise_to_next_b']:+.3f} (seed sd {r['seed_sd']:.3f}): "
+        + (
+            "flat: the small-B regime is observed"
+            if r["small_b_regime_observed"]
+            else "rises: even the smallest B is past the critical batch"
+        )
+        for r in regime
+    ]
+    (ctx.out / "summary.md").write_text("\n".join(lines) + "\n")
+    plots.draw(ctx.out)
     return summary
 
 
@@ -968,8 +1839,10 @@ def run_batch_scaling(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
 # 4. Overhead: bench.py's table.
 
 
-def run_overhead(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
+def run_overhead(ctx: Context) -> dict[str, Any]:
     import bench
+
+    scale, out = ctx.scale, ctx.out
 
     overrides = dict(scale.bench)
     base = bench.Config(**bench.QUICK) if overrides.pop("quick", False) else bench.Config()
@@ -1032,8 +1905,13 @@ def run_overhead(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
             ax.axhline(1.0, color="k", lw=0.8)
             ax.set_xticks(range(len(data)), labels, fontsize=6, rotation=60, ha="right")
             ax.set_yscale("log")
-            plots.finish(ax, f"mean+sq_mean: {title} relative to jax.value_and_grad", "",
-                         f"{title} / plain gradient's", legend=False)  # fmt: skip
+            plots.finish(
+                ax,
+                f"mean+sq_mean: {title} relative to jax.value_and_grad",
+                "",
+                f"{title} / plain gradient's",
+                legend=False,
+            )
         plots.save(fig, out / "overhead.png", plt)
     return summary
 
@@ -1042,15 +1920,16 @@ def run_overhead(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
 # 5. Vectorize: the same runs as one vectorized program and one by one with train.main.
 
 
-def run_vectorize(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
+def run_vectorize(ctx: Context) -> dict[str, Any]:
     """Runs/hour of one sweep group (`vectorize_runs` runs: lrs × seeds of MicroAdam on the
     scale's task) trained by sweep.py, against `vectorize_sequential` of the same runs trained
     one after another by train.main (each with its own compile, evaluation and checkpoint, as
     a user would run them). Both wall times include compiling. The final held-out losses of the
     runs done both ways are compared."""
-    base = dataclasses.replace(base_config(scale), optimizer="micro_adam")
-    lrs = [base.lr * 2.0**k for k in range(-(-scale.vectorize_runs // seeds))]
-    configs = [dataclasses.replace(base, lr=lr, seed=s) for lr in lrs for s in range(seeds)]
+    scale, out, seeds = ctx.scale, ctx.out, ctx.proto.select or ctx.proto.evaluate
+    base = dataclasses.replace(task_config(scale), optimizer="micro_adam")
+    lrs = [base.lr * 2.0**k for k in range(-(-scale.vectorize_runs // len(seeds)))]
+    configs = [dataclasses.replace(base, lr=lr, seed=s) for lr in lrs for s in seeds]
     configs = configs[: scale.vectorize_runs]
     t0 = time.perf_counter()
     traces = sweep.run_group(configs)  # no cache: this is a timing
@@ -1109,56 +1988,136 @@ def run_vectorize(scale: Scale, out: Path, seeds: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Entry points.
 
-RUNNERS: dict[str, Callable[[Scale, Path, int], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sign": run_sign,
     "precond": run_precond,
+    "msq": run_msq,
+    "clipping": run_clipping,
     "batch-scaling": run_batch_scaling,
     "overhead": run_overhead,
     "vectorize": run_vectorize,
 }
 
 
-def run(name: str, *, scale: str, out: str, seeds: int | None = None) -> dict[str, Any]:
+def run(
+    name: str,
+    *,
+    scale: str,
+    out: str,
+    seeds: Sequence[int] | None = None,
+    select_seeds: Sequence[int] | None = None,
+    lrs_from: str | None = None,
+    cache: str | None = None,
+    task: str | None = None,
+    only: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Run study `name` (EXPERIMENTS or "all") at `scale` ("smoke", "tiny", "small", "paper")
-    into `out`, each setting for seeds 0..seeds−1 (None: the scale's default); returns its
-    summary (for "all": a dict of them)."""
+    into `out`. Seeds (module docstring): `select_seeds` and `seeds` disjoint (held-out),
+    `seeds` alone (leave-one-seed-out), `lrs_from` a summary.json and `seeds` (fixed); None
+    everywhere: the scale's held-out defaults. `task` ("lm" or "mlp") replaces the scale's task
+    of sign, precond, msq and clipping; `only` keeps these families (variants) of the study.
+    Returns its summary (for "all": a dict)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
     if name == "all":
-        return {n: run(n, scale=scale, out=str(Path(out) / n), seeds=seeds) for n in EXPERIMENTS}
+        return {
+            n: run(
+                n,
+                scale=scale,
+                out=str(Path(out) / n),
+                seeds=seeds,
+                select_seeds=select_seeds,
+                cache=cache,
+            )
+            for n in EXPERIMENTS
+        }
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {(*EXPERIMENTS, 'all')}")
-    n_seeds = SCALES[scale].seeds if seeds is None else seeds
-    if n_seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {n_seeds}")
+    if task not in (None, "lm", "mlp"):
+        raise ValueError(f"unknown task {task!r}; choose lm or mlp")
+    the_scale = SCALES[scale] if task is None else dataclasses.replace(SCALES[scale], task=task)
+    proto = make_protocol(seeds, select_seeds, lrs_from, the_scale)
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    print(f"experiment {name}, scale {scale}, {n_seeds} seeds -> {path}", flush=True)
+    cache_dir = Path(cache) if cache else path / "cache"
+    prov = provenance(name, scale, path, proto, cache_dir, task, only)
+    print(f"experiment {name}, scale {scale}, {proto.describe()} -> {path}", flush=True)
     t0 = time.perf_counter()
-    summary = RUNNERS[name](SCALES[scale], path, n_seeds)
+    ctx = Context(the_scale, path, proto, cache_dir, prov, None if only is None else tuple(only))
+    summary = RUNNERS[name](ctx)
     seconds = time.perf_counter() - t0
-    summary = {**summary, "scale": scale, "total_seconds": round(seconds, 1)}
+    summary = {**summary, **prov, "scale": scale, "total_seconds": round(seconds, 1)}
     data = json.loads((path / "summary.json").read_text())
     (path / "summary.json").write_text(json.dumps({**data, **summary}, indent=1))
     print(f"experiment {name} done in {seconds:.0f}s: {path}", flush=True)
     return summary
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def cli() -> argparse.ArgumentParser:
+    """The command line of `main` (a committed summary's "command" parses with it)."""
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0],
-        epilog="Every study, its scales and its definitions: see experiments.py's docstring.",
+        epilog="Every study, the selection protocol, the scales and the definitions: see "
+        "experiments.py's docstring.",
     )
     parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which study")
     parser.add_argument("--scale", choices=tuple(SCALES), default="tiny", help="sizes and steps")
     parser.add_argument("--out", default=None, help="output directory (default runs/exp-NAME)")
     parser.add_argument(
-        "--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: the scale's)"
+        "--seeds",
+        default=None,
+        help="evaluation seeds, e.g. 3,4,5 or 3-7 "
+        "(alone: leave-one-seed-out over them; default: the scale's)",
     )
+    parser.add_argument(
+        "--select-seeds",
+        default=None,
+        help="seeds the lrs are chosen on, disjoint from --seeds (default: the scale's)",
+    )
+    parser.add_argument(
+        "--lrs-from",
+        default=None,
+        help="a summary.json: its chosen lrs, evaluated on --seeds without selection (a re-check)",
+    )
+    parser.add_argument(
+        "--task",
+        choices=("lm", "mlp"),
+        default=None,
+        help="the task of sign, msq and clipping (default: the scale's)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="run this variant (family) of the study and not the others; repeat for more, "
+        "e.g. --only SignSGD --only SignEMA",
+    )
+    parser.add_argument(
+        "--cache",
+        default=None,
+        help="trace cache (default OUT/cache); studies sharing one share their common runs",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = cli()
     args = parser.parse_args(argv)
     out = args.out or f"runs/exp-{args.name}"
     try:
-        run(args.name, scale=args.scale, out=out, seeds=args.seeds)
+        seeds = None if args.seeds is None else parse_seeds(args.seeds)
+        select = None if args.select_seeds is None else parse_seeds(args.select_seeds)
+        run(
+            args.name,
+            scale=args.scale,
+            out=out,
+            seeds=seeds,
+            select_seeds=select,
+            lrs_from=args.lrs_from,
+            cache=args.cache,
+            task=args.task,
+            only=args.only,
+        )
     except (train.ConfigError, ValueError) as err:
         sys.exit(f"error: {err}")
 

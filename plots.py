@@ -86,8 +86,9 @@ def lr_sweep(
         y = np.array([a["mean"] for a in ok])
         err = np.array([[a["mean"] - a["min"] for a in ok], [a["max"] - a["mean"] for a in ok]])
         c = color[label]
-        ax.errorbar(x, y, yerr=err if len(ok) else None, fmt="o-", color=c, capsize=3,
-                    label=label, ms=4)  # fmt: skip
+        ax.errorbar(
+            x, y, yerr=err if len(ok) else None, fmt="o-", color=c, capsize=3, label=label, ms=4
+        )
         bad = [a[xkey] for a in rows if a["unstable"]]
         if bad:
             ax.plot(bad, [top * 1.03] * len(bad), "x", color=c, ms=8, mew=2)
@@ -109,3 +110,177 @@ def finish(ax: Any, title: str, xlabel: str, ylabel: str, *, legend: bool = True
     ax.grid(alpha=0.3)
     if legend:
         ax.legend(fontsize=7)
+
+
+# --------------------------------------------------------------------------------------------
+# A study's figure, redrawn from its committed files: `python plots.py OUT` (summary.json and
+# traces.csv.gz, as experiments.py writes them).
+
+Curves = dict[tuple[str, float, int], dict[str, tuple[np.ndarray, np.ndarray]]]
+
+
+def read_traces(path: Path) -> Curves:
+    """traces.csv.gz -> {(method, lr, seed): {kind: (steps, values)}}, plus "batch_size"."""
+    import csv
+    import gzip
+
+    found: dict[tuple[str, float, int], dict[str, list[tuple[float, float]]]] = {}
+    sizes: dict[tuple[str, float, int], int] = {}
+    with gzip.open(path, "rt", newline="") as f:
+        for r in csv.DictReader(f):
+            key = (r["method"], float(r["lr"]), int(r["seed"]))
+            found.setdefault(key, {}).setdefault(r["kind"], []).append(
+                (float(r["step"]), float(r["value"]))
+            )
+            sizes[key] = int(r["batch_size"])
+    out: Curves = {}
+    for key, kinds in found.items():
+        out[key] = {
+            k: (np.array([x for x, _ in v]), np.array([y for _, y in v])) for k, v in kinds.items()
+        }
+        out[key]["batch_size"] = (np.array([sizes[key]]), np.array([sizes[key]]))
+    return out
+
+
+def _held_runs(summary: dict[str, Any], family: str) -> list[tuple[str, float, int]]:
+    """(method, lr, seed) of each run a family was scored on."""
+    h = summary["held_out"][family]
+    per_lr = h.get("lr_per_seed") or {}
+    return [(h["member"] or "", float(per_lr.get(s, h["lr"])), int(s)) for s in h["per_seed"]]
+
+
+def draw(out: Path) -> None:
+    """OUT/<experiment>.png from OUT/summary.json and OUT/traces.csv.gz."""
+    import json
+
+    plt = pyplot()
+    if plt is None:
+        return
+    summary = json.loads((out / "summary.json").read_text())
+    curves = read_traces(out / "traces.csv.gz")
+    name = summary["experiment"]
+    if name == "batch-scaling":
+        fig = _draw_batch(plt, summary, curves)
+    else:
+        fig = _draw_selected(plt, summary, curves)
+    fig.suptitle(
+        f"{name}: {summary.get('protocol_text', '')}\n{summary.get('command', '')} @ "
+        f"{(summary.get('git_commit') or '?')[:10]}",
+        fontsize=9,
+    )
+    save(fig, out / f"{name}.png", plt)
+
+
+def _draw_selected(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
+    fig, axes = plt.subplots(1, 4, figsize=(24, 5.2))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for a in summary["settings"]:
+        series.setdefault(a["method"], []).append(a)
+    color = colors([*series, *summary["held_out"]])
+    if series:
+        lr_sweep(axes[0], series, "selection seeds: final loss vs lr (star: chosen)", color=color)
+        for v in summary["variants"]:
+            mine = [a for a in series.get(v["method"], []) if a["lr"] == v["lr"]]
+            if mine and mine[0]["mean"] is not None:
+                axes[0].plot(
+                    v["lr"], mine[0]["mean"], "*", color=color[v["method"]], ms=14, mec="k"
+                )
+    families = list(summary["held_out"])
+    for ax, kind, title in (
+        (axes[1], "train_loss", "training loss at the chosen lr, scored seeds (band: min–max)"),
+        (axes[2], "frac_mean_dominated", "mean-dominated coordinates: μ̂² > σ̂²/B"),
+    ):
+        for fam in families:
+            found = [curves[k][kind] for k in _held_runs(summary, fam) if k in curves]
+            if found:
+                band(ax, found[0][0], [y for _, y in found], color[fam], fam)
+        if kind == "train_loss":
+            ax.set_yscale("log")
+        finish(ax, title, "step", kind.replace("_", " "))
+    ax = axes[3]
+    for i, fam in enumerate(families):
+        per = summary["held_out"][fam]["per_seed"]
+        ys = [np.nan if v is None else v for v in per.values()]
+        ax.plot([i] * len(ys), ys, "o", color=color[fam])
+    seeds = sorted({s for fam in families for s in summary["held_out"][fam]["per_seed"]})
+    for s in seeds:  # one line per seed: the paired comparison
+        ys = [summary["held_out"][f]["per_seed"].get(s) for f in families]
+        ax.plot(
+            range(len(families)),
+            [np.nan if y is None else y for y in ys],
+            "-",
+            color="0.7",
+            lw=0.8,
+            zorder=0,
+        )
+    ax.set_xticks(range(len(families)), families, rotation=30, ha="right", fontsize=7)
+    finish(ax, "final loss per scored seed (grey: one seed)", "", "final eval loss", legend=False)
+    return fig
+
+
+def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
+    table = summary["best_lr_per_batch"]
+    groups = list(dict.fromkeys((t["method"], t["arm"]) for t in table))
+    for i, (m, arm) in enumerate(groups):
+        mine = [t for t in table if (t["method"], t["arm"]) == (m, arm) and t["best_lr"]]
+        c, ls = f"C{i // 2}", "-" if i % 2 == 0 else "--"
+        bs = np.array([t["batch_size"] for t in mine], float)
+        axes[0].plot(bs, [t["best_lr"] for t in mine], "o" + ls, color=c, label=f"{m}, {arm}")
+        edge = [t for t in mine if t["edge"]]
+        axes[0].plot(
+            [t["batch_size"] for t in edge], [t["best_lr"] for t in edge], "x", color="k", ms=9
+        )
+        fit = next(f for f in summary["fits"] if (f["method"], f["arm"]) == (m, arm))
+        if mine and fit["exponent"] is not None:
+            ref = mine[0]["best_lr"] * (bs / bs[0]) ** fit["predicted"]
+            axes[0].plot(bs, ref, ":", color=c, lw=0.8)
+        axes[1].errorbar(
+            bs,
+            [t["final_loss"] for t in mine],
+            yerr=[t["sd"] or 0 for t in mine],
+            fmt="o" + ls,
+            color=c,
+            capsize=3,
+            label=f"{m}, {arm}",
+        )
+        if i == 0:
+            cmap = plt.get_cmap("viridis")
+            for j, t in enumerate(mine):
+                found = [
+                    v["train_loss"]
+                    for k, v in curves.items()
+                    if k[0].endswith(f"B={t['batch_size']}")
+                    and k[0].startswith("Adam (")
+                    and arm in k[0]
+                    and k[1] == t["best_lr"]
+                ]
+                if found:
+                    x = found[0][0] * t["batch_size"]
+                    band(
+                        axes[2],
+                        x,
+                        [y for _, y in found],
+                        cmap(j / max(1, len(mine) - 1)),
+                        f"B={t['batch_size']}",
+                    )
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+    axes[0].set_yscale("log")
+    axes[2].set_yscale("log")
+    finish(axes[0], "best lr vs B (x: at a grid edge; dotted: the predicted slope)", "B", "lr")
+    finish(axes[1], f"final loss after {summary['examples']} examples", "B", "final eval loss")
+    finish(
+        axes[2],
+        f"{groups[0][0]}, {groups[0][1]}: training loss at each B's best lr",
+        "examples seen",
+        "training loss (binned)",
+    )
+    return fig
+
+
+if __name__ == "__main__":
+    import sys
+
+    for folder in sys.argv[1:]:
+        draw(Path(folder))

@@ -1,9 +1,11 @@
-"""experiments.py and sweep.py. Every study runs end to end at --scale smoke with 2 seeds and
-writes its summary files (and plots, where matplotlib is installed). A vectorized sweep equals
-the same runs trained one by one by train.main (float64, to ~1e-12), with a run that diverges
-in the same program recorded at train.main's step and harming none of the others. The helpers
-are checked on small inputs with known answers (grouping, spike counting, paired verdicts, the
-SNR model's prediction)."""
+"""experiments.py and sweep.py. The selection protocol is checked on synthetic losses with
+known answers (sweep.run replaced by a table): lrs are chosen on the selection seeds only and
+scored on the evaluation seeds; a grid grows until its best lr is interior; an lr left at an edge
+marks its verdicts; choosing on the evaluation seeds themselves gives another verdict than the
+held-out choice where the data say so. Every study runs end to end at --scale smoke and writes
+its summary files with its provenance; a committed summary's command parses with today's CLI,
+its commit is in this branch's history and its rows use the seeds it records. A vectorized
+sweep equals the same runs trained one by one by train.main (float64, to ~1e-12)."""
 
 import csv
 import dataclasses
@@ -11,6 +13,9 @@ import importlib.util
 import json
 import math
 import re
+import shlex
+import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,8 @@ import sweep
 import train
 
 HAVE_PLOTS = importlib.util.find_spec("matplotlib") is not None
-SEEDS = 2
+ROOT = Path(__file__).resolve().parent.parent
+SELECT, EVALUATE = (0, 1), (2, 3)  # the smoke scale's defaults
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -31,111 +37,353 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def check_summary(out: Path, n_settings: int) -> list[dict[str, str]]:
-    rows = read_csv(out / "summary.csv")
-    assert len(rows) == n_settings * SEEDS
-    assert set(rows[0]) == set(experiments.CSV_COLUMNS)
-    assert sorted({r["seed"] for r in rows}) == [str(s) for s in range(SEEDS)]
-    for r in rows:
-        assert r["status"] in ("ok", "diverged", "blew_up")
-        if r["status"] != "diverged":
-            assert math.isfinite(float(r["first_eval_loss"]))
-        if r["status"] == "ok":
-            assert math.isfinite(float(r["final_loss"]))
-    summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["runs"]) == len(rows) and summary["scale"] == "smoke"
-    assert "Verdicts" in (out / "summary.md").read_text()  # the tables for people
-    assert summary["seeds"] == SEEDS
-    return rows
+# --------------------------------------------------------------------------------------------
+# The protocol on synthetic losses: sweep.run replaced by a table of final losses.
+
+Table = Callable[[train.Config], float | None]  # a run's config -> its final loss (None: NaN)
 
 
-def smoke(name: str, out: Path) -> dict[str, Any]:
-    return experiments.run(name, scale="smoke", out=str(out), seeds=SEEDS)
+def fake_sweep(monkeypatch: pytest.MonkeyPatch, table: Table) -> list[train.Config]:
+    """sweep.run returns traces whose final held-out loss is table(config) (None: diverged);
+    returns the list of every config it was asked to train."""
+    asked: list[train.Config] = []
+
+    def run(configs: Sequence[train.Config], **_: Any) -> list[sweep.Trace]:
+        asked.extend(configs)
+        out = []
+        for c in configs:
+            final = table(c)
+            steps = np.full(c.steps, 1.0 if final is None else final)
+            out.append(
+                sweep.Trace(
+                    cfg=c,
+                    loss=steps,
+                    diagnostics={k: np.zeros(c.steps) for k in sweep.DIAGNOSTICS},
+                    eval_steps=np.array([0, c.steps]),
+                    eval_loss=np.array([10.0, np.nan if final is None else final]),
+                    diverged_step=0 if final is None else None,
+                    params=None,
+                    seconds=0.0,
+                )
+            )
+        return out
+
+    monkeypatch.setattr(sweep, "run", run)
+    return asked
+
+
+def variant(label: str, optimizer: str, lrs: Sequence[float]) -> experiments.Variant:
+    cfg = dataclasses.replace(experiments.SCALES["smoke"].mlp, optimizer=optimizer)
+    return experiments.Variant(label, cfg, tuple(lrs))
+
+
+def bowl(best_lr: float, floor: float = 1.0) -> Callable[[float, int], float]:
+    """A loss minimal at best_lr, quadratic in log10(lr), with a small seed offset."""
+    return lambda lr, seed: floor + (math.log10(lr) - math.log10(best_lr)) ** 2 + 0.001 * seed
+
+
+def test_grid_grows_until_the_best_lr_is_interior(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    loss = bowl(0.027)
+    asked = fake_sweep(monkeypatch, lambda c: loss(c.lr, c.seed))
+    proto = experiments.Protocol(SELECT, EVALUATE)
+    study = experiments.tune_and_score(
+        "t", [variant("A", "adam", (1e-3, 3e-3))], {"A": ["A"]}, proto, tmp_path, max_extensions=3
+    )
+    rec = study.variants["A"]
+    assert rec["extended_with"] == [0.009, 0.027, 0.081]  # the grid's own step, 3×
+    assert rec["edge"] is None and rec["chosen"]["lr"] == 0.027
+    # Selection ran on the selection seeds only; the evaluation seeds at the chosen lr only.
+    select = [c for c in asked if c.seed in SELECT]
+    assert {c.lr for c in select} == {1e-3, 3e-3, 0.009, 0.027, 0.081}
+    assert sorted((c.lr, c.seed) for c in asked if c.seed not in SELECT) == [(0.027, 2), (0.027, 3)]
+    assert study.held["A"]["per_seed"] == {2: pytest.approx(1.002), 3: pytest.approx(1.003)}
+    assert {r["phase"] for r in study.runs.rows if r["seed"] in EVALUATE} == {"evaluate"}
+
+
+def test_a_best_lr_left_at_an_edge_marks_its_verdicts(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    fake_sweep(monkeypatch, lambda c: bowl(1.0 if c.optimizer == "adam" else 3e-3)(c.lr, c.seed))
+    proto = experiments.Protocol(SELECT, EVALUATE)
+    variants = [variant("A", "adam", (1e-3, 3e-3)), variant("B", "micro_adam", (1e-3, 3e-3, 1e-2))]
+    study = experiments.tune_and_score(
+        "t", variants, {"A": ["A"], "B": ["B"]}, proto, tmp_path, max_extensions=1
+    )
+    assert study.variants["A"]["extended_with"] == [0.009]
+    assert study.variants["A"]["edge"] == "top"  # still the best, one extension allowed
+    assert study.variants["B"]["edge"] is None and study.variants["B"]["extended_with"] == []
+    (v,) = experiments.verdicts_of(study, [("A", "B")])
+    assert v["edge"] and experiments.EDGE in v["verdict"]
+
+
+def test_no_finished_lr_grows_the_grid_downwards(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    fake_sweep(monkeypatch, lambda c: None if c.lr > 2e-3 else bowl(1e-4)(c.lr, c.seed))
+    study = experiments.tune_and_score(
+        "t",
+        [variant("A", "adam", (3e-3, 1e-2))],
+        {"A": ["A"]},
+        experiments.Protocol(SELECT, EVALUATE),
+        tmp_path,
+        3,
+    )
+    rec = study.variants["A"]
+    assert rec["extended_with"][0] == 0.0009  # nothing finished: one step down
+    assert rec["chosen"] is not None and rec["chosen"]["lr"] < 2e-3
+
+
+# Choosing on the evaluation seeds flatters A (its lr 1e-3 is lucky on seeds 3..5); the lr
+# chosen on seeds 0..2 (1e-2) is what A is worth on seeds it was not tuned on: B is better.
+LUCKY = {  # (optimizer, lr) -> final loss per seed 0..5
+    ("adam", 1e-3): (2.0, 2.01, 2.02, 1.0, 1.01, 1.03),
+    ("adam", 1e-2): (1.2, 1.21, 1.22, 1.6, 1.62, 1.61),
+    ("micro_adam", 1e-3): (1.5, 1.51, 1.52, 1.5, 1.51, 1.505),
+}
+
+
+def lucky(c: train.Config) -> float | None:
+    key = (c.optimizer, c.lr)
+    return LUCKY[key][c.seed] if key in LUCKY else 9.0  # 9: an lr worse than any
+
+
+def test_held_out_selection_gives_another_verdict_than_choosing_on_the_evaluation_seeds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    fake_sweep(monkeypatch, lucky)
+    variants = [
+        variant("A", "adam", (1e-4, 1e-3, 1e-2, 1e-1)),
+        variant("B", "micro_adam", (1e-4, 1e-3, 1e-2)),
+    ]
+    families = {"A": ["A"], "B": ["B"]}
+    # The old protocol: lrs chosen and scored on the same seeds (3, 4, 5).
+    same = experiments.tune_and_score(
+        "t", variants, families, experiments.Protocol((3, 4, 5), ()), tmp_path, 0
+    )
+    (old,) = [experiments.compare(same.same_seed["A"], same.same_seed["B"], "A", "B")]
+    assert old["verdict"].startswith("consistent: A better than B")
+    # Held out: chosen on 0, 1, 2, scored on 3, 4, 5.
+    held = experiments.tune_and_score(
+        "t", variants, families, experiments.Protocol((0, 1, 2), (3, 4, 5)), tmp_path, 0
+    )
+    assert held.held["A"]["lr"] == 1e-2 and held.held["B"]["lr"] == 1e-3
+    (v,) = experiments.verdicts_of(held, [("A", "B")])
+    assert v["verdict"].startswith("consistent: B better than A"), v["verdict"]
+    assert v["same_seed_verdict"].startswith("consistent: A better than B")  # on 0, 1, 2 A wins
+    lo, hi = v["ci95"]
+    assert 0 < lo < v["mean_diff"] < hi
+
+
+def test_leave_one_seed_out_scores_each_seed_at_the_others_choice(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    table = {
+        (1e-3, 0): 1.0,
+        (1e-3, 1): 3.0,
+        (1e-3, 2): 3.0,
+        (1e-2, 0): 2.0,
+        (1e-2, 1): 1.9,
+        (1e-2, 2): 1.9,
+    }
+    fake_sweep(monkeypatch, lambda c: table.get((c.lr, c.seed), 9.0))
+    variants = [variant("A", "adam", (1e-4, 1e-3, 1e-2, 1e-1))]
+    study = experiments.tune_and_score(
+        "t", variants, {"A": ["A"]}, experiments.Protocol((0, 1, 2), ()), tmp_path, 0
+    )
+    # Seed 0 is scored at the lr seeds 1, 2 prefer (1e-2: 2.0), not at its own best (1e-3: 1.0).
+    assert study.held["A"]["lr_per_seed"] == {0: 1e-2, 1: 1e-2, 2: 1e-2}
+    assert study.held["A"]["per_seed"] == {0: 2.0, 1: 1.9, 2: 1.9}
+    assert experiments.leave_one_out(study.runs.rows, ["A"], (0, 1, 2))[0] == ("A", 1e-2, 2.0)
+
+
+def test_a_family_chooses_its_member_on_the_selection_seeds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """MicroAdamMSQ at two ε is one family: the member and lr best on the selection seeds are
+    scored, although the other member would have won on the evaluation seeds."""
+
+    def table(c: train.Config) -> float:  # ε 1e-8: good on 0, 1, bad on 2, 3; ε 1e-2: middling
+        floor = (1.0 if c.seed in SELECT else 2.0) if c.eps == 1e-8 else 1.5
+        return bowl(3e-3, floor)(c.lr, c.seed)
+
+    fake_sweep(monkeypatch, table)
+    base = experiments.SCALES["smoke"].mlp
+    msq = [
+        experiments.Variant(
+            f"e{e:g}",
+            dataclasses.replace(base, optimizer="micro_adam_msq", eps=e),
+            (1e-3, 3e-3, 1e-2),
+        )
+        for e in (1e-8, 1e-2)
+    ]
+    study = experiments.tune_and_score(
+        "t", msq, {"msq": ["e1e-08", "e0.01"]}, experiments.Protocol(SELECT, EVALUATE), tmp_path, 0
+    )
+    assert study.held["msq"]["member"] == "e1e-08" and study.held["msq"]["lr"] == 3e-3
+    assert study.held["msq"]["per_seed"] == {2: pytest.approx(2.002), 3: pytest.approx(2.003)}
+
+
+@pytest.mark.parametrize(
+    "text, seeds",
+    [
+        ("3,4,5", (3, 4, 5)),
+        ("3-7", (3, 4, 5, 6, 7)),
+        ("0,2,5-6", (0, 2, 5, 6)),
+        ("7,", (7,)),
+        ("1,1,2", (1, 2)),
+    ],
+)
+def test_parse_seeds(text: str, seeds: tuple[int, ...]):
+    assert experiments.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("5", "give the seeds themselves"),
+        ("a,b", "cannot read"),
+        ("5-3", "empty range"),
+        ("", "one or more"),
+    ],
+)
+def test_parse_seeds_refuses(text: str, match: str):
+    with pytest.raises(ValueError, match=match):
+        experiments.parse_seeds(text)
+
+
+def test_protocols(tmp_path: Path):
+    scale = experiments.SCALES["smoke"]
+    default = experiments.make_protocol(None, None, None, scale)
+    assert (default.name, default.select, default.evaluate) == ("held-out", SELECT, EVALUATE)
+    assert experiments.make_protocol((4, 5, 6), None, None, scale).name == "leave-one-seed-out"
+    with pytest.raises(ValueError, match="disjoint"):
+        experiments.make_protocol((1, 2), (0, 1), None, scale)
+    with pytest.raises(ValueError, match="two or more"):
+        experiments.make_protocol((4,), None, None, scale)
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"chosen": [{"family": "A", "method": "A", "lr": 0.01}]}))
+    fixed = experiments.make_protocol((8, 9), None, str(summary), scale)
+    assert (fixed.name, fixed.fixed, fixed.evaluate) == ("fixed", (("A", "A", 0.01),), (8, 9))
+    with pytest.raises(ValueError, match="no --select-seeds"):
+        experiments.make_protocol((8, 9), (0,), str(summary), scale)
 
 
 # --------------------------------------------------------------------------------------------
-# The studies at --scale smoke.
+# The studies at --scale smoke: their files, seeds and provenance.
 
 
-def test_sign(tmp_path: Path):
-    scale = experiments.SCALES["smoke"]
-    summary = smoke("sign", tmp_path)
-    momenta = {m: 1 if m == "micro_sign_sgd" else len(scale.sign_momenta)
-               for m in experiments.SIGN_METHODS}  # fmt: skip
-    n = sum(momenta[m] * len(scale.sign_lrs[m]) for m in experiments.SIGN_METHODS)
-    rows = check_summary(tmp_path, n)
+def check_files(out: Path, name: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    rows = read_csv(out / "summary.csv")
+    assert rows and set(rows[0]) == set(experiments.CSV_COLUMNS)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["experiment"] == name and summary["scale"] == "smoke"
+    assert len(summary["runs"]) == len(rows)
+    known = subprocess.run(
+        ["git", "cat-file", "-e", f"{summary['git_commit']}^{{commit}}"],
+        cwd=ROOT,
+        capture_output=True,
+    )
+    assert known.returncode == 0  # the commit it names is in this repository (HEAD at the run)
+    assert summary["command"].startswith(f"python experiments.py {name} --scale smoke")
+    text = (out / "summary.md").read_text()
+    assert summary["command"] in text and "Protocol:" in text
+    for r in rows:  # each phase on its own seeds
+        assert r["status"] in ("ok", "diverged", "blew_up")
+        seeds = (
+            summary["selection_seeds"] if r["phase"] == "select" else summary["evaluation_seeds"]
+        )
+        assert int(r["seed"]) in seeds
+    curves = __import__("plots").read_traces(out / "traces.csv.gz")
+    assert {(r["method"], float(r["lr"]), int(r["seed"])) for r in rows} == set(curves)
+    assert (out / f"{name}.png").exists() == HAVE_PLOTS
+    return rows, summary
+
+
+def smoke(name: str, out: Path, **kw: Any) -> dict[str, Any]:
+    return experiments.run(name, scale="smoke", out=str(out), cache=str(out.parent / "cache"), **kw)
+
+
+def test_sign_and_its_recheck_on_unseen_seeds(tmp_path: Path):
+    summary = smoke("sign", tmp_path / "sign")
+    rows, data = check_files(tmp_path / "sign", "sign")
     assert {r["optimizer"] for r in rows} == set(experiments.SIGN_METHODS)
-    # The SNR model's prediction next to the outcome, per seed: at init and at each best run.
-    snr = read_csv(tmp_path / "snr.csv")
-    assert [s["point"] for s in snr if s["seed"] == "0"][0] == "init"
-    assert {s["seed"] for s in snr} == {"0", "1"}
-    for s in summary["snr"]:  # the later the sign, the larger k: a monotone order
+    assert {int(r["seed"]) for r in rows if r["phase"] == "evaluate"} <= set(EVALUATE)
+    assert data["protocol"] == "held-out" and summary["selection_seeds"] == list(SELECT)
+    for s in data["snr"]:  # the later the sign, the larger k: a monotone order
         assert 0 <= s["micro_sign_sgd"] <= s["sign_sgd"] <= s["sign_ema"] <= 1
-        assert s["observed_order"].count(">") == 2
-    assert len(summary["verdicts"]) >= 3
-    assert all("verdict" in v for v in summary["verdicts"])
-    assert (tmp_path / "sign.png").exists() == HAVE_PLOTS
+    assert len(data["verdicts"]) == 3 and all("same_seed_verdict" in v for v in data["verdicts"])
+    # The re-check: the committed lrs on seeds never seen, no selection.
+    again = smoke(
+        "sign", tmp_path / "recheck", seeds=(7, 8), lrs_from=str(tmp_path / "sign" / "summary.json")
+    )
+    rows, data = check_files(tmp_path / "recheck", "sign")
+    assert data["protocol"] == "fixed" and {int(r["seed"]) for r in rows} == {7, 8}
+    chosen = {c["family"]: c["lr"] for c in summary["chosen"]}
+    assert {c["family"]: c["lr"] for c in again["chosen"]} == chosen
+    assert "--lrs-from" in data["command"] and "--seeds 7,8" in data["command"]
 
 
-def test_precond(tmp_path: Path):
+def test_precond_measures_the_mean_to_noise_ratio_per_regime(tmp_path: Path):
     scale = experiments.SCALES["smoke"]
-    summary = smoke("precond", tmp_path)
-    n = len(experiments.PRECOND_VARIANTS) * len(scale.precond_lrs)
-    n += len(experiments.LARGE_B_METHODS) * len(scale.var_lrs)
-    rows = check_summary(tmp_path, n)
-    assert {r["msq_block"] for r in rows if r["optimizer"] == "micro_adam_msq"} == {
-        "none", "tensor", "row",
-    }  # fmt: skip
-    assert {r["max_grad_norm"] for r in rows} == {"", str(experiments.PAPER_CLIP)}
-    assert {c["method"] for c in summary["instability"]} == {r["method"] for r in rows}
-    for r in rows:  # every run logs the fraction of mean-dominated coordinates
-        if r["status"] == "ok":
-            assert 0.0 <= float(r["final_frac_mean_dominated"]) <= 1.0
-    assert (tmp_path / "precond.png").exists() == HAVE_PLOTS
+    smoke("precond", tmp_path / "p")
+    rows, data = check_files(tmp_path / "p", "precond")
+    regimes = {r for r, _, _ in scale.precond_regimes}
+    assert {r["regime"] for r in rows} == regimes
+    assert {r["regime"] for r in data["mu2_over_sigma2"]} == regimes
+    for r in data["mu2_over_sigma2"]:
+        assert r["median_mu2_over_sigma2"] >= 0 and 0 <= r["frac_mu2_gt_sigma2"] <= 1
+        assert r["per_leaf_median"]
+    assert len(data["verdicts"]) == 3 * len(regimes)
 
 
-def test_batch_scaling_and_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     scale = experiments.SCALES["smoke"]
-    summary = smoke("batch-scaling", tmp_path)
-    n = len(experiments.BATCH_POWER) * len(scale.batch_sizes) * len(scale.batch_lr_mults)
-    rows = check_summary(tmp_path, n)
-    for r in rows:  # a fixed number of examples: steps = examples / B
+    smoke("msq", tmp_path / "msq")
+    rows, data = check_files(tmp_path / "msq", "msq")
+    assert {float(r["eps"]) for r in rows if r["optimizer"] == "micro_adam_msq"} == set(
+        scale.msq_eps
+    )
+    assert [p["eps"] for p in data["per_eps"]] == list(scale.msq_eps)
+    assert all(0 <= f <= 1 for f in data["frac_mu2_nonpositive_at_step_1"])
+    smoke("clipping", tmp_path / "clipping")
+    rows, data = check_files(tmp_path / "clipping", "clipping")
+    clipped = {(r["optimizer"], r["max_grad_norm"]) for r in rows}
+    for c in scale.clip_thresholds:
+        assert ("adam", str(c)) in clipped and ("micro_adam", str(c)) in clipped
+    assert any(v["b"] == "MicroAdam − Adam, unclipped" for v in data["verdicts"])
+
+
+def test_batch_scaling_arms_and_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    scale = experiments.SCALES["smoke"]
+    summary = smoke("batch-scaling", tmp_path / "bs")
+    rows, _ = check_files(tmp_path / "bs", "batch-scaling")
+    for r in rows:  # a fixed number of examples; β₂'s half-life fixed in examples in one arm
         assert int(r["examples"]) == scale.batch_examples
-        b, lr, mult = int(r["batch_size"]), float(r["lr"]), float(r["lr_mult"])
-        power = experiments.BATCH_POWER[r["optimizer"]]
-        lr0 = scale.batch_lr0[r["optimizer"]]
-        assert lr == pytest.approx(mult * lr0 * (b / scale.batch_base) ** power)
-    table = summary["best_lr_per_batch"]
-    assert len(table) == len(experiments.BATCH_POWER) * len(scale.batch_sizes)
-    assert all(len(t["best_lr_mult_per_seed"]) == SEEDS for t in table)
-    assert (tmp_path / "batch_scaling.png").exists() == HAVE_PLOTS
+        b = int(r["batch_size"])
+        ref = 0.999 ** (b / scale.batch_base) if "half-life" in r["arm"] else 0.999
+        assert float(r["b2"]) == pytest.approx(ref)
+    assert len(summary["fits"]) == len(experiments.BATCH_POWER) * len(experiments.ARMS)
+    for f in summary["fits"]:
+        assert f["exponent"] is None or f["ci95"][0] <= f["ci95"][1]
 
-    # Re-running loads every program's traces from OUT/cache instead of training again.
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("trained again instead of reading the cache")
 
     monkeypatch.setattr(sweep, "run_group", refuse)
-    again = smoke("batch-scaling", tmp_path)
-    assert again["best_lr_per_batch"] == table
-    assert read_csv(tmp_path / "summary.csv") == rows
+    again = smoke("batch-scaling", tmp_path / "bs")
+    assert again["best_lr_per_batch"] == summary["best_lr_per_batch"]
 
 
 def test_vectorize(tmp_path: Path):
-    summary = smoke("vectorize", tmp_path)
+    summary = smoke("vectorize", tmp_path / "v")
     scale = experiments.SCALES["smoke"]
     assert summary["runs"] == scale.vectorize_runs
     assert summary["sequential_runs_timed"] == scale.vectorize_sequential
-    assert summary["vectorized_runs_per_hour"] > 0 and summary["sequential_runs_per_hour"] > 0
     assert summary["max_final_loss_difference"] < 1e-4  # float32 here
-    assert "runs/hour" in (tmp_path / "summary.md").read_text()
+    assert "runs/hour" in (tmp_path / "v" / "summary.md").read_text()
 
 
 def test_overhead(tmp_path: Path):
-    smoke("overhead", tmp_path)
-    rows = read_csv(tmp_path / "summary.csv")
+    smoke("overhead", tmp_path / "o")
+    rows = read_csv(tmp_path / "o" / "summary.csv")
     assert rows and {"impl", "stats", "time_ratio", "memory_ratio"} <= set(rows[0])
-    assert "factorized" in (tmp_path / "overhead.md").read_text()
-    assert (tmp_path / "overhead.png").exists() == HAVE_PLOTS
+    assert "factorized" in (tmp_path / "o" / "overhead.md").read_text()
 
 
 def test_bad_names(tmp_path: Path):
@@ -143,8 +391,45 @@ def test_bad_names(tmp_path: Path):
         experiments.run("nope", scale="smoke", out=str(tmp_path))
     with pytest.raises(ValueError, match="unknown scale"):
         experiments.run("sign", scale="huge", out=str(tmp_path))
-    with pytest.raises(ValueError, match="seeds must be >= 1"):
-        experiments.run("sign", scale="smoke", out=str(tmp_path), seeds=0)
+    with pytest.raises(ValueError, match="unknown task"):
+        experiments.run("sign", scale="smoke", out=str(tmp_path), task="cnn")
+
+
+# --------------------------------------------------------------------------------------------
+# The committed results: each regenerates from the command and commit recorded beside it.
+
+COMMITTED = sorted((ROOT / "results").glob("*/summary.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.parent.name)
+def test_a_committed_summary_records_what_regenerates_it(path: Path):
+    data = json.loads(path.read_text())
+    if "command" not in data:  # bench's and overhead's tables, not seeded studies
+        assert data["experiment"] not in experiments.TRAINING
+        return
+    argv = shlex.split(data["command"])
+    assert argv[:2] == ["python", "experiments.py"]
+    args = experiments.cli().parse_args(argv[2:])
+    assert args.name == data["experiment"] and args.scale == data["scale"]
+    assert not data["code_differs_from_commit"]
+    known = subprocess.run(
+        ["git", "cat-file", "-e", f"{data['git_commit']}^{{commit}}"], cwd=ROOT, capture_output=True
+    )
+    assert known.returncode == 0, f"{data['git_commit']} is not in this repository's history"
+    proto = experiments.make_protocol(
+        None if args.seeds is None else experiments.parse_seeds(args.seeds),
+        None if args.select_seeds is None else experiments.parse_seeds(args.select_seeds),
+        args.lrs_from,
+        experiments.SCALES[args.scale],
+    )
+    assert list(proto.select) == data["selection_seeds"]
+    assert list(proto.evaluate) == data["evaluation_seeds"]
+    for r in data["runs"]:
+        seeds = proto.select if r["phase"] == "select" else proto.evaluate
+        assert r["seed"] in seeds
+    if (path.parent / "traces.csv.gz").exists():
+        curves = __import__("plots").read_traces(path.parent / "traces.csv.gz")
+        assert {(r["method"], r["lr"], r["seed"]) for r in data["runs"]} == set(curves)
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,9 +438,17 @@ def test_bad_names(tmp_path: Path):
 
 def float64_run(out: Path | None = None, **overrides: Any) -> train.Config:
     base: dict[str, Any] = dict(
-        model="mlp", size="tiny", batch_size=4, steps=4, warmup=2, eval_interval=2,
-        eval_batches=2, log_interval=1, checkpoint_interval=100, dtype="float64",
-    )  # fmt: skip
+        model="mlp",
+        size="tiny",
+        batch_size=4,
+        steps=4,
+        warmup=2,
+        eval_interval=2,
+        eval_batches=2,
+        log_interval=1,
+        checkpoint_interval=100,
+        dtype="float64",
+    )
     return train.Config(**{**base, "out": None if out is None else str(out), **overrides})
 
 
@@ -230,10 +523,15 @@ def test_groups_split_what_cannot_share_a_program():
 
 
 def test_count_spikes():
-    losses = [5.0, 1.0, 3.0, 2.5, 1.0, 0.5, 0.9, 1.2, 1.1, float("nan")]
-    # warmup 1: running min 1.0, then 3.0 and 2.5 (one spike), 0.5 -> 1.2 and 1.1 (another)
-    assert experiments.count_spikes(losses, warmup=1) == 2
-    assert experiments.count_spikes(losses[:2], warmup=0) == 0
+    rng = np.random.default_rng(0)
+    calm = list(1.0 + 0.1 * rng.standard_normal(200))  # noise alone: its minimum is ~0.7
+    assert experiments.count_spikes(calm, warmup=10) == 0
+    burst = calm[:100] + [3.0, 3.2, 2.9] + calm[103:150] + [5.0] + calm[151:]
+    assert experiments.count_spikes(burst, warmup=10) == 2  # 3 steps in a row are one
+    stays_up = calm[:100] + [4.0] * 100  # a jump that stays: one long spike
+    assert experiments.count_spikes(stays_up, warmup=10) == 1
+    assert experiments.count_spikes(burst[:101], warmup=101) == 0  # in warmup: not counted
+    assert experiments.count_spikes([*calm[:50], float("nan"), 3.0], warmup=0) == 1
 
 
 def agg(per_seed: dict[int, float]) -> dict[str, Any]:
@@ -258,11 +556,17 @@ def test_compare(a: dict, b: dict, starts: str):
 
 def test_aggregate_and_best():
     rows = [
-        {"method": "m", "lr": lr, "seed": s, "final_loss": loss, "spikes": 0,
-         "status": "ok" if loss is not None else "diverged"}
+        {
+            "method": "m",
+            "lr": lr,
+            "seed": s,
+            "final_loss": loss,
+            "spikes": 0,
+            "status": "ok" if loss is not None else "diverged",
+        }
         for lr, losses in ((1e-3, (1.0, 1.2)), (1e-2, (0.5, None)), (3e-3, (0.9, 0.9)))
         for s, loss in enumerate(losses)
-    ]  # fmt: skip
+    ]
     aggs = experiments.aggregate(rows, ("method", "lr"))
     by_lr = {a["lr"]: a for a in aggs}
     assert by_lr[1e-3]["mean"] == pytest.approx(1.1)
@@ -281,3 +585,17 @@ def test_snr_prediction():
     for m, k in (("micro_sign_sgd", 1.0), ("sign_sgd", 4.0), ("sign_ema", math.sqrt(16 * 19))):
         assert pred[m] == pytest.approx(math.erf(k * 0.1 / math.sqrt(2)), rel=1e-6)
     assert pred["frac_snr_gt_1_over_B"] == 0.0  # 0.01 < 1/16
+
+
+def test_only_keeps_the_named_variants(tmp_path: Path):
+    summary = smoke("sign", tmp_path / "s", only=("SignSGD", "SignEMA"))
+    rows, data = check_files(tmp_path / "s", "sign")
+    assert {r["method"] for r in rows} == {"SignSGD", "SignEMA"}
+    assert [(v["a"], v["b"]) for v in data["verdicts"]] == [("SignEMA", "SignSGD")]
+    assert "--only SignSGD --only SignEMA" in summary["command"]
+    assert experiments.cli().parse_args(shlex.split(summary["command"])[2:]).only == [
+        "SignSGD",
+        "SignEMA",
+    ]
+    with pytest.raises(ValueError, match="not among"):
+        smoke("sign", tmp_path / "t", only=("Adam",))
