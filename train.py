@@ -236,7 +236,7 @@ def check(cfg: Config) -> Config:
         value, least = getattr(cfg, field.name), field.metadata["min"]
         if least is not None and value is not None and not value >= least:
             raise ConfigError(f"--{field.name.replace('_', '-')} must be >= {least}, got {value}")
-    if cfg.model == "mlp" and cfg.granularity == "token":
+    if cfg.task is None and cfg.model == "mlp" and cfg.granularity == "token":
         raise ConfigError("--granularity token needs sequences: use --model transformer")
     units = cfg.batch_size * (cfg.seq_len if cfg.granularity == "token" else 1)
     if cfg.msq_block != "none" and cfg.optimizer != "micro_adam_msq":
@@ -849,7 +849,8 @@ def main(cfg: Config, task: TaskFactory | None = None) -> dict[str, Any]:
             raise ConfigError("main(cfg, task=...) takes a factory (cfg, *, key) -> Task")
         if cfg.task is not None:
             raise ConfigError(f"a task twice: main's task= and Config.task={cfg.task!r}")
-        cfg = dataclasses.replace(cfg, task=f"{task.__module__}:{task.__qualname__}")
+        where, name = getattr(task, "__module__", None), getattr(task, "__qualname__", None)
+        cfg = dataclasses.replace(cfg, task=f"{where}:{name}" if where and name else repr(task))
     if cfg.dtype == "float64":
         jax.config.update("jax_enable_x64", True)  # float64 parameters need 64-bit JAX
     cfg = check(cfg)

@@ -85,7 +85,7 @@ def run_script(*args: str, devices: int = 1, cwd: Path = REPO) -> subprocess.Com
         env=script_env(devices),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # against a hang only: a 2-core machine under load is 10x slower than idle
     )
 
 
