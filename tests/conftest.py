@@ -50,7 +50,10 @@ SLOW = (
     "tests/test_train.py::test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint",
     "tests/test_train.py::test_impls_agree_and_run_writes_its_files",
     "tests/test_train.py::test_own_model_trains_through_the_python_and_the_cli_hook",
+    "tests/test_train.py::test_resume_reproduces_an_uninterrupted_run",
     "tests/test_train.py::test_two_devices_give_the_losses_of_one",
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[*-1]",  # B = 2 stays quick
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[*-5]",
 )
 
 
