@@ -5,7 +5,8 @@
                                          # under 2 minutes on a 2-core CPU
     python train.py --optimizer adam --lr 1e-3 --steps 2000 --out runs/adam
     python train.py --model mlp --optimizer sign_ema --noise 1.0       # teacher-student MLP
-    python train.py --out runs/adam --resume --steps 4000              # continue a run
+    python train.py --out runs/adam --resume                           # continue a run
+    python train.py --task my_task.py:make --out runs/mine     # your model and data (Task)
     python train.py --help                                             # every knob
     python train.py --size paper --param-sharding fsdp --coordinator HOST0:1234 \
         --num-processes 2 --process-id I --out /shared/runs/paper   # on each of 2 hosts, I=0,1
@@ -25,9 +26,18 @@ coordinates with μ̂² > σ̂²/B), nu_adam_over_nu_micro (ḡ²/q averaged ove
 eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable checkpoint.json.
 "step" counts the optimizer updates applied to the parameters a loss was measured on.
 
-Batches depend only on (seed, step), so `--resume` continues from the last checkpoint to
-bitwise the parameters of an uninterrupted run on the same devices, to float rounding on others
-(--steps may grow on resume; other knobs that change the trajectory may not).
+Your own model and data: a factory `make(cfg, *, key) -> Task` (the parameters, the loss of one
+example, a batch sampler and its data; see `Task`), named by `--task MODULE:NAME` or
+`--task PATH.py:NAME`, or handed to `main(cfg, task=make)` in Python. It reads what it needs of
+cfg (batch_size, dtype, data, seed through `key`); --model and its size knobs are then unused.
+
+Resume: batches depend only on (seed, step), so `--resume` continues from the last checkpoint to
+bitwise the parameters of an uninterrupted run on the same devices, to float rounding on others.
+Knobs that change the trajectory may not change on resume (an error names them); --steps may,
+only where the learning rate of every step already taken stays the same (a constant schedule; a
+cosine one still in its warmup): a resumed run always equals an uninterrupted run of its final
+config. With no checkpoint in --out yet (a run killed before its first), --resume starts the
+run at step 0, so the same command with --resume restarts a preempted job wherever it stopped.
 
 Data-parallel over all devices along the mesh axis "data": each device draws only its rows of
 the batch; parameters and optimizer state are replicated, or with --param-sharding fsdp each
@@ -38,7 +48,9 @@ mesh spans all their devices. Process 0 prints and writes; checkpoints are gathe
 resume on any number of processes and devices. Before step 0 the processes check that they hold
 the same config, data, initial state and compiled programs, or stop (`agree_across_processes`).
 
-Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1.
+Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1; the step
+that diverged is the last line of metrics.jsonl ({"step", "diverged", "lr"}) and the last good
+checkpoint is kept. Ctrl-C ends it with one line naming the last checkpoint, exit status 130.
 In-process, `main(Config(...))` returns the final metrics; `build(Config(...))` is what a run
 is made of before any device or file (task, optimizer, step), for drivers that run many at
 once.
@@ -49,6 +61,8 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -56,6 +70,7 @@ import re
 import sys
 import time
 import types
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple, get_args, get_origin
@@ -70,8 +85,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-import models
-import optimizers
+# In a checkout these are the files beside this one; installed, they are the modules of the
+# package `pegrad` (pegrad/__init__.py is pegrad.py), so that a user's own models.py or
+# optimizers.py beside their script never stands in for them.
+if __package__:
+    from . import models, optimizers
+else:
+    import models
+    import optimizers
 
 AdamFamily = Literal["adam", "micro_adam", "micro_adam_var", "micro_adam_msq"]
 SignFamily = Literal["micro_sign_sgd", "sign_sgd", "sign_ema"]
@@ -87,6 +108,10 @@ def knob(default: Any, help: str, *, min: float | None = None, resume: bool = Fa
 @dataclasses.dataclass(frozen=True)
 class Config:
     # What to train.
+    task: str | None = knob(
+        None, "your model and data: MODULE:FACTORY or PATH.py:FACTORY, a function "
+        "(cfg, *, key) -> train.Task (None: --model's)"
+    )  # fmt: skip
     model: Literal["transformer", "mlp"] = knob("transformer", "model family")
     size: Literal["tiny", "mini", "small", "paper"] = knob(
         "mini", "preset: SIZES, MLP_SIZES in train.py"
@@ -175,6 +200,10 @@ class Diverged(Exception):
     """The loss became NaN/Inf; the last good checkpoint is kept."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C: the message names the last checkpoint, from which --resume continues."""
+
+
 # --------------------------------------------------------------------------------------------
 # Command line: one --flag-name per Config field, typed from its annotation.
 
@@ -207,7 +236,7 @@ def check(cfg: Config) -> Config:
         value, least = getattr(cfg, field.name), field.metadata["min"]
         if least is not None and value is not None and not value >= least:
             raise ConfigError(f"--{field.name.replace('_', '-')} must be >= {least}, got {value}")
-    if cfg.model == "mlp" and cfg.granularity == "token":
+    if cfg.task is None and cfg.model == "mlp" and cfg.granularity == "token":
         raise ConfigError("--granularity token needs sequences: use --model transformer")
     units = cfg.batch_size * (cfg.seq_len if cfg.granularity == "token" else 1)
     if cfg.msq_block != "none" and cfg.optimizer != "micro_adam_msq":
@@ -225,39 +254,89 @@ def check(cfg: Config) -> Config:
         raise ConfigError("--resume needs --out DIR, the run to continue")
     if cfg.out is None:
         return dataclasses.replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
-    saved = Path(cfg.out) / "config.json"
-    if saved.exists() and not cfg.resume:
+    saved, step = Path(cfg.out) / "config.json", checkpoint_step(Path(cfg.out))
+    if not (saved.exists() or step is not None):
+        return cfg  # a new run (--resume too: nothing to continue yet, it starts at step 0)
+    if not cfg.resume:
+        held = "at step {step}" if step is not None else "killed before its first checkpoint"
         raise ConfigError(
-            f"{cfg.out} already holds a run (config.json); pass --resume to continue it or "
-            "choose another --out"
+            f"{cfg.out} already holds a run ({held.format(step=step)}); pass --resume to "
+            "continue it, or choose another --out"
         )
-    if cfg.resume and saved.exists():
-        old = json.loads(saved.read_text())
-        changed = [
-            f.name
-            for f in dataclasses.fields(Config)
-            if not f.metadata["resume"] and old.get(f.name) != getattr(cfg, f.name)
-        ]
-        if changed:
-            raise ConfigError(
-                f"--resume with a different config: {', '.join(changed)} differ from {saved}"
-            )
+    if not saved.exists():
+        raise ConfigError(f"--resume: {cfg.out} has a checkpoint but no config.json")
+    old = json.loads(saved.read_text())
+    changed = [
+        f.name
+        for f in dataclasses.fields(Config)
+        if not f.metadata["resume"] and old.get(f.name) != getattr(cfg, f.name)
+    ]
+    if changed:
+        raise ConfigError(
+            f"--resume with a different config: {', '.join(changed)} differ from {saved}"
+        )
+    if step is not None and step > cfg.steps:
+        raise ConfigError(f"--resume --steps {cfg.steps}: the checkpoint is at step {step}")
+    if step is not None and old["steps"] != cfg.steps:
+        check_schedule(dataclasses.replace(cfg, steps=old["steps"]), cfg, step)
     return cfg
+
+
+def check_schedule(old: Config, new: Config, taken: int) -> None:
+    """A resumed run equals an uninterrupted run of its new config only if the learning rate of
+    each of the `taken` steps behind its checkpoint is what the new config gives it: --steps
+    may change on resume only where the schedule does not depend on it (a constant schedule;
+    a cosine one still in its warmup)."""
+    steps = jnp.arange(taken, dtype=jnp.int32)
+    before, after = (np.asarray(make_schedule(c)(steps)) for c in (old, new))
+    if not np.array_equal(before, after):
+        first = int(np.flatnonzero(before != after)[0])
+        raise ConfigError(
+            f"--resume --steps {new.steps}: the {new.schedule} schedule is laid over --steps, "
+            f"and this run took its {taken} steps with --steps {old.steps} (the learning rate "
+            f"of step {first} would be {after[first]:.6g}, not {before[first]:.6g}), so it "
+            f"would equal no uninterrupted run; resume with --steps {old.steps}, or start a "
+            "new run (--schedule constant does not depend on --steps)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # Data: a task bundles the model's parameters, the loss of one example, and a sampler that
-# draws one batch from `data` with a key. Batches depend on (seed, step) only.
+# draws one batch from `data` with a key. Batches depend on (seed, step) only. Your own model
+# and data come in the same way: a factory `(cfg, *, key) -> Task` (--task, or main's `task=`).
 
 
 class Task(NamedTuple):
-    params: PyTree  # floating leaves of the model (eqx.partition)
+    """What train.py trains: a model's parameters, its loss, and its data.
+
+    Example (a linear regression; `python train.py --task my_task.py:make`)::
+
+        def make(cfg: train.Config, *, key: PRNGKeyArray) -> train.Task:
+            model = eqx.nn.Linear(3, 1, key=key)
+            params, static = eqx.partition(model, eqx.is_inexact_array)
+
+            def loss_fn(params, example):  # ONE example (SPEC §1)
+                x, y = example
+                return jnp.sum((eqx.combine(params, static)(x) - y) ** 2)
+
+            def sample(w, *, key):  # a batch: every leaf's leading axis is cfg.batch_size
+                x = jax.random.normal(key, (cfg.batch_size, 3))
+                return x, x @ w
+
+            w = jnp.ones((3, 1))
+            return train.Task(params, loss_fn, sample, train_data=w, eval_data=w)
+    """
+
+    params: PyTree  # the trainable floating arrays (an Equinox model: eqx.partition's first)
     loss_fn: Callable[[PyTree, Any], Float[Array, ""]]  # loss of ONE example (SPEC §1)
     sample: Callable[..., Any]  # sample(data, *, key) -> batch, leaves [batch_size, ...]
-    train_data: PyTree
-    eval_data: PyTree
-    unit: str  # what the throughput counts: "tok" or "ex"
-    units_per_example: int
+    train_data: PyTree  # what `sample` draws training batches from (arrays)
+    eval_data: PyTree  # ...and the held-out batches
+    unit: str = "ex"  # what the throughput counts: "tok" or "ex"
+    units_per_example: int = 1
+
+
+TaskFactory = Callable[..., Task]  # factory(cfg, *, key) -> Task
 
 
 def read_text(path: str | None) -> bytes:
@@ -326,6 +405,83 @@ def mlp_task(cfg: Config, *, key: PRNGKeyArray) -> Task:
     # Train and held-out examples: the same teacher, independent key streams.
     loss_fn = models.make_loss_fn(static, models.mlp_mse_loss)
     return Task(params, loss_fn, sample, teacher, teacher, "ex", 1)
+
+
+def load_factory(spec: str) -> TaskFactory:
+    """The task factory `--task` names: "MODULE:NAME" (a module importable from here or from
+    the working directory) or "PATH.py:NAME" (a file, loaded under a name of its own so that
+    it shadows no module)."""
+    where, sep, name = spec.rpartition(":")
+    if not (sep and where and name):
+        raise ConfigError(f"--task {spec}: want MODULE:FACTORY or PATH.py:FACTORY")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise ConfigError(f"--task {spec}: no file {path}")
+        module_name = f"_pegrad_task_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec_ = importlib.util.spec_from_file_location(module_name, path)
+            assert spec_ is not None and spec_.loader is not None
+            module = importlib.util.module_from_spec(spec_)
+            # The file's own helper modules import from its directory; appended, so that no
+            # module already found elsewhere is shadowed.
+            sys.path.append(str(path.parent))
+            sys.modules[module_name] = module  # dataclasses and pickle look modules up here
+            try:
+                spec_.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.append(os.getcwd())  # `python train.py --task my_module:f` from a project
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as err:
+            if err.name is None or not (where == err.name or where.startswith(err.name + ".")):
+                raise  # the module itself failed on an import of its own: its traceback
+            raise ConfigError(f"--task {spec}: no module {err.name!r} ({err})") from None
+    if not callable(getattr(module, name, None)):
+        found = type(getattr(module, name, None)).__name__ if hasattr(module, name) else "absent"
+        raise ConfigError(f"--task {spec}: {name!r} in {where} is {found}, not a function")
+    return getattr(module, name)
+
+
+def make_task(cfg: Config, *, key: PRNGKeyArray, factory: TaskFactory | None = None) -> Task:
+    """The task of `cfg`: `factory`'s, else --task's, else --model's built-in one; checked
+    before any work: a Task whose parameters are floating arrays and whose batches have
+    cfg.batch_size examples."""
+    if factory is None and cfg.task is not None:
+        factory = load_factory(cfg.task)
+    if factory is None:
+        return (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=key)
+    name = cfg.task or getattr(factory, "__qualname__", repr(factory))
+    task = factory(cfg, key=key)
+    # `python train.py --task ...` runs this file as __main__; a factory that imported `train`
+    # has another copy of the class: the same fields are the same Task.
+    if getattr(task, "_fields", None) == Task._fields and isinstance(task, tuple):
+        task = Task(*task)
+    if not isinstance(task, Task):
+        raise ConfigError(f"task {name} returned a {type(task).__name__}, not a train.Task")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(task.params):
+        if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)):
+            kind = getattr(leaf, "dtype", type(leaf).__name__)
+            raise ConfigError(
+                f"task {name}: params{jax.tree_util.keystr(path)} is {kind}, not a floating "
+                "array; Task.params holds the trainable arrays only (an Equinox model: "
+                "params, static = eqx.partition(model, eqx.is_inexact_array), the loss "
+                "closing over static)"
+            )
+    batch = jax.eval_shape(functools.partial(task.sample, key=key), task.train_data)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if leaf.shape[:1] != (cfg.batch_size,):
+            raise ConfigError(
+                f"task {name}: sample's batch{jax.tree_util.keystr(path)} has shape "
+                f"{leaf.shape}; every leaf's leading axis must be --batch-size "
+                f"{cfg.batch_size}"
+            )
+    return task
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,18 +765,20 @@ class Run(NamedTuple):
 
 def numeric_policy(cfg: Config) -> None:
     """The one place that sets JAX's numerics for a run: float64 parameters need 64-bit JAX
-    (a process-wide switch; `build` sets it, so train.main, sweep.py and experiments.py share
-    it). It is never switched back off: a driver that ran a float64 run keeps 64-bit types."""
+    (a process-wide switch; `build` and `main` set it, so train.main, sweep.py and
+    experiments.py share it). It is never switched back off: a driver that ran a float64 run
+    keeps 64-bit types."""
     if cfg.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
 
 
-def build(cfg: Config) -> Run:
+def build(cfg: Config, factory: TaskFactory | None = None) -> Run:
     """The task (model, data, loss), optimizer and pure step of `cfg`, all from cfg.seed, under
-    `numeric_policy(cfg)`."""
+    `numeric_policy(cfg)`; the task is `factory(cfg, key=...)`'s when given, else --task's or
+    --model's (`make_task`)."""
     numeric_policy(cfg)
     model_key, train_key, eval_key = jax.random.split(jax.random.key(cfg.seed), 3)
-    task = (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=model_key)
+    task = make_task(cfg, key=model_key, factory=factory)
     opt = make_optimizer(cfg)
     return Run(task, opt, make_step(cfg, task, opt), train_key, eval_key)
 
@@ -681,6 +839,18 @@ def save_checkpoint(out: Path, step: int, tree: PyTree, cfg: Config) -> None:
     atomic_write(out / "checkpoint.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
+def checkpoint_step(out: Path) -> int | None:
+    """The step of the checkpoint in `out`; None: there is none."""
+    path = out / "checkpoint.npz"
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            return int(json.loads(str(saved["__meta__"]))["step"])
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
+        raise ConfigError(f"{path} is not a checkpoint of train.py: {err}") from None
+
+
 def load_checkpoint(out: Path, template: PyTree) -> tuple[PyTree, int]:
     """(tree, step): leaves matched by path and shape against a freshly initialised template."""
     path = out / "checkpoint.npz"
@@ -737,10 +907,42 @@ class Progress:
 # The run.
 
 
-def main(cfg: Config) -> dict[str, Any]:
+def main(cfg: Config, task: TaskFactory | None = None) -> dict[str, Any]:
     """Train per `cfg` and return the final metrics: {"out", "steps", "loss", "eval_loss",
-    "first_eval_loss", "seconds"}. Raises ConfigError on bad input, Diverged on NaN/Inf."""
+    "first_eval_loss", "seconds"}.
+
+    `task`: your own model and data, a factory `(cfg, *, key) -> Task` (what --task names on
+    the command line; config.json records it as "MODULE:NAME").
+
+    Raises ConfigError on bad input; Diverged on a NaN/Inf loss or parameters, after writing
+    {"step", "diverged"} to metrics.jsonl and keeping the last good checkpoint; Interrupted (a
+    KeyboardInterrupt) on Ctrl-C, its message naming the last checkpoint."""
+    if task is not None:
+        if isinstance(task, Task) or not callable(task):
+            raise ConfigError("main(cfg, task=...) takes a factory (cfg, *, key) -> Task")
+        if cfg.task is not None:
+            raise ConfigError(f"a task twice: main's task= and Config.task={cfg.task!r}")
+        where, name = getattr(task, "__module__", None), getattr(task, "__qualname__", None)
+        cfg = dataclasses.replace(cfg, task=f"{where}:{name}" if where and name else repr(task))
+    numeric_policy(cfg)
     cfg = check(cfg)
+    try:
+        return _train(cfg, task)
+    except KeyboardInterrupt:
+        out = Path(str(cfg.out))
+        with contextlib.suppress(ConfigError):
+            step = checkpoint_step(out)
+            if step is not None:
+                raise Interrupted(
+                    f"the last checkpoint is {out / 'checkpoint.npz'} (step {step}); "
+                    f"--resume --out {out} continues from it"
+                ) from None
+        raise Interrupted(
+            f"before the first checkpoint of {out}; --resume --out {out} starts it over"
+        ) from None
+
+
+def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
     join_processes(cfg)
     mesh = make_mesh(cfg)
     everywhere = NamedSharding(mesh, P())
@@ -750,12 +952,14 @@ def main(cfg: Config) -> dict[str, Any]:
     say = print if lead else lambda *args, **kwargs: None
 
     with on_host():
-        run = build(cfg)
+        run = build(cfg, factory)
         task, opt, train_key, eval_key = run.task, run.opt, run.train_key, run.eval_key
         tree = {"params": task.params, "opt_state": opt.init(task.params)}
     out, start = Path(str(cfg.out)), 0
-    if cfg.resume:
+    if cfg.resume and checkpoint_step(out) is not None:
         tree, start = load_checkpoint(out, tree)
+    elif cfg.resume:
+        say(f"no checkpoint in {out} yet: starting at step 0")
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
@@ -787,34 +991,45 @@ def main(cfg: Config) -> dict[str, Any]:
         },
     )
     schedule = make_schedule(cfg)
+    lr = lambda step: float(schedule(jnp.asarray(step, jnp.int32)))
 
     # A resumed run keeps the metrics of the steps before its checkpoint and redoes the rest.
     metrics_path = out / "metrics.jsonl"
-    old = metrics_path.read_text().splitlines() if cfg.resume and metrics_path.exists() else []
+    old = metrics_path.read_text().splitlines() if start > 0 and metrics_path.exists() else []
     earlier = "".join(line + "\n" for line in old if json.loads(line)["step"] < start)
     if lead:
         atomic_write(metrics_path, lambda f: f.write(earlier.encode()))
     progress = Progress(cfg, start, cfg.batch_size * task.units_per_example, task.unit)
     result: dict[str, Any] = {"out": str(out), "steps": cfg.steps}
+    last_saved = start if start > 0 else None
 
-    last_saved = start if cfg.resume else None
-
-    def kept() -> str:  # for the NaN/Inf messages
-        if last_saved is None:
-            return "no checkpoint was written yet"
-        return f"kept the last good checkpoint, {out / 'checkpoint.npz'} (step {last_saved})"
-
-    def evaluate(step: int) -> float:
-        value = float(np.mean([float(eval_loss(tree["params"], b)) for b in eval_sets]))
-        if not math.isfinite(value):
-            raise Diverged(f"eval loss is {value} after {step} steps; {kept()}")
-        progress.note(f"step {step}: eval loss {value:.4f}")
-        result.setdefault("first_eval_loss", value)
-        result["eval_loss"] = value
-        return value
-
-    t_start = time.perf_counter()
     with open(metrics_path if lead else os.devnull, "a") as metrics:
+
+        def write(record: dict[str, Any]) -> None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+
+        def diverged(step: int, why: str) -> Diverged:
+            """Record the step that diverged in metrics.jsonl; the error that stops the run."""
+            write({"step": step, "diverged": why, "lr": lr(step)})
+            if last_saved is None:
+                kept = "no checkpoint was written yet"
+            else:
+                kept = (
+                    f"kept the last good checkpoint, {out / 'checkpoint.npz'} (step {last_saved})"
+                )
+            return Diverged(f"{why}; stopped, {kept}")
+
+        def evaluate(step: int) -> float:
+            value = float(np.mean([float(eval_loss(tree["params"], b)) for b in eval_sets]))
+            if not math.isfinite(value):
+                raise diverged(step, f"eval loss is {value} after {step} steps")
+            progress.note(f"step {step}: eval loss {value:.4f}")
+            result.setdefault("first_eval_loss", value)
+            result["eval_loss"] = value
+            return value
+
+        t_start = time.perf_counter()
         for step in range(start, cfg.steps):
             record: dict[str, Any] = {"step": step}
             if step % cfg.eval_interval == 0:
@@ -823,23 +1038,22 @@ def main(cfg: Config) -> dict[str, Any]:
             params, opt_state, loss, diag = train_step(tree["params"], tree["opt_state"], batch)
             loss = result["loss"] = float(loss)  # waits for the step: NaN stops at its step
             if not math.isfinite(loss):
-                raise Diverged(f"loss is {loss} at step {step}; stopped, {kept()}")
+                raise diverged(step, f"loss is {loss} at step {step}")
             if not diag.pop("params_finite"):
-                raise Diverged(f"the update of step {step} made parameters NaN/Inf; {kept()}")
+                raise diverged(step, f"the update of step {step} made parameters NaN/Inf")
             tree = {"params": params, "opt_state": opt_state}
             if step % cfg.log_interval == 0 or "eval_loss" in record or step + 1 == cfg.steps:
-                record |= {"loss": loss, "lr": float(schedule(jnp.asarray(step, jnp.int32)))}
+                record |= {"loss": loss, "lr": lr(step)}
                 record |= {k: float(v) for k, v in diag.items()}
                 record["seconds"] = round(time.perf_counter() - t_start, 3)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                write(record)
             if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.steps:
                 whole = gather(tree)  # every process takes part; one writes
                 if lead:
                     save_checkpoint(out, step + 1, whole, cfg)
                 last_saved = step + 1
             progress.update(step, loss)
-        metrics.write(json.dumps({"step": cfg.steps, "eval_loss": evaluate(cfg.steps)}) + "\n")
+        write({"step": cfg.steps, "eval_loss": evaluate(cfg.steps)})
     result["seconds"] = time.perf_counter() - t_start
     first = result.get("first_eval_loss", float("nan"))
     say(
@@ -849,8 +1063,17 @@ def main(cfg: Config) -> dict[str, Any]:
     return result
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> None:
+    """`python train.py ...` (`python -m pegrad.train ...` installed): bad input, a NaN/Inf
+    loss and Ctrl-C each end the run with one line on stderr and a non-zero exit status."""
     try:
-        main(parse_config(sys.argv[1:]))
+        main(parse_config(sys.argv[1:] if argv is None else argv))
     except (ConfigError, Diverged) as err:
         sys.exit(f"error: {err}")
+    except KeyboardInterrupt as err:  # Interrupted, or Ctrl-C before the run began
+        print(f"interrupted{f': {err}' if str(err) else ''}", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    cli()

@@ -2,18 +2,26 @@
 
 Covered: the CLI round trip to Config; config.json, metrics.jsonl (losses, eval losses, the SPEC §4
 gradient diagnostics) and the checkpoint written by a run; --impl vmap and factorized giving the
-same losses; a killed run resumed, and a finished run extended, to bitwise the parameters of an
-uninterrupted one; checkpoints keeping dtypes (bfloat16 too) and refusing another model; a crash
-while saving leaving the previous checkpoint loadable; a NaN loss stopping the run with the step
-named and the last good checkpoint kept; bad input as a one-line error and exit status 1 (in a
-subprocess); two (fake) devices giving the losses of one.
+same losses; a user's own model and data (a module written outside the repo) trained through
+--task and through main(cfg, task=...), and a bad task refused before any work; a killed run
+resumed, a run killed before its first checkpoint restarted, and a finished run extended, each
+to bitwise the parameters of an uninterrupted one, and an extension that would re-lay the
+learning-rate schedule refused; Ctrl-C ending with one line naming the last checkpoint (a real
+SIGINT, in a subprocess); checkpoints keeping dtypes (bfloat16 too) and refusing another model;
+a crash while saving leaving the previous checkpoint loadable; a NaN loss stopping the run with
+the step named, recorded in metrics.jsonl, and the last good checkpoint kept; bad input as a
+one-line error and exit status 1 (in a subprocess); two (fake) devices giving the losses of one.
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +73,33 @@ def checkpoint(out: Path) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def run_script(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
+def script_env(devices: int = 1) -> dict[str, str]:
     flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+def run_script(*args: str, devices: int = 1, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *args],
+        cwd=cwd,
+        env=script_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=900,  # against a hang only: a 2-core machine under load is 10x slower than idle
     )
+
+
+def strip_seconds(ms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in m.items() if k != "seconds"} for m in ms]
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    """Bitwise the same checkpointed leaves (parameters and optimizer state)."""
+    first, second = checkpoint(a), checkpoint(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        if name != "__meta__":
+            np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,32 +151,238 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, monkeypatch: pyt
         if step == 4:
             raise KeyboardInterrupt
 
+    killed = tmp_path / "killed"
     with monkeypatch.context() as m:
         m.setattr(train.Progress, "update", crash)
-        with pytest.raises(KeyboardInterrupt):
-            train.main(tiny(tmp_path / "killed", **steps))
-    assert json.loads((tmp_path / "killed" / "checkpoint.json").read_text())["step"] == 4
-    train.main(tiny(tmp_path / "killed", resume=True, **steps))
+        # Interrupted is a KeyboardInterrupt: callers that catch one still do.
+        with pytest.raises(train.Interrupted) as err:
+            train.main(tiny(killed, **steps))
+    assert isinstance(err.value, KeyboardInterrupt)
+    assert str(err.value) == (
+        f"the last checkpoint is {killed / 'checkpoint.npz'} (step 4); --resume --out {killed} "
+        "continues from it"
+    )
+    assert json.loads((killed / "checkpoint.json").read_text())["step"] == 4
+    train.main(tiny(killed, resume=True, **steps))
 
-    full, resumed = checkpoint(tmp_path / "full"), checkpoint(tmp_path / "killed")
-    assert full.keys() == resumed.keys()
-    for name in full:
-        if name != "__meta__":
-            np.testing.assert_array_equal(full[name], resumed[name], err_msg=name)
-    strip = lambda ms: [{k: v for k, v in m.items() if k != "seconds"} for m in ms]
-    assert strip(metrics(tmp_path / "full")) == strip(metrics(tmp_path / "killed"))
+    assert_same_params(tmp_path / "full", killed)
+    assert strip_seconds(metrics(tmp_path / "full")) == strip_seconds(metrics(killed))
 
 
-def test_extending_a_finished_run_equals_the_longer_run(tmp_path: Path):
-    """--steps 3 then --resume --steps 5 (constant schedule: it does not depend on --steps)."""
-    mlp = dict(model="mlp", schedule="constant", checkpoint_interval=10)
+def test_a_run_killed_before_its_first_checkpoint_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Killed before any checkpoint: the same command refuses to overwrite it and names
+    --resume, with which it starts over at step 0. --resume in a directory that holds nothing
+    yet (a job preempted before it wrote anything) starts the run too."""
+    run = dict(model="mlp", steps=4, checkpoint_interval=10)
+
+    def crash(self: train.Progress, step: int, loss: float) -> None:
+        if step == 1:
+            raise KeyboardInterrupt
+
+    killed = tmp_path / "killed"
+    with monkeypatch.context() as m:
+        m.setattr(train.Progress, "update", crash)
+        with pytest.raises(train.Interrupted, match="before the first checkpoint"):
+            train.main(tiny(killed, **run))
+    assert (killed / "config.json").exists() and not (killed / "checkpoint.npz").exists()
+    assert len(metrics(killed)) == 2  # steps 0 and 1 were logged
+    with pytest.raises(train.ConfigError, match="killed before its first checkpoint.*--resume"):
+        train.main(tiny(killed, **run))
+    train.main(tiny(killed, resume=True, **run))
+    train.main(tiny(tmp_path / "fresh", resume=True, **run))  # nothing there: a new run
+
+    assert_same_params(tmp_path / "fresh", killed)
+    assert strip_seconds(metrics(tmp_path / "fresh")) == strip_seconds(metrics(killed))
+
+
+@pytest.mark.parametrize(
+    "schedule, warmup",
+    [("constant", 2), ("cosine", 5)],
+    ids=["constant", "cosine-in-warmup"],
+)
+def test_extending_a_finished_run_equals_the_longer_run(tmp_path: Path, schedule: str, warmup: int):
+    """--steps 3 then --resume --steps 5, where the learning rate of the 3 steps taken does not
+    depend on --steps: a constant schedule, or a cosine one whose warmup outlasts them."""
+    mlp = dict(model="mlp", schedule=schedule, warmup=warmup, checkpoint_interval=10)
     train.main(tiny(tmp_path / "long", steps=5, **mlp))
     train.main(tiny(tmp_path / "split", steps=3, **mlp))
     train.main(tiny(tmp_path / "split", steps=5, resume=True, **mlp))
-    long, split = checkpoint(tmp_path / "long"), checkpoint(tmp_path / "split")
-    for name in long:
-        if name != "__meta__":
-            np.testing.assert_array_equal(long[name], split[name], err_msg=name)
+    assert_same_params(tmp_path / "long", tmp_path / "split")
+
+
+def test_resume_refuses_steps_that_relay_the_schedule(tmp_path: Path):
+    """A cosine schedule is laid over --steps: resuming 4 steps of a 4-step run as a 6-step one
+    would have taken them at other learning rates. Refused, naming the knob, before anything
+    in the run's directory changes; so is a --steps short of the checkpoint."""
+    out = tmp_path / "run"
+    train.main(tiny(out, model="mlp", steps=4, warmup=1, schedule="cosine"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(train.ConfigError, match=r"--resume --steps 6: .*with --steps 4") as err:
+        train.main(tiny(out, model="mlp", steps=6, warmup=1, schedule="cosine", resume=True))
+    assert "learning rate of step 2" in str(err.value)  # steps 0, 1: warmup, the same
+    with pytest.raises(train.ConfigError, match="--steps 3: the checkpoint is at step 4"):
+        train.main(tiny(out, model="mlp", steps=3, warmup=1, schedule="cosine", resume=True))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path: Path):
+    """A real SIGINT to `python train.py` mid-run: one line on stderr, exit status 130, and the
+    checkpoint it names is the one on disk."""
+    out = tmp_path / "run"
+    never = "100000000"
+    args = ["--model", "mlp", "--size", "tiny", "--steps", never, "--warmup", "0",
+            "--checkpoint-interval", "3", "--eval-interval", never, "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=script_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoint.json").exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    step = train.checkpoint_step(out)
+    assert step is not None and step % 3 == 0
+    assert stderr.strip().splitlines() == [
+        f"interrupted: the last checkpoint is {out / 'checkpoint.npz'} (step {step}); "
+        f"--resume --out {out} continues from it"
+    ]
+
+
+# A model and its data defined outside the repo, as a user writes them: a small Equinox network
+# regressing a noisy linear map.
+OWN_TASK = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import train
+
+
+class Net(eqx.Module):
+    hidden: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, dtype, *, key):
+        k1, k2 = jax.random.split(key)
+        self.hidden = eqx.nn.Linear(3, 8, dtype=dtype, key=k1)
+        self.out = eqx.nn.Linear(8, "scalar", dtype=dtype, key=k2)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def make(cfg, *, key):
+    dtype = jnp.dtype(cfg.dtype)
+    params, static = eqx.partition(Net(dtype, key=key), eqx.is_inexact_array)
+
+    def loss_fn(params, example):
+        x, y = example
+        return (eqx.combine(params, static)(x) - y) ** 2
+
+    def sample(w, *, key):
+        x_key, noise_key = jax.random.split(key)
+        x = jax.random.normal(x_key, (cfg.batch_size, 3), dtype)
+        return x, x @ w + 0.1 * jax.random.normal(noise_key, (cfg.batch_size,), dtype)
+
+    w = jnp.asarray([1.0, -2.0, 0.5], dtype)
+    return train.Task(params, loss_fn, sample, train_data=w, eval_data=w)
+"""
+
+
+@pytest.fixture(scope="module")
+def own_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("project") / "my_task.py"
+    path.write_text(OWN_TASK)
+    return path
+
+
+def test_own_model_trains_through_the_python_and_the_cli_hook(own_task: Path, tmp_path: Path):
+    """train.main(cfg, task=make), then `python train.py --task PATH.py:make` from the repo and
+    `python /repo/train.py --task my_task:make` from the user's directory: the user's network
+    trained (its leaves checkpointed, its loss falling), the same numbers all three ways."""
+    spec = importlib.util.spec_from_file_location("my_task", own_task)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = tiny(tmp_path / "python", steps=8, lr=0.1, eval_interval=4)
+    train.main(cfg, task=module.make)
+    assert json.loads((tmp_path / "python" / "config.json").read_text())["task"] == "my_task:make"
+    names = checkpoint(tmp_path / "python").keys()
+    assert "['params'].hidden.weight" in names and "['params'].out.bias" in names
+    python = metrics(tmp_path / "python")
+    evals = [m["eval_loss"] for m in python if "eval_loss" in m]
+    assert len(evals) == 3 and evals[-1] < 0.6 * evals[0]
+
+    for task, cwd in [(f"{own_task}:make", REPO), ("my_task:make", own_task.parent)]:
+        out = tmp_path / ("cli" if cwd == REPO else "cwd")
+        proc = run_script(
+            str(REPO / "train.py"), *argv(dataclasses.replace(cfg, task=task, out=str(out))),
+            cwd=cwd,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((out / "config.json").read_text())["task"] == task
+        for a, b in zip(python, metrics(out), strict=True):
+            assert a.keys() == b.keys()
+            for key in ("loss", "eval_loss"):
+                if key in a:
+                    np.testing.assert_allclose(a[key], b[key], rtol=1e-12, err_msg=key)
+
+
+def _make_from(task: Any) -> Any:
+    return lambda cfg, *, key: task
+
+
+def _good(cfg: train.Config, *, key: Any) -> train.Task:
+    return train.mlp_task(cfg, key=key)
+
+
+@pytest.mark.parametrize(
+    "hook, message",
+    [
+        (lambda p: dict(task=_make_from({"w": 1})), "returned a dict, not a train.Task"),
+        (
+            lambda p: dict(task=lambda cfg, *, key: _good(cfg, key=key)._replace(
+                params={"w": jnp.ones(3), "count": jnp.arange(3)})),
+            r"params\['count'\] is int64, not a floating array.*eqx.partition",
+        ),
+        (
+            lambda p: dict(task=lambda cfg, *, key: _good(cfg, key=key)._replace(
+                sample=lambda data, *, key: jnp.zeros((cfg.batch_size + 1, 2)))),
+            r"shape \(5, 2\); every leaf's leading axis must be --batch-size 4",
+        ),
+        (lambda p: dict(task=train.mlp_task(train.Config(), key=jax.random.key(0))),
+         "takes a factory"),
+        (lambda p: dict(cfg_task=f"{p}:nothing"), "'nothing' in .* is absent, not a function"),
+        (lambda p: dict(cfg_task=f"{p.parent / 'absent.py'}:make"), "no file"),
+        (lambda p: dict(cfg_task="my_task"), "want MODULE:FACTORY or PATH.py:FACTORY"),
+        (lambda p: dict(cfg_task="no_such_module_of_pegrad:make"), "no module"),
+    ],
+    ids=["not-a-task", "integer-params", "batch-size", "a-task-not-a-factory", "no-factory",
+         "no-file", "no-colon", "no-module"],
+)  # fmt: skip
+def test_a_bad_task_is_refused_before_any_work(
+    own_task: Path, tmp_path: Path, hook: Any, message: str
+):
+    given = hook(own_task)
+    cfg = tiny(tmp_path, model="mlp", task=given.get("cfg_task"))
+    with pytest.raises(train.ConfigError, match=message):
+        train.main(cfg, task=given.get("task"))
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(
@@ -199,9 +434,13 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     with pytest.raises(train.Diverged, match=r"at step \d+") as err:
         train.main(cfg)
     assert "checkpoint" in str(err.value)
+    diverged = int(re.search(r"at step (\d+)", str(err.value)).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+    logged = metrics(tmp_path)
+    assert logged[-1]["step"] == diverged and logged[-1]["diverged"].startswith("loss is ")
+    assert all(np.isfinite(m["loss"]) for m in logged[:-1])
     saved = checkpoint(tmp_path)
     step = json.loads(str(saved["__meta__"]))["step"]
-    assert 1 <= step < 10
+    assert 1 <= step <= diverged < 10
     assert all(np.isfinite(x).all() for k, x in saved.items() if k != "__meta__")
 
 
@@ -212,10 +451,8 @@ def test_bad_input_is_a_config_error(tmp_path: Path):
     short.write_text("too short")
     with pytest.raises(train.ConfigError, match="too short"):
         train.main(tiny(tmp_path / "b", data=str(short)))
-    with pytest.raises(train.ConfigError, match="no checkpoint"):
-        train.main(tiny(tmp_path / "c", resume=True))
     train.main(tiny(tmp_path / "d", model="mlp", steps=1))
-    with pytest.raises(train.ConfigError, match="already holds a run"):
+    with pytest.raises(train.ConfigError, match=r"already holds a run \(at step 1\)"):
         train.main(tiny(tmp_path / "d", model="mlp", steps=1))
     with pytest.raises(train.ConfigError, match="lr differ"):
         train.main(tiny(tmp_path / "d", model="mlp", steps=2, lr=0.5, resume=True))
