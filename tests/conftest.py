@@ -25,9 +25,10 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # CI runs every test. An entry names a test, or some of its cases (see `is_slow`).
 SLOW = (
     "tests/test_bench.py::test_bench_records",
-    "tests/test_experiments.py::test_batch_scaling_and_its_cache",
-    "tests/test_experiments.py::test_precond",
-    "tests/test_experiments.py::test_sign",
+    "tests/test_experiments.py::test_batch_scaling_arms_and_its_cache",
+    "tests/test_experiments.py::test_precond_measures_the_mean_to_noise_ratio_per_regime",
+    "tests/test_experiments.py::test_sign_and_its_recheck_on_unseen_seeds",
+    "tests/test_experiments.py::test_msq_sweeps_eps_and_clipping_has_an_adam_control",
     "tests/test_experiments.py::test_vectorize",
     "tests/test_experiments.py::test_vectorized_sweep_equals_runs_one_by_one",
     "tests/test_install.py::test_installed_modules_are_not_shadowed_by_a_users_own",
