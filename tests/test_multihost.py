@@ -319,8 +319,8 @@ def perturbed_main(what: str, args: list[str]) -> None:
     elif what == "parameters":
         build = train.build
 
-        def perturbed_build(cfg: train.Config) -> train.Run:
-            run = build(cfg)
+        def perturbed_build(cfg: train.Config, factory: Any = None) -> train.Run:
+            run = build(cfg, factory)
             leaves, treedef = jax.tree.flatten(run.task.params)
             leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(1e-12)
             params = jax.tree.unflatten(treedef, leaves)
