@@ -2709,7 +2709,9 @@ class HeadValue(Route[ValueMatch]):
     def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
         return _linear_sum(graph, leaf, m.grad, (), env, weights)
 
-    def per_unit(self, graph, leaf, m, env, example, params):
+    def per_unit(
+        self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, example: Any, params: Any
+    ) -> Array:
         return jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)[None]
 
 
