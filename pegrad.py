@@ -242,6 +242,9 @@ class LeafPlan:
             f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
         )
         body = f"{self.reason} [{methods}]"
+        if self.route == "fallback":  # the pattern each route saw, where it was its own kind
+            seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
+            body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
         lines = textwrap.wrap(head, 100, subsequent_indent="    ")
         return "\n".join(
             lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
