@@ -1915,7 +1915,8 @@ class Route(Generic[M]):
     def cost(self, graph: Graph, leaf: Leaf, m: M, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
         materialization of every unit's gradient (written once, read per ingredient), and
-        the head's values they read are held until the chunk loop runs, after the head."""
+        the head's values they read are held until the chunk loop runs, after the head, and
+        read again there."""
         total = Cost()
         for what, how in methods.items():
             if how == "factorized":
@@ -1928,7 +1929,7 @@ class Route(Generic[M]):
                 math.prod(_shape(v)) * (graph.n_examples if graph.is_batched(v) else 1)
                 for v in self.reads(graph, m)
             )
-            total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + held))
+            total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + 2 * held))
         return total
 
     def factored_cost(self, graph: Graph, leaf: Leaf, m: M, what: str) -> Cost:
