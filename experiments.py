@@ -230,7 +230,7 @@ SCALES: dict[str, Scale] = {
                          ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={"adam": GRID3, "micro_adam": (3e-3, 1e-2, 3e-2),
                      "micro_adam_var": (3e-3, 1e-2, 3e-2)},
-        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2, 1e-1), msq_lrs=GRID3, msq_max_extensions=6,
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1), msq_lrs=GRID3, msq_max_extensions=6,
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="mlp", batch_sizes=(4, 8, 16, 32, 64), batch_base=16,
         batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
@@ -1444,7 +1444,7 @@ def frac_mu2_nonpositive(cfg: train.Config, seeds: Sequence[int]) -> list[float]
 # MicroAdamMSQ's two placements of ε: (label prefix, family, config fields for a given ε).
 MSQ_PLACEMENTS: tuple[tuple[str, str, str, Callable[[float], dict[str, float]]], ...] = (
     ("outside", "MicroAdamMSQ ε=", "MicroAdamMSQ √ReLU(v̂)+ε (ε and lr chosen)",
-     lambda e: {"eps": e, "eps_root": 0.0}),
+     lambda e: {"eps": e}),
     ("inside", "MicroAdamMSQ ε_root=", "MicroAdamMSQ √(ReLU(v̂)+ε) (ε and lr chosen)",
      lambda e: {"eps": 0.0, "eps_root": e}),
 )  # fmt: skip
@@ -1519,9 +1519,10 @@ def run_msq(ctx: Context) -> dict[str, Any]:
         ]
         + [
             "",
-            "ε inside the root with ε_root = ε² caps the step where μ̂² ≤ 0 as ε outside does "
-            "(m̂/√ε_root = m̂/ε); the two arms differ where μ̂² > 0. Not run here: the "
-            "block-averaged ν (tensor/row).",
+            "The two placements are nearly a rescaling of ε: √v̂ + ε and √(v̂ + ε²) are equal "
+            "at v̂ = 0 and as v̂ → ∞ and differ by at most √2 (at v̂ = ε²), so ε inside at ε_root "
+            "is close to ε outside at √ε_root; a placement verdict at a coarse ε grid can be the "
+            "grid's, not the placement's. Not run here: the block-averaged ν (tensor/row).",
         ]
     )
     return write_study(

@@ -440,9 +440,11 @@ def _scale_by_adam_family(
             v_hat = _block_mean(v_hat, block)
             if relu_preconditioner:
                 v_hat = jnp.maximum(v_hat, 0.0)
-            # optax.scale_by_adam's order: ε_root under the root, ε outside it.
-            root = jnp.sqrt(v_hat + _hyper(eps_root, v_hat.dtype))
-            return m_hat / (root + _hyper(eps, m_hat.dtype))
+            # optax.scale_by_adam's order: ε_root under the root, ε outside it. A literal 0
+            # adds nothing: the program (and its rounding) is the one without ε_root.
+            if not (isinstance(eps_root, int | float) and eps_root == 0):
+                v_hat = v_hat + _hyper(eps_root, v_hat.dtype)
+            return m_hat / (jnp.sqrt(v_hat) + _hyper(eps, m_hat.dtype))
 
         updates = _cast(jax.tree.map(direction, debias(mu, b1), debias(nu, b2)), params)
         return updates, optax.ScaleByAdamState(count, mu, nu)

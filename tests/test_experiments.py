@@ -338,7 +338,7 @@ def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     rows, data = check_files(tmp_path / "msq", "msq")
     msq = [r for r in rows if r["optimizer"] == "micro_adam_msq"]
     # ε outside the root (the paper's √ReLU(v̂) + ε) and inside it (√(ReLU(v̂) + ε)), same grid.
-    outside = {float(r["eps"]) for r in msq if float(r["eps_root"]) == 0.0}
+    outside = {float(r["eps"]) for r in msq if r["eps_root"] == ""}  # None: no ε_root
     inside = {float(r["eps_root"]) for r in msq if float(r["eps"]) == 0.0}
     assert outside == inside == set(scale.msq_eps)
     assert [(p["placement"], p["eps"]) for p in data["per_eps"]] == [

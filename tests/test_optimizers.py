@@ -423,6 +423,51 @@ def test_bitwise_equal_to_optax(case: str):
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} @ {t}")
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_sign_ema_as_train_builds_it_is_optax_signum_plus_weight_decay(weight_decay: float):
+    """SignEMA as train.make_optimizer builds it for the studies (β = 0.9, warmup then cosine lr
+    in float32, decoupled decay λ on the matrices only), against optax twice: (1) optax's own
+    blocks, chain(ema(β, debias=False), scale_by_sign, add_decayed_weights(λ, mask),
+    scale_by_learning_rate(lr_t)); (2) optax.signum(lr_t, β) itself, plus −lr_t·λ·p on the
+    decayed leaves written out. Float64, STEPS steps along a trajectory, to rounding."""
+    import train  # the studies' optimizer factory
+
+    beta = 0.9
+    cfg = train.Config(
+        model="mlp", optimizer="sign_ema", momentum=beta, lr=3e-2, warmup=3, steps=STEPS,
+        schedule="cosine", weight_decay=weight_decay, dtype="float64",
+    )  # fmt: skip
+    lr = train.make_schedule(cfg)
+    matrices = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    blocks = optax.chain(
+        optax.ema(beta, debias=False),
+        optax.scale_by_sign(),
+        optax.add_decayed_weights(weight_decay, matrices),
+        optax.scale_by_learning_rate(lr),
+    )
+    _, params, _ = problem("mlp")
+    rng = np.random.default_rng(3)
+    noise = lambda p: jnp.asarray(0.1 * rng.normal(size=p.shape))
+    grads = [jax.tree.map(noise, params) for _ in range(STEPS)]
+    ours = updates_on(train.make_optimizer(cfg), params, grads, "strict")
+    expected = updates_on(blocks, params, grads, "standard")
+    for t, (a, b) in enumerate(zip(ours, expected, strict=True)):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-14, atol=0, err_msg=f"{k} @ {t}")
+    # (2): signum's updates do not read the parameters; the decay reads ours, p_t before step t.
+    signum = updates_on(optax.signum(lr, beta), params, grads, "standard")
+    p = {k: np.asarray(v) for k, v in params.items()}
+    for t, (a, b) in enumerate(zip(ours, signum, strict=True)):
+        lr_t = float(lr(jnp.asarray(t)))
+        for k in a:
+            decay = weight_decay * p[k] if p[k].ndim >= 2 else 0.0
+            np.testing.assert_allclose(
+                a[k], b[k] - lr_t * decay, rtol=1e-13, atol=1e-17, err_msg=f"{k} @ {t}"
+            )
+            p[k] = p[k] + a[k]
+    assert any(float(lr(jnp.asarray(t))) != cfg.lr for t in range(STEPS))  # a real schedule
+
+
 # --------------------------------------------------------------------------------------------
 # optax wrappers: statistics pass through chain, inject_hyperparams and apply_if_finite.
 
