@@ -24,8 +24,9 @@ Selection protocol (every training study but batch-scaling):
   trained on the selection seeds; its lr is the one with the lowest mean final loss over them
   among the lrs at which every selection seed finished. While that lr is at an edge of the grid
   (or no lr finished), the grid is extended by one of its own steps past that edge and the new
-  point trained, up to `Scale.max_extensions` times per variant. The chosen lr is then trained on
-  the evaluation seeds, and every verdict is computed on those alone.
+  point trained, up to `Scale.max_extensions` times per variant (`msq_max_extensions` in msq,
+  whose best lr moves with ε). The chosen lr is then trained on the evaluation seeds, and every
+  verdict is computed on those alone.
 * leave-one-seed-out (`--seeds` only): the whole grid on every seed; seed s is scored at the lr
   chosen on the other seeds.
 * fixed (`--lrs-from SUMMARY --seeds ...`): no selection; each variant at the lr a committed

@@ -307,10 +307,11 @@ def test_msq_eps_inside_the_root_caps_the_step_where_the_mean_is_hidden():
     # B = 4: μ̂² = (4·0.25 − q)/3 = [−1/3, 0] for q = [2, 1].
     stats = {"mean": g, "sq_mean": {"w": jnp.array([2.0, 1.0])}, "batch_size": 4}
     eps = 1e-4
-    for kwargs, scale in (({"eps": eps}, 1 / eps), ({"eps": 0.0, "eps_root": eps}, eps**-0.5)):
-        opt = optimizers.scale_by_micro_adam_msq(**kwargs)
+    for outside, inside, scale in ((eps, 0.0, 1 / eps), (0.0, eps, eps**-0.5)):
+        opt = optimizers.scale_by_micro_adam_msq(eps=outside, eps_root=inside)
         updates, _ = opt.update(g, opt.init(params), params, stats=stats)
-        np.testing.assert_allclose(np.asarray(updates["w"]), 0.5 * scale, rtol=1e-12)
+        got = jax.tree.map(np.asarray, updates)
+        np.testing.assert_allclose(got["w"], 0.5 * scale, rtol=1e-12)
 
 
 # Where ε sits in the Adam family's root: (eps, eps_root). (1e-8, 0) is the default, ε outside
@@ -437,7 +438,7 @@ def test_sign_ema_as_train_builds_it_is_optax_signum_plus_weight_decay(weight_de
         model="mlp", optimizer="sign_ema", momentum=beta, lr=3e-2, warmup=3, steps=STEPS,
         schedule="cosine", weight_decay=weight_decay, dtype="float64",
     )  # fmt: skip
-    lr = train.make_schedule(cfg)
+    lr: Any = train.make_schedule(cfg)  # a schedule of the step count (optax types it wider)
     matrices = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
     blocks = optax.chain(
         optax.ema(beta, debias=False),
