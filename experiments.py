@@ -4,7 +4,8 @@ computed on seeds its learning rates were not chosen on.
     python experiments.py sign --out results/sign           # sign placement, with the SNR model
     python experiments.py precond --out results/precond     # Adam / MicroAdam / MicroAdamVar per
                                                             #   regime, with μ̂²/σ̂² measured
-    python experiments.py msq --out results/msq             # MicroAdamMSQ's ε; Adam the control
+    python experiments.py msq --out results/msq             # MicroAdamMSQ's ε, both placements;
+                                                            #   Adam the control
     python experiments.py clipping --out results/clipping   # MicroAdam and Adam, clipped
     python experiments.py batch-scaling --out results/bs    # best lr vs B, two β₂ arms
     python experiments.py overhead --out runs/overhead      # bench.py's cost table
@@ -23,8 +24,9 @@ Selection protocol (every training study but batch-scaling):
   trained on the selection seeds; its lr is the one with the lowest mean final loss over them
   among the lrs at which every selection seed finished. While that lr is at an edge of the grid
   (or no lr finished), the grid is extended by one of its own steps past that edge and the new
-  point trained, up to `Scale.max_extensions` times per variant. The chosen lr is then trained on
-  the evaluation seeds, and every verdict is computed on those alone.
+  point trained, up to `Scale.max_extensions` times per variant (`msq_max_extensions` in msq,
+  whose best lr moves with ε). The chosen lr is then trained on the evaluation seeds, and every
+  verdict is computed on those alone.
 * leave-one-seed-out (`--seeds` only): the whole grid on every seed; seed s is scored at the lr
   chosen on the other seeds.
 * fixed (`--lrs-from SUMMARY --seeds ...`): no selection; each variant at the lr a committed
@@ -139,8 +141,8 @@ T975 = {
 # fmt: off
 CSV_COLUMNS = (
     "experiment", "phase", "task", "regime", "arm", "method", "optimizer", "lr", "momentum",
-    "b2", "eps", "max_grad_norm", "msq_block", "noise", "seq_len", "batch_size", "steps",
-    "examples", "seed", "status", "diverged_step", "first_eval_loss", "final_loss",
+    "b2", "eps", "eps_root", "max_grad_norm", "msq_block", "noise", "seq_len", "batch_size",
+    "steps", "examples", "seed", "status", "diverged_step", "first_eval_loss", "final_loss",
     "final_train_loss", "spikes", "final_frac_mean_dominated", "seconds",
 )
 # fmt: on
@@ -164,8 +166,11 @@ class Scale:
     # μ̂²/σ̂² is measured in each.
     precond_regimes: tuple[tuple[str, str, dict[str, Any]], ...]
     precond_lrs: dict[str, tuple[float, ...]]  # starting grid per optimizer (every regime)
-    msq_eps: tuple[float, ...]  # MicroAdamMSQ's ε...
+    msq_eps: tuple[float, ...]  # MicroAdamMSQ's ε, outside the root and inside it...
     msq_lrs: tuple[float, ...]  # ...each with this starting grid; Adam's is precond_lrs'
+    # MicroAdamMSQ's grids may grow further than max_extensions: where ε dominates √ReLU(v̂)
+    # the step is about lr·m̂/ε (or lr·m̂/√ε inside the root), so its best lr moves with ε.
+    msq_max_extensions: int
     clip_thresholds: tuple[float, ...]  # max_grad_norm of clipped MicroAdam and clipped Adam
     batch_task: str  # the task of batch-scaling
     batch_sizes: tuple[int, ...]
@@ -202,7 +207,8 @@ SCALES: dict[str, Scale] = {
         sign_lrs={m: (1e-3, 1e-2) for m in SIGN_METHODS}, sign_momentum=0.9,
         precond_regimes=(("MLP", "mlp", {}), ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={m: (1e-3, 1e-2) for m in PRECOND_METHODS},
-        msq_eps=(1e-8, 1e-2), msq_lrs=(1e-3, 1e-2), clip_thresholds=(1e-2,),
+        msq_eps=(1e-8, 1e-2), msq_lrs=(1e-3, 1e-2), msq_max_extensions=1,
+        clip_thresholds=(1e-2,),
         batch_task="mlp", batch_sizes=(4, 8), batch_base=8, batch_examples=32,
         batch_lrs=(1e-3, 1e-2),
         snr_batches=1, snr_batch_size=8, vectorize_runs=4, vectorize_sequential=2,
@@ -225,7 +231,7 @@ SCALES: dict[str, Scale] = {
                          ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={"adam": GRID3, "micro_adam": (3e-3, 1e-2, 3e-2),
                      "micro_adam_var": (3e-3, 1e-2, 3e-2)},
-        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2, 1e-1), msq_lrs=GRID3,
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1), msq_lrs=GRID3, msq_max_extensions=6,
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="mlp", batch_sizes=(4, 8, 16, 32, 64), batch_base=16,
         batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
@@ -246,7 +252,7 @@ SCALES: dict[str, Scale] = {
                          ("LM, 128 tokens", "lm", {"seq_len": 128, "context_length": 128}),
                          ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={m: (3e-4, 1e-3, 3e-3, 1e-2) for m in PRECOND_METHODS},
-        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(3e-4, 1e-3, 3e-3),
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(3e-4, 1e-3, 3e-3), msq_max_extensions=6,
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="lm", batch_sizes=(2, 4, 8, 16, 32, 64, 128, 256), batch_base=32,
         batch_examples=32 * 2000, batch_lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
@@ -265,7 +271,7 @@ SCALES: dict[str, Scale] = {
         sign_momentum=0.9,
         precond_regimes=(("LM, 512 tokens", "lm", {}),),
         precond_lrs={m: (1e-4, 3e-4, 1e-3) for m in PRECOND_METHODS},
-        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(1e-4, 3e-4, 1e-3),
+        msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(1e-4, 3e-4, 1e-3), msq_max_extensions=6,
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64,
         batch_examples=64 * 5000, batch_lrs=(1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3),
@@ -512,6 +518,7 @@ def row_of(experiment: str, phase: str, point: Point, trace: sweep.Trace) -> dic
         "momentum": cfg.momentum,
         "b2": cfg.b2,
         "eps": cfg.eps,
+        "eps_root": cfg.eps_root,
         "max_grad_norm": cfg.max_grad_norm,
         "msq_block": cfg.msq_block,
         "noise": cfg.noise if cfg.model == "mlp" else None,
@@ -1435,71 +1442,94 @@ def frac_mu2_nonpositive(cfg: train.Config, seeds: Sequence[int]) -> list[float]
     return out
 
 
+# MicroAdamMSQ's two placements of ε: (label prefix, family, config fields for a given ε).
+MSQ_PLACEMENTS: tuple[tuple[str, str, str, Callable[[float], dict[str, float]]], ...] = (
+    ("outside", "MicroAdamMSQ ε=", "MicroAdamMSQ √ReLU(v̂)+ε (ε and lr chosen)",
+     lambda e: {"eps": e}),
+    ("inside", "MicroAdamMSQ ε_root=", "MicroAdamMSQ √(ReLU(v̂)+ε) (ε and lr chosen)",
+     lambda e: {"eps": 0.0, "eps_root": e}),
+)  # fmt: skip
+
+
 def run_msq(ctx: Context) -> dict[str, Any]:
     scale = ctx.scale
     base = task_config(scale)
-    msq = [
-        Variant(
-            f"MicroAdamMSQ ε={e:g}",
-            dataclasses.replace(base, optimizer="micro_adam_msq", eps=e),
-            scale.msq_lrs,
-        )
-        for e in scale.msq_eps
-    ]
+    arms: dict[str, list[Variant]] = {}
+    for _, prefix, family, fields in MSQ_PLACEMENTS:
+        arms[family] = [
+            Variant(
+                f"{prefix}{e:g}",
+                dataclasses.replace(base, optimizer="micro_adam_msq", **fields(e)),
+                scale.msq_lrs,
+            )
+            for e in scale.msq_eps
+        ]
     adam = Variant("Adam", dataclasses.replace(base, optimizer="adam"), scale.precond_lrs["adam"])
-    family = "MicroAdamMSQ (ε and lr chosen)"
+    families = {"Adam": ["Adam"], **{f: [v.label for v in vs] for f, vs in arms.items()}}
+    variants, families = ctx.families([adam, *(v for vs in arms.values() for v in vs)], families)
     study = tune_and_score(
-        "msq",
-        [adam, *msq],
-        {"Adam": ["Adam"], family: [v.label for v in msq]},
-        ctx.proto,
-        ctx.cache,
-        scale.max_extensions,
+        "msq", variants, families, ctx.proto, ctx.cache, scale.msq_max_extensions
     )
-    verdicts = verdicts_of(study, [(family, "Adam")])
+    outside, inside = (family for _, _, family, _ in MSQ_PLACEMENTS)
+    verdicts = verdicts_of(study, [(outside, "Adam"), (inside, "Adam"), (inside, outside)])
     say(verdicts)
     fracs = frac_mu2_nonpositive(base, scored_seeds(ctx.proto))
     per_eps = []
-    for v in msq:
-        rec = study.variants[v.label]
-        mine = [r for r in study.runs.rows if r["method"] == v.label]
-        per_eps.append(
-            {
-                "eps": v.cfg.eps,
-                "runs": len(mine),
-                "unstable": sum(r["final_loss"] is None for r in mine),
-                "chosen_lr": None if rec["chosen"] is None else rec["chosen"]["lr"],
-                "selection_mean": None if rec["chosen"] is None else rec["chosen"]["mean"],
-                "edge": rec["edge"],
-            }
-        )
+    kept = {v.label for v in variants}
+    for (placement, _, family, _), vs in zip(MSQ_PLACEMENTS, arms.values(), strict=True):
+        for v in vs:
+            if v.label not in kept:
+                continue
+            rec = study.variants[v.label]
+            mine = [r for r in study.runs.rows if r["method"] == v.label]
+            per_eps.append(
+                {
+                    "placement": placement,
+                    "family": family,
+                    "eps": v.cfg.eps if placement == "outside" else v.cfg.eps_root,
+                    "runs": len(mine),
+                    "unstable": sum(r["final_loss"] is None for r in mine),
+                    "grid": rec["grid"],
+                    "extended_with": rec["extended_with"],
+                    "chosen_lr": None if rec["chosen"] is None else rec["chosen"]["lr"],
+                    "selection_mean": None if rec["chosen"] is None else rec["chosen"]["mean"],
+                    "edge": rec["edge"],
+                }
+            )
+    root = {"outside": "√ReLU(v̂) + ε", "inside": "√(ReLU(v̂) + ε)"}
     table = (
         [
             f"At initialisation, on the first training batch (B = {base.batch_size}), μ̂² ≤ 0 on a "
             f"fraction {np.mean(fracs):.3f} of the coordinates (per seed: "
-            f"{', '.join(f'{x:.3f}' for x in fracs)}): there the first step is m̂/ε.",
+            f"{', '.join(f'{x:.3f}' for x in fracs)}): there the first step is m̂/ε with ε "
+            "outside the root, m̂/√ε inside it.",
             "",
-            "Per ε, on the selection seeds (every lr tried):",
+            f"Per placement and ε, on the selection seeds (every lr tried; grids grown at an edge "
+            f"up to {scale.msq_max_extensions} times):",
             "",
-            "| ε | runs | unstable | chosen lr | selection mean final loss |",
-            "|---|---|---|---|---|",
+            "| preconditioner | ε | runs | unstable | lrs tried | chosen lr | "
+            "selection mean final loss |",
+            "|---|---|---|---|---|---|---|",
         ]
         + [
-            f"| {p['eps']:g} | {p['runs']} | {p['unstable']} | {fmt_lr(p['chosen_lr'])}"
+            f"| {root[p['placement']]} | {p['eps']:g} | {p['runs']} | {p['unstable']} | "
+            f"{', '.join(fmt_lr(x) for x in p['grid'])} | {fmt_lr(p['chosen_lr'])}"
             f"{' (' + EDGE + ')' if p['edge'] and p['chosen_lr'] else ''} | "
-            f"{'–' if p['selection_mean'] is None else format(p['selection_mean'], '.3f')} |"
+            f"{'–' if p['selection_mean'] is None else format(p['selection_mean'], '.4f')} |"
             for p in per_eps
         ]
         + [
             "",
-            "Not run here: the ε-inside-the-root placement √(ReLU(v̂) + ε) (optimizers.py offers "
-            "only √ReLU(v̂) + ε) and the block-averaged ν (tensor/row).",
+            "The two placements are nearly a rescaling of ε: √v̂ + ε and √(v̂ + ε²) are equal "
+            "at v̂ = 0 and as v̂ → ∞ and differ by at most √2 (at v̂ = ε²), so ε inside at ε_root "
+            "is close to ε outside at √ε_root; a placement verdict at a coarse ε grid can be the "
+            "grid's, not the placement's. Not run here: the block-averaged ν (tensor/row).",
         ]
     )
     return write_study(
         ctx.out,
         "msq",
-        f"MicroAdamMSQ: an ε sweep, Adam the control ({TASK_NAMES[task_of(base)]})",
+        f"MicroAdamMSQ: ε swept in both placements, Adam the control ({TASK_NAMES[task_of(base)]})",
         study,
         verdicts,
         ctx.prov,

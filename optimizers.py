@@ -387,11 +387,14 @@ def _scale_by_adam_family(
     max_grad_norm: Any,
     relu_preconditioner: bool = False,
     block: Block = None,
+    eps_root: Any = 0.0,
 ) -> Transformation:
-    """The direction m̂/(√v̂ + ε) with v fed by second_moment(ḡ, q, B); state as optax.adam's."""
+    """The direction m̂/(√(v̂ + ε_root) + ε) with v fed by second_moment(ḡ, q, B) (v̂ block
+    averaged, then ReLU'd, before ε_root is added); state as optax.adam's."""
     _check(rule, "b1", b1, _unit_interval, "in [0, 1)")
     _check(rule, "b2", b2, _unit_interval, "in [0, 1)")
     _check(rule, "eps", eps, lambda x: x >= 0.0, ">= 0")
+    _check(rule, "eps_root", eps_root, lambda x: x >= 0.0, ">= 0")
     _check(rule, "max_grad_norm", max_grad_norm, lambda x: x > 0.0, "> 0 or None")
     if block not in ("tensor", "row", None):
         raise ValueError(f"{rule}: block must be 'tensor', 'row' or None, got {block!r}")
@@ -437,6 +440,10 @@ def _scale_by_adam_family(
             v_hat = _block_mean(v_hat, block)
             if relu_preconditioner:
                 v_hat = jnp.maximum(v_hat, 0.0)
+            # optax.scale_by_adam's order: ε_root under the root, ε outside it. A literal 0
+            # adds nothing: the program (and its rounding) is the one without ε_root.
+            if not (isinstance(eps_root, int | float) and eps_root == 0):
+                v_hat = v_hat + _hyper(eps_root, v_hat.dtype)
             return m_hat / (jnp.sqrt(v_hat) + _hyper(eps, m_hat.dtype))
 
         updates = _cast(jax.tree.map(direction, debias(mu, b1), debias(nu, b2)), params)
@@ -461,19 +468,24 @@ def _mu2(g: Array, q: Any, b: Any) -> Array:
 
 
 def scale_by_adam(
-    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, max_grad_norm: Hyper | None = None
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    max_grad_norm: Hyper | None = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
-    """Adam's direction m̂/(√v̂ + ε) on the mean gradient ḡ (reads no stats): optax.scale_by_adam
-    with moments in float32 for bfloat16 parameters, and optional clipping.
+    """Adam's direction m̂/(√(v̂ + ε_root) + ε) on the mean gradient ḡ (reads no stats):
+    optax.scale_by_adam with moments in float32 for bfloat16 parameters, and optional clipping.
 
     m ← β1·m + (1−β1)·c·ḡ,   v ← β2·v + (1−β2)·(c·ḡ)²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
-    with c = min(1, C/‖ḡ‖) (1 without C).
+    direction m̂/(√(v̂ + ε_root) + ε), with c = min(1, C/‖ḡ‖) (1 without C).
 
     Args:
         b1: first-moment decay β1, in [0, 1).
         b2: second-moment decay β2, in [0, 1).
         eps: ε, added outside the square root (optax's convention).
         max_grad_norm: C, clipping ḡ by its global norm; None: no clipping.
+        eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -488,16 +500,22 @@ def scale_by_adam(
         >>> print(updates["w"].round(4))  # step 1: m̂ = ḡ, v̂ = ḡ², so ḡ/(|ḡ| + ε)
         [ 1. -1.]
     """
-    return _scale_by_adam_family("Adam", (), lambda g, q, b: g * g, b1, b2, eps, max_grad_norm)
+    return _scale_by_adam_family(
+        "Adam", (), lambda g, q, b: g * g, b1, b2, eps, max_grad_norm, eps_root=eps_root
+    )
 
 
 def scale_by_micro_adam(
-    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, max_grad_norm: Hyper | None = None
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    max_grad_norm: Hyper | None = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdam's direction: Adam with the per-example second moment q = (1/B) Σ_i g_i²
     (reads stats "mean", "sq_mean").
 
-    m ← β1·m + (1−β1)·c·ḡ,   v ← β2·v + (1−β2)·c²·q,   direction m̂/(√v̂ + ε)
+    m ← β1·m + (1−β1)·c·ḡ,   v ← β2·v + (1−β2)·c²·q,   direction m̂/(√(v̂ + ε_root) + ε)
     with c = min(1, C/‖ḡ‖) applied as if to every per-example gradient.
 
     Args:
@@ -505,6 +523,7 @@ def scale_by_micro_adam(
         b2: second-moment decay β2, in [0, 1).
         eps: ε, added outside the square root.
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
+        eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -520,17 +539,22 @@ def scale_by_micro_adam(
         [ 0.7071 -1.    ]
     """
     return _scale_by_adam_family(
-        "MicroAdam", ("sq_mean",), lambda g, q, b: q, b1, b2, eps, max_grad_norm
-    )
+        "MicroAdam", ("sq_mean",), lambda g, q, b: q, b1, b2, eps, max_grad_norm,
+        eps_root=eps_root,
+    )  # fmt: skip
 
 
 def scale_by_micro_adam_var(
-    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, max_grad_norm: Hyper | None = None
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    max_grad_norm: Hyper | None = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamVar's direction: preconditioned by the unbiased variance alone (reads stats
     "mean", "sq_mean", "batch_size"; B ≥ 2, else ValueError).
 
-    σ̂² = B/(B−1)·(q − ḡ²),   v ← β2·v + (1−β2)·σ̂²,   direction m̂/(√v̂ + ε)
+    σ̂² = B/(B−1)·(q − ḡ²),   v ← β2·v + (1−β2)·σ̂²,   direction m̂/(√(v̂ + ε_root) + ε)
 
     q ≥ ḡ² holds exactly (Jensen); q − ḡ² is clamped at 0 so that rounding cannot make √v̂ NaN.
 
@@ -539,6 +563,7 @@ def scale_by_micro_adam_var(
         b2: second-moment decay β2, in [0, 1).
         eps: ε, added outside the square root.
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
+        eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -554,8 +579,9 @@ def scale_by_micro_adam_var(
         [ 8.66e-01 -5.00e+07]
     """
     return _scale_by_adam_family(
-        "MicroAdamVar", ("sq_mean", "batch_size"), _sigma2, b1, b2, eps, max_grad_norm
-    )
+        "MicroAdamVar", ("sq_mean", "batch_size"), _sigma2, b1, b2, eps, max_grad_norm,
+        eps_root=eps_root,
+    )  # fmt: skip
 
 
 def scale_by_micro_adam_msq(
@@ -564,12 +590,18 @@ def scale_by_micro_adam_msq(
     eps: Hyper = 1e-8,
     max_grad_norm: Hyper | None = None,
     block: Block = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamMSQ's direction: preconditioned by the unbiased squared mean alone (reads stats
     "mean", "sq_mean", "batch_size"; B ≥ 2, else ValueError).
 
     μ̂² = (B·ḡ² − q)/(B−1)  (unbiased for μ², can be negative),  v ← β2·v + (1−β2)·μ̂²,
-    direction m̂/(√ReLU(⟨v̂⟩) + ε)
+    direction m̂/(√(ReLU(⟨v̂⟩) + ε_root) + ε)
+
+    Where ε goes: the paper's preconditioner is √ReLU(v̂) + ε (eps=ε, eps_root=0, the default);
+    eps=0, eps_root=ε is √(ReLU(v̂) + ε), optax's eps_root placement. Where μ̂² ≤ 0 the first
+    gives the step m̂/ε, the second m̂/√ε: the same ε caps the step far lower inside the root
+    when ε < 1.
 
     ⟨v̂⟩ is v̂ averaged over a block of coordinates of one leaf, then broadcast back over it:
     the paper's open question, whether pooling the noisy estimate μ̂² stabilizes the rule.
@@ -588,6 +620,7 @@ def scale_by_micro_adam_msq(
         eps: ε, added outside the square root.
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
         block: None, "tensor" or "row" (above).
+        eps_root: ε_root ≥ 0, added inside the square root after the ReLU; 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -601,10 +634,14 @@ def scale_by_micro_adam_msq(
         >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
         >>> print(updates["w"].round(4))  # μ̂² = [1/6, 1/4], ⟨v̂⟩ = 5/24 per tensor
         [ 0.8986 -0.8986]
+        >>> inside = optimizers.scale_by_micro_adam_msq(eps=0.0, eps_root=0.1)
+        >>> updates, _ = inside.update(g, inside.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # ḡ/√(μ̂² + ε_root) = ḡ/√[0.2667, 0.35]
+        [ 0.9682 -0.8452]
     """
     return _scale_by_adam_family(
         "MicroAdamMSQ", ("sq_mean", "batch_size"), _mu2, b1, b2, eps, max_grad_norm,
-        relu_preconditioner=True, block=block,
+        relu_preconditioner=True, block=block, eps_root=eps_root,
     )  # fmt: skip
 
 
@@ -616,11 +653,12 @@ def adam(
     weight_decay: Hyper = 0.0,
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """Adam on the mean gradient ḡ (reads no stats); equals `optax.adamw` (`optax.adam` at λ=0).
 
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·ḡ²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
-    u = −lr_t·( m̂/(√v̂ + ε) + λ·p )
+    u = −lr_t·( m̂/(√(v̂ + ε_root) + ε) + λ·p )
 
     Args:
         learning_rate: lr, a number or an optax schedule of the step count.
@@ -631,6 +669,7 @@ def adam(
         mask: the leaves λ applies to: a pytree of bools like params, or a function of params
             returning one (optax.add_decayed_weights'); None: all.
         max_grad_norm: C, clipping ḡ by its global norm first; None: no clipping.
+        eps_root: ε_root ≥ 0, added inside the square root (optax.adam's eps_root); 0: none.
 
     Returns:
         `chain(scale_by_adam(...), add_decayed_weights(λ, mask), scale_by_learning_rate(lr))`.
@@ -645,7 +684,7 @@ def adam(
         >>> print(updates["w"].round(4))
         [-0.1  0.1]
     """
-    core = scale_by_adam(b1, b2, eps, max_grad_norm)
+    core = scale_by_adam(b1, b2, eps, max_grad_norm, eps_root)
     return _finish("Adam", core, learning_rate, weight_decay, mask)
 
 
@@ -657,12 +696,13 @@ def micro_adam(
     weight_decay: Hyper = 0.0,
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdam: Adam with the per-example second moment q = (1/B) Σ_i g_i² = ḡ² + σ²(B−1)/B
     (reads stats "mean", "sq_mean").
 
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·q,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
-    u = −lr_t·( m̂/(√v̂ + ε) + λ·p )
+    u = −lr_t·( m̂/(√(v̂ + ε_root) + ε) + λ·p )
 
     Args:
         learning_rate: lr, a number or an optax schedule of the step count.
@@ -673,6 +713,7 @@ def micro_adam(
         mask: the leaves λ applies to (as in `adam`); None: all.
         max_grad_norm: C, clipping every per-example gradient by c = min(1, C/‖ḡ‖): ḡ → c·ḡ,
             q → c²·q (the paper tames MicroAdam's loss spikes with C = 1e-2); None: none.
+        eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
 
     Returns:
         `chain(scale_by_micro_adam(...), add_decayed_weights(λ, mask),
@@ -688,7 +729,7 @@ def micro_adam(
         >>> print(updates["w"].round(4))
         [-0.0707  0.1   ]
     """
-    core = scale_by_micro_adam(b1, b2, eps, max_grad_norm)
+    core = scale_by_micro_adam(b1, b2, eps, max_grad_norm, eps_root)
     return _finish("MicroAdam", core, learning_rate, weight_decay, mask)
 
 
@@ -700,13 +741,14 @@ def micro_adam_var(
     weight_decay: Hyper = 0.0,
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamVar: preconditioned by the unbiased variance alone (reads stats "mean",
     "sq_mean" and "batch_size"; B ≥ 2, else ValueError).
 
     σ̂² = B/(B−1)·(q − ḡ²)
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·σ̂²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
-    u = −lr_t·( m̂/(√v̂ + ε) + λ·p )
+    u = −lr_t·( m̂/(√(v̂ + ε_root) + ε) + λ·p )
 
     Args:
         learning_rate: lr, a number or an optax schedule of the step count.
@@ -716,6 +758,7 @@ def micro_adam_var(
         weight_decay: λ, decoupled weight decay.
         mask: the leaves λ applies to (as in `adam`); None: all.
         max_grad_norm: C, clipping every per-example gradient (as in `micro_adam`).
+        eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
 
     Returns:
         `chain(scale_by_micro_adam_var(...), add_decayed_weights(λ, mask),
@@ -731,7 +774,7 @@ def micro_adam_var(
         >>> print(updates["w"].round(4))  # ḡ/(√σ̂² + ε), σ̂² = [1/3, 0]
         [-0.0738  0.5   ]
     """
-    core = scale_by_micro_adam_var(b1, b2, eps, max_grad_norm)
+    core = scale_by_micro_adam_var(b1, b2, eps, max_grad_norm, eps_root)
     return _finish("MicroAdamVar", core, learning_rate, weight_decay, mask)
 
 
@@ -744,13 +787,18 @@ def micro_adam_msq(
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
     block: Block = None,
+    eps_root: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamMSQ: preconditioned by the unbiased squared mean alone (reads stats "mean",
     "sq_mean" and "batch_size"; B ≥ 2, else ValueError).
 
     μ̂² = (B·ḡ² − q)/(B−1)          (unbiased for μ², can be negative)
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·μ̂²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
-    u = −lr_t·( m̂/(√ReLU(⟨v̂⟩) + ε) + λ·p ),   ⟨v̂⟩: see `scale_by_micro_adam_msq`
+    u = −lr_t·( m̂/(√(ReLU(⟨v̂⟩) + ε_root) + ε) + λ·p ),   ⟨v̂⟩: see `scale_by_micro_adam_msq`
+
+    The paper's placement √ReLU(v̂) + ε is eps=ε, eps_root=0 (the default); eps=0,
+    eps_root=ε puts ε inside the root (optax's eps_root), capping the step where μ̂² ≤ 0 at
+    lr·m̂/√ε instead of lr·m̂/ε.
 
     Args:
         learning_rate: lr, a number or an optax schedule of the step count.
@@ -762,6 +810,7 @@ def micro_adam_msq(
         max_grad_norm: C, clipping every per-example gradient (as in `micro_adam`).
         block: v̂ averaged per None (coordinate), "tensor" (leaf) or "row" (output unit of an
             [out, in] weight) before the root.
+        eps_root: ε_root ≥ 0, added inside the square root after the ReLU; 0: none.
 
     Returns:
         `chain(scale_by_micro_adam_msq(...), add_decayed_weights(λ, mask),
@@ -776,8 +825,12 @@ def micro_adam_msq(
         >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
         >>> print(updates["w"].round(4))  # ḡ/(√μ̂² + ε), μ̂² = [1/6, 1/4]
         [-0.0984  0.0833]
+        >>> opt = optimizers.micro_adam_msq(learning_rate=0.1, eps=0.0, eps_root=0.1)
+        >>> updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        >>> print(updates["w"].round(4))  # ḡ/√(μ̂² + ε)
+        [-0.0968  0.0845]
     """
-    core = scale_by_micro_adam_msq(b1, b2, eps, max_grad_norm, block)
+    core = scale_by_micro_adam_msq(b1, b2, eps, max_grad_norm, block, eps_root)
     return _finish("MicroAdamMSQ", core, learning_rate, weight_decay, mask)
 
 

@@ -3,10 +3,10 @@
     traces = sweep.run(configs, cache=Path("runs/x"))   # one Trace per train.Config, in order
 
 Runs that differ only in the optimizer's numbers (train.HYPERPARAMETERS: lr, b1, b2, eps,
-momentum, max_grad_norm) and in the seed share one program: `groups` splits a list of configs
-into such groups (a different optimizer, batch size, model, step count, or an option switched
-on or off, e.g. clipping None vs a value, starts another). Within a group, everything a run owns
-gets a leading run axis: parameters and optimizer state (each seed's `train.build`), the
+eps_root, momentum, max_grad_norm) and in the seed share one program: `groups` splits a list
+of configs into such groups (a different optimizer, batch size, model, step count, or an option
+switched on or off, e.g. clipping None vs a value, starts another). Within a group, everything
+a run owns gets a leading run axis: parameters and optimizer state (each seed's `train.build`), the
 hyperparameters (arrays, traced: the optimizer is built inside the vmapped function by
 `train.make_optimizer(cfg, hyper)`), the PRNG keys of the batches and held-out sets, and the
 data where it depends on the seed (the MLP's teacher; the LM's text is shared). One jitted

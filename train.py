@@ -137,6 +137,9 @@ class Config:
     b1: float = knob(0.9, "Adam family: first-moment decay")
     b2: float = knob(0.999, "Adam family: second-moment decay")
     eps: float = knob(1e-8, "Adam family: epsilon outside the square root")
+    eps_root: float | None = knob(
+        None, "Adam family: epsilon inside the square root, optax's eps_root (None: none)", min=0
+    )
     momentum: float | None = knob(None, "sign family EMA decay (None: the optimizer's default)")
     msq_block: Literal["none", "tensor", "row"] = knob(
         "none", "micro_adam_msq: average v̂ over each tensor or row before the root"
@@ -657,7 +660,7 @@ def gather(tree: PyTree) -> PyTree:
 
 # Config fields that may differ between the runs of one vectorized program (experiments.py):
 # numbers the optimizer reads only at run time, so each run may bring its own as a traced array.
-HYPERPARAMETERS = ("lr", "b1", "b2", "eps", "momentum", "max_grad_norm")
+HYPERPARAMETERS = ("lr", "b1", "b2", "eps", "eps_root", "momentum", "max_grad_norm")
 
 
 def make_schedule(
@@ -700,6 +703,8 @@ def make_optimizer(
     )
     if cfg.optimizer in get_args(AdamFamily):
         kwargs |= dict(b1=h["b1"], b2=h["b2"], eps=h["eps"], max_grad_norm=h["max_grad_norm"])
+        if h["eps_root"] is not None:  # None: not even a 0 (a traced 0 would change rounding)
+            kwargs["eps_root"] = h["eps_root"]
     else:
         kwargs |= {} if h["momentum"] is None else {"momentum": h["momentum"]}
     if cfg.optimizer in ("micro_sign_sgd", "sign_sgd") and h["max_grad_norm"] is not None:

@@ -336,10 +336,17 @@ def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     scale = experiments.SCALES["smoke"]
     smoke("msq", tmp_path / "msq")
     rows, data = check_files(tmp_path / "msq", "msq")
-    assert {float(r["eps"]) for r in rows if r["optimizer"] == "micro_adam_msq"} == set(
-        scale.msq_eps
-    )
-    assert [p["eps"] for p in data["per_eps"]] == list(scale.msq_eps)
+    msq = [r for r in rows if r["optimizer"] == "micro_adam_msq"]
+    # ε outside the root (the paper's √ReLU(v̂) + ε) and inside it (√(ReLU(v̂) + ε)), same grid.
+    outside = {float(r["eps"]) for r in msq if r["eps_root"] == ""}  # None: no ε_root
+    inside = {float(r["eps_root"]) for r in msq if float(r["eps"]) == 0.0}
+    assert outside == inside == set(scale.msq_eps)
+    assert [(p["placement"], p["eps"]) for p in data["per_eps"]] == [
+        (where, e) for where in ("outside", "inside") for e in scale.msq_eps
+    ]
+    assert [(v["a"], v["b"]) for v in data["verdicts"]] == [
+        (family, "Adam") for _, _, family, _ in experiments.MSQ_PLACEMENTS
+    ] + [tuple(family for _, _, family, _ in reversed(experiments.MSQ_PLACEMENTS))]
     assert all(0 <= f <= 1 for f in data["frac_mu2_nonpositive_at_step_1"])
     smoke("clipping", tmp_path / "clipping")
     rows, data = check_files(tmp_path / "clipping", "clipping")
@@ -457,6 +464,7 @@ def float64_run(out: Path | None = None, **overrides: Any) -> train.Config:
     [  # two runs' own lr, seed and these hyperparameters
         ("micro_adam", {"max_grad_norm": 0.5}, {"max_grad_norm": 0.2, "b2": 0.99}),
         ("sign_ema", {"momentum": 0.8}, {"momentum": 0.5}),
+        ("micro_adam_msq", {"eps": 0.0, "eps_root": 1e-2}, {"eps": 1e-3, "eps_root": 1e-4}),
     ],
 )
 def test_vectorized_sweep_equals_runs_one_by_one(

@@ -158,14 +158,16 @@ def reference(
     learning_rate: float | Callable[[int], float] = LR,
     b1: float = 0.9,
     b2: float = 0.999,
-    eps: float = 1e-8,
+    eps: float | None = None,
     momentum: float | None = None,
     weight_decay: float = 0.0,
     max_grad_norm: float | None = None,
     block: str | None = None,
+    eps_root: float = 0.0,
 ) -> list:
     """The trajectory of SPEC §4's formula; learning_rate may be a function of the step t ≥ 1;
-    `name` one rule, or a rule per leaf (as optax.partition assigns them)."""
+    `name` one rule, or a rule per leaf (as optax.partition assigns them). eps None: the
+    rule's in HPARAMS, else 1e-8 (as `make`)."""
     lr_at = learning_rate if callable(learning_rate) else lambda t: learning_rate
     rule_of = (lambda k: name[k]) if isinstance(name, dict) else (lambda k: name)
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
@@ -181,7 +183,7 @@ def reference(
             c = min(1.0, max_grad_norm / np.sqrt(sum(np.sum(x**2) for x in gbar.values())))
         for k in p:
             rule = rule_of(k)
-            eps_k = HPARAMS.get(rule, {}).get("eps", eps)
+            eps_k = HPARAMS.get(rule, {}).get("eps", 1e-8) if eps is None else eps
             beta = momentum if momentum is not None else (0.9 if rule == "sign_ema" else 0.0)
             gi, mean = c * g[k], c * gbar[k]  # clipping scales every per-example gradient
             if rule in ADAM_FAMILY:
@@ -197,7 +199,7 @@ def reference(
                 v_hat = v[k] / (1 - b2**t)
                 if rule == "micro_adam_msq":
                     v_hat = np.maximum(block_mean(v_hat, block), 0.0)
-                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps_k)
+                direction = m[k] / (1 - b1**t) / (np.sqrt(v_hat + eps_root) + eps_k)
             else:
                 x = {"micro_sign_sgd": np.mean(np.sign(gi), 0), "sign_sgd": np.sign(mean)}
                 m[k] = beta * m[k] + (1 - beta) * x.get(rule, mean)
@@ -278,14 +280,55 @@ def test_msq_blocks_match_formula(block: str, impl: Impl):
     assert_trajectories_close(ours, want, rtol=1e-9)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    ("name", "eps", "eps_root"),
+    [
+        *((n, 0.0, 1e-2) for n in ADAM_FAMILY),  # ε inside the root only
+        ("micro_adam_msq", 1e-3, 1e-2),  # both
+        ("micro_adam_var", 1e-3, 1e-2),
+    ],
+)
+def test_eps_root_matches_formula(name: str, eps: float, eps_root: float, impl: Impl):
+    """u = −lr·m̂/(√(v̂ + ε_root) + ε) over a training trajectory (MicroAdamMSQ: v̂ ReLU'd
+    first), on pegrad's statistics from either implementation, against the formula fed by a
+    naive per-example loop."""
+    loss_fn, params, batches = problem("mlp")
+    opt = make(name, eps=eps, eps_root=eps_root)
+    ours = run(optimizers.make_train_step(loss_fn, opt, impl=impl), opt, params, batches)
+    want = reference(name, loss_fn, params, batches, eps=eps, eps_root=eps_root)
+    assert_trajectories_close(ours, want, rtol=1e-9)
+
+
+def test_msq_eps_inside_the_root_caps_the_step_where_the_mean_is_hidden():
+    """Where μ̂² ≤ 0 at step 1, ε outside gives the step m̂/ε, ε inside m̂/√ε."""
+    params = {"w": jnp.zeros(2)}
+    g = {"w": jnp.array([0.5, 0.5])}
+    # B = 4: μ̂² = (4·0.25 − q)/3 = [−1/3, 0] for q = [2, 1].
+    stats = {"mean": g, "sq_mean": {"w": jnp.array([2.0, 1.0])}, "batch_size": 4}
+    eps = 1e-4
+    for outside, inside, scale in ((eps, 0.0, 1 / eps), (0.0, eps, eps**-0.5)):
+        opt = optimizers.scale_by_micro_adam_msq(eps=outside, eps_root=inside)
+        updates, _ = opt.update(g, opt.init(params), params, stats=stats)
+        got = jax.tree.map(np.asarray, updates)
+        np.testing.assert_allclose(got["w"], 0.5 * scale, rtol=1e-12)
+
+
+# Where ε sits in the Adam family's root: (eps, eps_root). (1e-8, 0) is the default, ε outside
+# only; (0, ε) is ε inside only (optax's eps_root); both at once must add up as written.
+EPS_PLACEMENTS = [(1e-3, 0.0), (0.0, 1e-3), (1e-3, 1e-2)]
+
+
+@pytest.mark.parametrize(("eps", "eps_root"), EPS_PLACEMENTS, ids=["outside", "inside", "both"])
 @pytest.mark.parametrize("block", [None, "tensor", "row"])
-def test_msq_block_definition_on_every_rank(block: optimizers.Block):
-    """One leaf of each rank 0..3 and three steps on given (ḡ, q): the docstring's math."""
+def test_msq_block_definition_on_every_rank(block: optimizers.Block, eps: float, eps_root: float):
+    """One leaf of each rank 0..3 and three steps on given (ḡ, q): the docstring's math,
+    m̂/(√(ReLU(⟨v̂⟩) + ε_root) + ε), with ε outside the root, inside it, or both."""
     rng = np.random.default_rng(1)
     shapes = {"scalar": (), "vector": (4,), "matrix": (3, 4), "stacked": (2, 3, 4)}
     params = {k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()}
-    b, lr, b1, b2, eps = 4, 0.1, 0.9, 0.999, 1e-3
-    opt = optimizers.micro_adam_msq(lr, b1=b1, b2=b2, eps=eps, block=block)
+    b, lr, b1, b2 = 4, 0.1, 0.9, 0.999
+    opt = optimizers.micro_adam_msq(lr, b1=b1, b2=b2, eps=eps, block=block, eps_root=eps_root)
     state = opt.init(params)
     m = {k: np.zeros(s) for k, s in shapes.items()}
     v = {k: np.zeros(s) for k, s in shapes.items()}
@@ -300,7 +343,7 @@ def test_msq_block_definition_on_every_rank(block: optimizers.Block):
             m[k] = b1 * m[k] + (1 - b1) * g[k]
             v[k] = b2 * v[k] + (1 - b2) * (b * g[k] ** 2 - q[k]) / (b - 1)
             v_hat = np.maximum(block_mean(v[k] / (1 - b2**t), block), 0.0)
-            want = -lr * m[k] / (1 - b1**t) / (np.sqrt(v_hat) + eps)
+            want = -lr * m[k] / (1 - b1**t) / (np.sqrt(v_hat + eps_root) + eps)
             np.testing.assert_allclose(got[k], want, rtol=1e-13, err_msg=f"{k} @ {t}")
 
 
@@ -320,6 +363,10 @@ def optax_pairs(case: str) -> tuple[optax.GradientTransformation, optax.Gradient
     )
     return {
         "adam": (optimizers.adam(LR), optax.adam(LR)),
+        "adam_eps_root": (
+            optimizers.adam(LR, eps=1e-6, eps_root=1e-4),
+            optax.adam(LR, eps=1e-6, eps_root=1e-4),
+        ),
         "adam_schedule": (optimizers.adam(schedule), optax.adam(schedule)),
         "adamw_masked": (
             optimizers.adam(LR, weight_decay=0.1, mask=mask),
@@ -357,7 +404,8 @@ def updates_on(tx: optax.GradientTransformation, params: Any, grads: list, promo
 @pytest.mark.parametrize(
     "case",
     [
-        "adam", "adam_schedule", "adamw_masked", "sign_sgd", "sign_ema_is_signum",
+        "adam", "adam_eps_root", "adam_schedule", "adamw_masked", "sign_sgd",
+        "sign_ema_is_signum",
         "sign_ema_with_decay", "sign_ema_clipped", "multisteps_adam",
     ],
 )  # fmt: skip
@@ -374,6 +422,51 @@ def test_bitwise_equal_to_optax(case: str):
     ):
         for k in a:
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} @ {t}")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_sign_ema_as_train_builds_it_is_optax_signum_plus_weight_decay(weight_decay: float):
+    """SignEMA as train.make_optimizer builds it for the studies (β = 0.9, warmup then cosine lr
+    in float32, decoupled decay λ on the matrices only), against optax twice: (1) optax's own
+    blocks, chain(ema(β, debias=False), scale_by_sign, add_decayed_weights(λ, mask),
+    scale_by_learning_rate(lr_t)); (2) optax.signum(lr_t, β) itself, plus −lr_t·λ·p on the
+    decayed leaves written out. Float64, STEPS steps along a trajectory, to rounding."""
+    import train  # the studies' optimizer factory
+
+    beta = 0.9
+    cfg = train.Config(
+        model="mlp", optimizer="sign_ema", momentum=beta, lr=3e-2, warmup=3, steps=STEPS,
+        schedule="cosine", weight_decay=weight_decay, dtype="float64",
+    )  # fmt: skip
+    lr: Any = train.make_schedule(cfg)  # a schedule of the step count (optax types it wider)
+    matrices = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    blocks = optax.chain(
+        optax.ema(beta, debias=False),
+        optax.scale_by_sign(),
+        optax.add_decayed_weights(weight_decay, matrices),
+        optax.scale_by_learning_rate(lr),
+    )
+    _, params, _ = problem("mlp")
+    rng = np.random.default_rng(3)
+    noise = lambda p: jnp.asarray(0.1 * rng.normal(size=p.shape))
+    grads = [jax.tree.map(noise, params) for _ in range(STEPS)]
+    ours = updates_on(train.make_optimizer(cfg), params, grads, "strict")
+    expected = updates_on(blocks, params, grads, "standard")
+    for t, (a, b) in enumerate(zip(ours, expected, strict=True)):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-14, atol=0, err_msg=f"{k} @ {t}")
+    # (2): signum's updates do not read the parameters; the decay reads ours, p_t before step t.
+    signum = updates_on(optax.signum(lr, beta), params, grads, "standard")
+    p = {k: np.asarray(v) for k, v in params.items()}
+    for t, (a, b) in enumerate(zip(ours, signum, strict=True)):
+        lr_t = float(lr(jnp.asarray(t)))
+        for k in a:
+            decay = weight_decay * p[k] if p[k].ndim >= 2 else 0.0
+            np.testing.assert_allclose(
+                a[k], b[k] - lr_t * decay, rtol=1e-13, atol=1e-17, err_msg=f"{k} @ {t}"
+            )
+            p[k] = p[k] + a[k]
+    assert any(float(lr(jnp.asarray(t))) != cfg.lr for t in range(STEPS))  # a real schedule
 
 
 # --------------------------------------------------------------------------------------------
