@@ -38,7 +38,7 @@ independent of the cotangent make the map affine); else the leaf is computed per
 route whose proof cannot be completed refuses; it never raises.
 
 Sections (the definition first, then the machinery; "SPEC §N" is the repository's SPEC.md):
-  §1 public API      value_and_grad_stats, explain (a Plan of LeafPlans), Accumulator
+  §1 public API      value_and_grad_stats, explain, Accumulator
   §2 statistics      the ingredients per leaf, φ, how means become var / sq_norms / clipped mean
   §3 input checks    SPEC §6's clear errors, before any work; models, masks, auxiliary outputs
   §4 the references  vmap(grad) in chunks, two-pass variance; the untied per-token reference
@@ -46,7 +46,8 @@ Sections (the definition first, then the machinery; "SPEC §N" is the repository
                      position axes, linearity in the cotangent, a leaf's exclusive tail
   §5′ scan hoisting  weight-gradient contractions moved out of backward scans
   §6 routes          one typed class per route with its own match result; ROUTES in precedence
-  §7 planner         per leaf the cheapest route whose match proves it (pure data)
+  §7 planner         per leaf the cheapest route whose match proves it: explain's Plan of
+                     LeafPlans (pure data)
   §8 executor        the batched head, each leaf's route, the fallback's chunk loop
 
 Proof of equality (float64; every statistic × implementation × granularity × batch size against
@@ -180,7 +181,7 @@ def explain(
     abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model.
     This is the plan without a mask: with a mask (or nonfinite="drop") no leaf takes "constant",
     "var" is chunked, and the fallback does not transpose."""
-    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    stats = _stat_names(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
     stats = _check_options(stats, "factorized", granularity, None, clip_norm, choose)
@@ -223,10 +224,7 @@ class Accumulator(NamedTuple):
     @staticmethod
     def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
         """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
-        stats = (stats,) if isinstance(stats, str) else tuple(stats)
-        unknown = [s for s in stats if s not in STATISTICS]
-        if unknown:
-            raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+        stats = _stat_names(stats)
         if "sq_norms" in stats:
             raise ValueError(
                 "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
@@ -377,6 +375,14 @@ def _chan(a: tuple, b: tuple) -> tuple:
 # §3 Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
 
 
+def _stat_names(stats: str | Sequence[str]) -> tuple[str, ...]:
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    unknown = [s for s in stats if s not in STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+    return stats
+
+
 def _check_options(
     stats: str | Sequence[str],
     impl: str,
@@ -385,10 +391,7 @@ def _check_options(
     clip_norm: float | None,
     choose: str = "cheapest",
 ) -> tuple[str, ...]:
-    stats = (stats,) if isinstance(stats, str) else tuple(stats)
-    unknown = [s for s in stats if s not in STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+    stats = _stat_names(stats)
     if impl not in ("vmap", "factorized"):
         raise ValueError(f"impl must be 'vmap' or 'factorized', got {impl!r}")
     if granularity not in ("example", "token"):
@@ -625,9 +628,7 @@ def _reference(
     `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
     loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
     multiplied by 0) and N counts the others."""
-    untie = None
-    if per_example > 1:
-        untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
+    untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch) if per_example > 1 else None
 
     def unit_grads(example: PyTree) -> tuple[tuple[Array, PyTree], PyTree]:
         if untie is not None:
@@ -943,6 +944,20 @@ def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
     return found
 
 
+def _producers(jaxpr: jcore.Jaxpr) -> dict[Any, jcore.JaxprEqn]:
+    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _users(jaxpr: jcore.Jaxpr) -> dict[Any, list[jcore.JaxprEqn]]:
+    """Per variable, the equations that read it (once per operand it is)."""
+    users: dict[Any, list[jcore.JaxprEqn]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                users.setdefault(v, []).append(eqn)
+    return users
+
+
 def _needed_by(jaxpr: jcore.Jaxpr, wanted: Sequence[Any]) -> list[jcore.JaxprEqn]:
     """The equations that `wanted` values need, in order (backward closure)."""
     needed, eqns = {v for v in wanted if isinstance(v, jcore.Var)}, []
@@ -1033,17 +1048,12 @@ def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -
 
 def _gather_axes(eqn: Any, operand: Axes, indices: Axes) -> Axes:
     dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
-    out_rank = len(_shape(eqn.outvars[0]))
-    offset = tuple(dn.offset_dims)
-    batch_out = [d for d in range(out_rank) if d not in offset]
+    op_shape, offset = _shape(eqn.invars[0]), tuple(dn.offset_dims)
+    batch_out = [d for d in range(len(_shape(eqn.outvars[0]))) if d not in offset]
     index_dims = range(len(_shape(eqn.invars[1])) - 1)  # the last is the index vector
     found = {d for d, k in zip(batch_out, index_dims, strict=True) if k in indices}
-    window = [
-        d
-        for d in range(len(_shape(eqn.invars[0])))
-        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
-    ]
-    op_shape = _shape(eqn.invars[0])
+    gone = {*dn.collapsed_slice_dims, *dn.operand_batching_dims}
+    window = [d for d in range(len(op_shape)) if d not in gone]
     fill = str(eqn.params["mode"]).endswith("FILL_OR_DROP")
     for out_d, op_d in zip(offset, window, strict=True):
         # A full-size window starts at 0 (clamped), so index t stays t; filling could move it.
@@ -1064,11 +1074,8 @@ def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes
         if d in operand or k in indices
     }
     op_shape, upd_shape = _shape(eqn.invars[0]), _shape(eqn.invars[2])
-    window = [
-        d
-        for d in range(len(op_shape))
-        if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
-    ]
+    gone = {*dn.inserted_window_dims, *dn.operand_batching_dims}
+    window = [d for d in range(len(op_shape)) if d not in gone]
     for upd_d, op_d in zip(dn.update_window_dims, window, strict=True):
         whole = upd_shape[upd_d] == op_shape[op_d] and op_d not in dn.scatter_dims_to_operand_dims
         if whole and (op_d in operand or upd_d in updates):
@@ -1076,7 +1083,7 @@ def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes
     return frozenset(found)
 
 
-def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
+def _position_rule(eqn: Any, ins: list[Axes]) -> list[Axes]:
     """Output position axes of one equation from its inputs' (see the comment above)."""
     name, params = eqn.primitive.name, eqn.params
     outs = eqn.outvars
@@ -1108,26 +1115,20 @@ def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
         return [ins[0]]
     if name == "dot_general":
         (lc, rc), (lb, rb) = params["dimension_numbers"]
-        lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
-        batch = [
+        found = {
             j for j, (a, b) in enumerate(zip(lb, rb, strict=True)) if a in ins[0] or b in ins[1]
-        ]
-        lfree = [k for k in range(lhs_rank) if k not in lc and k not in lb]
-        rfree = [k for k in range(rhs_rank) if k not in rc and k not in rb]
-        found = set(batch)
+        }
+        lfree = [k for k in range(len(_shape(eqn.invars[0]))) if k not in lc and k not in lb]
+        rfree = [k for k in range(len(_shape(eqn.invars[1]))) if k not in rc and k not in rb]
         found |= {len(lb) + j for j, k in enumerate(lfree) if k in ins[0]}
         found |= {len(lb) + len(lfree) + j for j, k in enumerate(rfree) if k in ins[1]}
         return [frozenset(found)]
     if name == "slice":
         shape = _shape(eqn.invars[0])
         strides = params["strides"] or (1,) * len(shape)
-        whole = [
-            s == 0 and e == n and st == 1
-            for s, e, n, st in zip(
-                params["start_indices"], params["limit_indices"], shape, strides, strict=True
-            )
-        ]
-        return [frozenset(k for k in ins[0] if whole[k])]
+        starts, limits = params["start_indices"], params["limit_indices"]
+        whole = {k for k, n in enumerate(shape) if (starts[k], limits[k], strides[k]) == (0, n, 1)}
+        return [ins[0] & whole]
     if name == "dynamic_slice":
         shape = _shape(eqn.invars[0])
         return [frozenset(k for k in ins[0] if params["slice_sizes"][k] == shape[k])]
@@ -1147,19 +1148,20 @@ def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
     inner = _inner_jaxpr(eqn) if name in _CALLS | _CUSTOM else None
     if inner is not None and len(inner.jaxpr.invars) == len(ins):
         labels = _propagate_positions(inner.jaxpr, ins)
-        return [
-            labels.get(v, _NONE) if isinstance(v, jcore.Var) else _NONE for v in inner.jaxpr.outvars
-        ]
+        return [_axes_of(labels, v) for v in inner.jaxpr.outvars]
     return [_NONE] * len(outs)
 
 
 def _propagate_positions(jaxpr: jcore.Jaxpr, in_axes: Sequence[Axes]) -> dict[Any, Axes]:
     positions: dict[Any, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
     for eqn in jaxpr.eqns:
-        ins = [positions.get(v, _NONE) if isinstance(v, jcore.Var) else _NONE for v in eqn.invars]
-        for var, axes in zip(eqn.outvars, _position_rule(eqn, ins, positions), strict=True):
-            positions[var] = axes
+        ins = [_axes_of(positions, v) for v in eqn.invars]
+        positions.update(zip(eqn.outvars, _position_rule(eqn, ins), strict=True))
     return positions
+
+
+def _axes_of(positions: Mapping[Any, Axes], var: Any) -> Axes:
+    return positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
 
 
 # -- The gradient graph. ------------------------------------------------------------------------
@@ -1248,20 +1250,13 @@ class Graph:
             aux_tree[:] = [tree]
             return [loss, *jax.tree.leaves(grads), *aux_leaves]
 
-        seed = jax.ShapeDtypeStruct(
-            (), jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
-        )
+        x64 = jax.config.read("jax_enable_x64")
+        seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
         closed = _hoist_scans(closed, args)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
-        producer, users = {}, {}
-        for eqn in jaxpr.eqns:
-            for v in eqn.outvars:
-                producer[v] = eqn
-            for v in eqn.invars:
-                if isinstance(v, jcore.Var):
-                    users.setdefault(v, []).append(eqn)
+        producer, users = _producers(jaxpr), _users(jaxpr)
         static: set[Any] = set(jaxpr.constvars)
         for eqn in jaxpr.eqns:
             if not eqn.effects and all(
@@ -1286,9 +1281,7 @@ class Graph:
             per_example=per_example,
             producer=producer,
             users={v: tuple(u) for v, u in users.items()},
-            batched=frozenset(
-                _depends_on(jaxpr, set(jaxpr.invars[n_params : n_params + n_example]))
-            ),
+            batched=frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:-1]))),  # the example's
             seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
             static=frozenset(static),
             positions=positions,
@@ -1336,10 +1329,10 @@ class Graph:
             if not any(seeded):
                 continue
             name = eqn.primitive.name
-            if name == "convert_element_type" and not all(
-                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in (*eqn.invars, *eqn.outvars)
-            ):
+            if name == "convert_element_type" and not _floats_only(eqn):
                 return f"'{name}' to or from a non-float type"
+            if name == "gather" and _gather_affine(eqn):
+                return _gather_affine(eqn)
             if name in _LINEAR_UNARY:
                 ok = seeded[0] and not any(seeded[1:])
             elif name in _LINEAR_SUMS:
@@ -1347,25 +1340,20 @@ class Graph:
             elif name in _LINEAR_PRODUCTS:
                 ok = sum(seeded[:2]) == 1 and not any(seeded[2:])
             elif name in _LINEAR_AT:
-                linear_at, zero_at = _LINEAR_AT[name]
                 ok = all(
-                    (k in linear_at and (s or (k in zero_at and self.is_zero(v))))
-                    or (k not in linear_at and not s)
+                    (s or self.is_zero(v)) if k in _LINEAR_AT[name] else not s
                     for k, (s, v) in enumerate(zip(seeded, eqn.invars, strict=True))
                 )
-                if name == "pad":
-                    ok = ok and self.is_zero(eqn.invars[1])
-                why = _gather_affine(eqn) if name == "gather" else ""
-                if why:
-                    return why
             else:
                 return f"'{name}' is not known to be linear"
+            if name == "pad":  # the padding value is a constant added
+                ok = ok and self.is_zero(eqn.invars[1])
             if not ok:
                 return f"'{name}' is not linear in the cotangents it reads"
         return ""
 
     def position_axes(self, var: Any) -> Axes:
-        return self.positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
+        return _axes_of(self.positions, var)
 
     def core(self, var: Any) -> tuple[Any, tuple[Post, ...]]:
         """Follow a gradient back through layout ops and batch-independent scalings to the
@@ -1410,40 +1398,30 @@ class Graph:
         if not all(exclusive(v) for v in self.producer[var].outvars if v is not var):
             return ()  # it makes values others need too (a scan's other outputs): read it
 
-        changed = True
-        while changed:
-            changed = False
-            for eqn in list(members.values()):
-                for v in eqn.invars:
-                    src = self.producer.get(v) if isinstance(v, jcore.Var) else None
-                    if (
-                        src is not None
-                        and id(src) not in members
-                        and all(map(exclusive, src.outvars))
-                    ):
-                        members[id(src)] = src
-                        changed = True
+        todo = [self.producer[var]]  # a member's inputs; revisited as members join
+        while todo:
+            for v in todo.pop().invars:
+                src = self.producer.get(v) if isinstance(v, jcore.Var) else None
+                if src is not None and id(src) not in members and all(map(exclusive, src.outvars)):
+                    members[id(src)] = src
+                    todo.append(src)
         return tuple(e for e in self.jaxpr.eqns if id(e) in members)
 
 
-# Linear in their first operand (the only one that may be a cotangent).
+# Linear in their first operand (the only one that may be a cotangent; x / m for div).
 _LINEAR_UNARY = _names(
     """
     neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
-    slice split unstack convert_element_type real imag
+    slice split unstack convert_element_type real imag div dynamic_slice gather pad
     """
 )
 _LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate", "stack"})  # all linear
 _LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
-# name -> (operands that may be cotangents, those of them that may instead be proven zero)
-_LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "div": ((0,), ()),
-    "dynamic_slice": ((0,), ()),
-    "gather": ((0,), ()),
-    "pad": ((0,), ()),
-    "select_n": (tuple(range(1, 64)), tuple(range(1, 64))),
-    "dynamic_update_slice": ((0, 1), (0, 1)),
-    "scatter-add": ((0, 2), (0, 2)),
+# name -> the operands that may be cotangents or instead proven zeros (no other may be seeded)
+_LINEAR_AT: dict[str, tuple[int, ...]] = {
+    "select_n": tuple(range(1, 64)),
+    "dynamic_update_slice": (0, 1),
+    "scatter-add": (0, 2),
 }
 
 
@@ -1465,15 +1443,17 @@ def _is_layout(eqn: Any) -> bool:
     if name in _LAYOUT:
         return True
     if name == "convert_element_type":
-        return jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) and jnp.issubdtype(
-            eqn.outvars[0].aval.dtype, jnp.floating
-        )
+        return _floats_only(eqn)
     if name == "broadcast_in_dim":
         return math.prod(_shape(eqn.invars[0])) == math.prod(_shape(eqn.outvars[0]))
     if name == "reduce_sum":  # over axes of size 1 only: sums nothing
         shape = _shape(eqn.invars[0])
         return all(shape[a] == 1 for a in eqn.params["axes"])
     return False
+
+
+def _floats_only(eqn: Any) -> bool:
+    return all(jnp.issubdtype(_dtype(v), jnp.floating) for v in (*eqn.invars, *eqn.outvars))
 
 
 def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
@@ -1533,40 +1513,39 @@ def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
     """Output k of `scan` as a hoistable weight-gradient contraction, or None."""
     body = scan.params["jaxpr"].jaxpr
     nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
-    producer = {v: e for e in body.eqns for v in e.outvars}
-    users: dict[Any, int] = {}
-    for e in body.eqns:
-        for v in e.invars:
-            if isinstance(v, jcore.Var):
-                users[v] = users.get(v, 0) + 1
+    producer, users = _producers(body), _users(body)
     var = body.outvars[k]
     accumulated = k < ncar
     if accumulated:  # carry_out = add_any(carry_in, term), carry_in used there only, init 0
         carry_in, add = body.invars[nc + k], producer.get(var)
         if add is None or add.primitive.name != "add_any" or carry_in not in add.invars:
             return None
-        if users.get(carry_in, 0) != 1 or carry_in in body.outvars:
+        if len(users.get(carry_in, ())) != 1 or carry_in in body.outvars:
             return None
         if not _is_literal_zero(scan.invars[nc + k], producer_out):
             return None
         (var,) = [v for v in add.invars if v is not carry_in] or [None]
-    post = []
-    while isinstance(var, jcore.Var) and var in producer and _is_layout(producer[var]):
-        post.append(producer[var])
-        var = producer[var].invars[0]
+    var, post = _walk_back(var, producer, _is_layout)
     dot = producer.get(var) if isinstance(var, jcore.Var) else None
     if dot is None or dot.primitive.name != "dot_general":
         return None
-    return _Hoist(dot, tuple(post[::-1]), accumulated)
+    return _Hoist(dot, post, accumulated)
+
+
+def _walk_back(var: Any, producer: Mapping, through: Callable[[Any], bool]) -> tuple[Any, tuple]:
+    """Follow `var` back through the equations `through` accepts, by their first operand: (the
+    variable reached, those equations in order)."""
+    path = []
+    while isinstance(var, jcore.Var) and var in producer and through(producer[var]):
+        path.append(producer[var])
+        var = producer[var].invars[0]
+    return var, tuple(path[::-1])
 
 
 def _is_literal_zero(var: Any, producer: Mapping) -> bool:
     """A literal 0 or a broadcast of one (how JAX starts a gradient accumulator)."""
-    while isinstance(var, jcore.Var) and var in producer:
-        eqn = producer[var]
-        if eqn.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
-            return False
-        var = eqn.invars[0]
+    cast = ("broadcast_in_dim", "convert_element_type")
+    var, _ = _walk_back(var, producer, lambda eqn: eqn.primitive.name in cast)
     return isinstance(var, jcore.Literal) and not np.any(np.asarray(var.val))
 
 
@@ -1574,16 +1553,11 @@ def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.Closed
     """`closed` with the weight-gradient contractions of its scans moved after them, where
     that holds fewer numbers per example than the stacked per-example weight gradients."""
     jaxpr = closed.jaxpr
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    producer = _producers(jaxpr)
     plans: dict[int, dict[int, _Hoist]] = {}
+    scaled = lambda eqn: _is_layout(eqn) or eqn.primitive.name in ("mul", "div", "neg")
     for grad in jaxpr.outvars[1:]:
-        var = grad
-        while (
-            isinstance(var, jcore.Var)
-            and var in producer
-            and (_is_layout(producer[var]) or producer[var].primitive.name in ("mul", "div", "neg"))
-        ):
-            var = producer[var].invars[0]
+        var, _ = _walk_back(grad, producer, scaled)
         scan = producer.get(var) if isinstance(var, jcore.Var) else None
         if scan is None or scan.primitive.name != "scan":
             continue
@@ -3017,12 +2991,11 @@ def _run_head(
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
-    head = _needed_by(jaxpr, [*outputs, *interface])
+    wanted = [v for v in [*outputs, *interface] if isinstance(v, jcore.Var)]
+    head = _needed_by(jaxpr, wanted)
     made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
     ready_at = [max((made_at[v] for v in vs if v in made_at), default=-1) for vs in reads]
-    last_use: dict[Any, int] = {
-        v: len(head) for v in [*outputs, *interface] if isinstance(v, jcore.Var)
-    }
+    last_use: dict[Any, int] = dict.fromkeys(wanted, len(head))  # kept to the end
     for k, eqn in enumerate(head):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
@@ -3130,8 +3103,8 @@ def _chunk_loop(
     )
     with_norms = any("norms" in ws for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
-    w = jnp.ones((graph.n_examples, graph.per_example), dtype) if weights is None else weights
     shape = (graph.n_examples, graph.per_example)
+    w = jnp.ones(shape, dtype) if weights is None else weights
     k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
 
     def per_chunk(xs: tuple) -> tuple[dict, Array]:
@@ -3183,7 +3156,5 @@ def _chunk_loop(
     examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w, k)
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
-    out = {}
-    for key, value in acc.items():
-        out[key] = value[2] / (value[0] - 1) if key[0] == "var" else value
+    out = {key: v[2] / (v[0] - 1) if key[0] == "var" else v for key, v in acc.items()}
     return out, (norms if with_norms and weights is None else None)
