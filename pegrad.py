@@ -29,25 +29,16 @@ Two implementations, equal by contract:
   in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
   the other routes refused — without running anything; the executor reads the same plan.
 
-Conventions a JAX user brings (§1): `stats` may be one name; `has_aux=True` (the loss returns
-(loss, aux); aux comes back stacked [B, ...]); `fn(params, batch, mask=...)` with a bool [B] mask
-(a masked example counts in no statistic and not in N); `nonfinite="drop"` (an example with a
-non-finite loss or ‖g_i‖² is masked; the default propagates NaN as jax.grad does); `params` may
-be a model as it is (eqx.Module, flax nnx.Module: its floating-array leaves are the parameters,
-statistics are None elsewhere; a BatchNorm in training mode couples the examples and is
-refused). `Accumulator` combines the statistics of k micro-batches into the whole batch's
-(count-weighted means, Chan's merge for the variance). `explain` returns a `Plan` whose text
-opens with a one-line summary.
-
-A rewrite that moves a sum over examples through a gradient's own operations (the fallback's
-transposition) is taken only where those operations are proven linear in the cotangent, per
-primitive and parameter (`Graph.nonlinear_in_seed`): a gather that fills with a non-zero value,
-a pad with one, a constant added or selected, an output that does not depend on the cotangent
-at all (a custom_vjp backward that ignores it) make the map affine, and the leaf is computed per
-example instead. A route whose proof cannot be completed refuses; it never raises.
+§1 also holds the conventions a JAX user brings: one statistic name, `has_aux`, a bool [B]
+`mask`, `nonfinite="drop"`, a model as `params` (eqx.Module, flax nnx), and `Accumulator`
+(the statistics of k micro-batches combined exactly). A sum over examples is moved through a
+gradient's own operations only where they are proven linear in the cotangent, per primitive and
+parameter (`Graph.nonlinear_in_seed`: a non-zero gather fill or pad, a constant added, an output
+independent of the cotangent make the map affine); else the leaf is computed per example. A
+route whose proof cannot be completed refuses; it never raises.
 
 Sections (the definition first, then the machinery; "SPEC §N" is the repository's SPEC.md):
-  §1 public API      value_and_grad_stats, explain (a Plan of LeafPlans), Accumulator
+  §1 public API      value_and_grad_stats, explain, Accumulator
   §2 statistics      the ingredients per leaf, φ, how means become var / sq_norms / clipped mean
   §3 input checks    SPEC §6's clear errors, before any work; models, masks, auxiliary outputs
   §4 the references  vmap(grad) in chunks, two-pass variance; the untied per-token reference
@@ -55,7 +46,8 @@ Sections (the definition first, then the machinery; "SPEC §N" is the repository
                      position axes, linearity in the cotangent, a leaf's exclusive tail
   §5′ scan hoisting  weight-gradient contractions moved out of backward scans
   §6 routes          one typed class per route with its own match result; ROUTES in precedence
-  §7 planner         per leaf the cheapest route whose match proves it (pure data)
+  §7 planner         per leaf the cheapest route whose match proves it: explain's Plan of
+                     LeafPlans (pure data)
   §8 executor        the batched head, each leaf's route, the fallback's chunk loop
 
 Proof of equality (float64; every statistic × implementation × granularity × batch size against
@@ -65,6 +57,7 @@ Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
 """
 
 import dataclasses
+import functools
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
@@ -116,31 +109,27 @@ def value_and_grad_stats(
         granularity: "example", or "token" (units are positions; batch leaves are [B, T, ...]).
         clip_norm: C for "clipped_mean".
         choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
-            precedence order (a testing and inspection knob: every route a leaf can prove then
-            runs even on models so small that materializing is as cheap). Same numbers.
+            precedence order (for tests and inspection: every route a leaf can prove then runs,
+            even where materializing is as cheap). Same numbers.
         has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`
             with every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
-        nonfinite: "propagate" (default): a NaN or Inf in any example's loss or gradient
-            reaches the statistics it enters, as in `jax.grad` of the mean loss (and, where
-            vmap batches a convolution's weight gradients, other examples'). "drop": an
-            example whose loss (one extra batched forward pass) or ‖g_i‖² is not finite is
-            masked (below): what it holds is replaced, not multiplied by 0. A gradient that
-            is non-finite while its loss is finite may, in a batched convolution, reach the
-            other examples of its chunk, which are then dropped too.
+        nonfinite: "propagate" (default): a NaN or Inf in an example's loss or gradient reaches
+            the statistics it enters, as in `jax.grad` of the mean loss (and, where vmap
+            batches a convolution's weight gradients, other examples'). "drop": an example
+            whose loss (one extra batched forward pass) or ‖g_i‖² is not finite is masked
+            (below), its values replaced, not multiplied by 0; in a batched convolution a
+            non-finite gradient with a finite loss may drop the rest of its chunk too.
 
-    `fn(params, batch, mask=None)`: `params` is a pytree of floating arrays, or a model as it
-    is (an `eqx.Module`, a flax `nnx.Module`: any pytree object that is not a dict, list or
-    tuple), whose floating-array leaves are the parameters and whose other leaves are held
-    fixed; statistics then have the model's structure with None at those leaves (as
-    Equinox's `filter_grad`). A layer that couples the examples (BatchNorm in training mode)
-    is refused: per-example gradients are undefined there. `mask`, a bool [B]: an example
-    with mask False counts in no statistic and not in N, whatever it holds (its inputs are
-    replaced by a kept example's before anything runs) — the mean loss and every statistic
-    are those of the kept examples, "batch_size" is their count N_eff (a traced value), and
-    "sq_norms" is 0 at masked units. With a mask, or nonfinite="drop", "var" divides by
-    N_eff − 1: NaN when fewer than 2 units are kept (an error if the mask is concrete), and
-    the factorized path computes it (and the sums of leaves whose rewrite would transpose
-    through a masked example) from per-example gradients in chunks.
+    `params` is a pytree of floating arrays, or a model as it is (an `eqx.Module`, a flax
+    `nnx.Module`: any pytree object but a dict, list or tuple): its floating-array leaves are
+    the parameters, the rest is held fixed, and statistics have the model's structure with
+    None there (as Equinox's `filter_grad`). A layer that couples the examples (BatchNorm in
+    training mode) is refused. `mask`, a bool [B]: an example with mask False counts in no
+    statistic and not in N (its inputs are replaced by a kept example's before anything runs);
+    "batch_size" is then the kept count N_eff (traced), "sq_norms" is 0 at masked units, and
+    "var" divides by N_eff − 1 (NaN below 2 kept units; an error for a concrete mask) and is
+    computed, with the sums of leaves whose rewrite would transpose through a masked example,
+    from per-example gradients in chunks (also with nonfinite="drop").
 
     Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
     [N] with unit i·T + t at token granularity.
@@ -192,7 +181,7 @@ def explain(
     abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model.
     This is the plan without a mask: with a mask (or nonfinite="drop") no leaf takes "constant",
     "var" is chunked, and the fallback does not transpose."""
-    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    stats = _stat_names(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
     stats = _check_options(stats, "factorized", granularity, None, clip_norm, choose)
@@ -201,80 +190,6 @@ def explain(
     graph = Graph.build(loss, floats, batch, per_example)
     plans = plan(graph, stats, choose=choose)
     return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LeafPlan:
-    """How impl="factorized" computes one parameter leaf's statistics (pure data).
-
-    `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
-    route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
-    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized" (no
-    per-unit gradient exists), "chunked" (the route materializes some), or "fallback" (no route
-    proved its identities and per-unit gradients are materialized; exact, slowest).
-    """
-
-    leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
-    shape: tuple[int, ...]
-    match: "Match"  # what the route proved; `match.route` computes the statistics from it
-    methods: Mapping[str, str]
-    cost: "Cost"
-    refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
-    index: int = dataclasses.field(repr=False, default=0)
-
-    @property
-    def route(self) -> str:  # the route taken: a name in ROUTES
-        return self.match.route.name
-
-    @property
-    def reason(self) -> str:  # what the route's match proved
-        return self.match.reason
-
-    @property
-    def status(self) -> str:
-        if "chunked" not in self.methods.values():
-            return "factorized"
-        return "fallback" if self.route == "fallback" else "chunked"
-
-    def __str__(self) -> str:
-        methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
-        head = (
-            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
-        )
-        body = f"{self.reason} [{methods}]"
-        if self.route == "fallback":  # the pattern each route saw, where it was its own kind
-            seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
-            body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
-        lines = textwrap.wrap(head, 100, subsequent_indent="    ")
-        return "\n".join(
-            lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
-        )
-
-
-class Plan(tuple):
-    """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
-    opens with a one-line summary: leaves per route and the estimated cost against plain grad
-    (floating-point operations from shapes: a rough guide, not a measurement)."""
-
-    plain_flops: float
-
-    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
-        self = super().__new__(cls, leaves)
-        self.plain_flops = plain_flops
-        return self
-
-    @property
-    def summary(self) -> str:
-        routes: dict[str, int] = {}
-        for p in self:
-            routes[p.route] = routes.get(p.route, 0) + 1
-        counts = ", ".join(f"{n} {r}" for r, n in routes.items())
-        extra = sum(float(p.cost.flops) for p in self)
-        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
-        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
-
-    def __str__(self) -> str:
-        return "\n".join([self.summary, *map(str, self)])
 
 
 # -- Accumulation over micro-batches ----------------------------------------------------------
@@ -309,10 +224,7 @@ class Accumulator(NamedTuple):
     @staticmethod
     def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
         """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
-        stats = (stats,) if isinstance(stats, str) else tuple(stats)
-        unknown = [s for s in stats if s not in STATISTICS]
-        if unknown:
-            raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+        stats = _stat_names(stats)
         if "sq_norms" in stats:
             raise ValueError(
                 "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
@@ -463,6 +375,14 @@ def _chan(a: tuple, b: tuple) -> tuple:
 # §3 Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
 
 
+def _stat_names(stats: str | Sequence[str]) -> tuple[str, ...]:
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    unknown = [s for s in stats if s not in STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+    return stats
+
+
 def _check_options(
     stats: str | Sequence[str],
     impl: str,
@@ -471,10 +391,7 @@ def _check_options(
     clip_norm: float | None,
     choose: str = "cheapest",
 ) -> tuple[str, ...]:
-    stats = (stats,) if isinstance(stats, str) else tuple(stats)
-    unknown = [s for s in stats if s not in STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; choose from {STATISTICS}")
+    stats = _stat_names(stats)
     if impl not in ("vmap", "factorized"):
         raise ValueError(f"impl must be 'vmap' or 'factorized', got {impl!r}")
     if granularity not in ("example", "token"):
@@ -711,9 +628,7 @@ def _reference(
     `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
     loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
     multiplied by 0) and N counts the others."""
-    untie = None
-    if per_example > 1:
-        untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
+    untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch) if per_example > 1 else None
 
     def unit_grads(example: PyTree) -> tuple[tuple[Array, PyTree], PyTree]:
         if untie is not None:
@@ -825,26 +740,13 @@ class Untie:
 
     @staticmethod
     def build(loss_fn: Callable, params: PyTree, batch: PyTree) -> "Untie":
-        example = _one_example(batch)
-        leaves, treedef = jax.tree.flatten(params)
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-        example_leaves, example_def = jax.tree.flatten(example)
-        n_params = len(leaves)
-
-        def flat_loss(*flat: Any) -> Array:
-            p = jax.tree.unflatten(treedef, flat[:n_params])
-            return loss_fn(p, jax.tree.unflatten(example_def, flat[n_params:]))
-
-        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
-        closed = _flat_jaxpr(flat_loss, [*shapes, *example_leaves], _CALLS)
+        paths = _paths(params)
+        n_params = len(paths)
+        closed, args = _flat_trace(loss_fn, params, batch, (), _CALLS)
         jaxpr = closed.jaxpr
         batched = frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:])))
-        deps: dict[Any, frozenset[int]] = {
-            v: frozenset({i}) for i, v in enumerate(jaxpr.invars[:n_params])
-        }
-        positions = _propagate_positions(
-            jaxpr, [_NONE] * n_params + [frozenset({0})] * len(example_leaves)
-        )
+        deps = {v: frozenset({i}) for i, v in enumerate(jaxpr.invars[:n_params])}
+        positions = _propagate_positions(jaxpr, _example_axes(n_params, len(args) - n_params))
         boundary_axis: dict[int, tuple[int, ...]] = {}
         for eqn in jaxpr.eqns:
             used = frozenset().union(
@@ -866,7 +768,7 @@ class Untie:
                     "granularity='example' works for any model"
                 )
             boundary_axis[id(eqn)] = axes
-        n_positions = example_leaves[0].shape[0]
+        n_positions = args[n_params].shape[0]
         return Untie(
             jaxpr, tuple(closed.consts), n_params, n_positions, batched, deps, boundary_axis
         )
@@ -1006,6 +908,33 @@ def _flat_jaxpr(fn: Callable, args: Sequence[Any], inline: frozenset[str]) -> jc
     return jax.make_jaxpr(flat)(*args)
 
 
+def _flat_trace(
+    fn: Callable, params: PyTree, batch: PyTree, extra: Sequence[Any], inline: frozenset[str]
+) -> tuple[jcore.ClosedJaxpr, list[Any]]:
+    """The flat jaxpr of `fn(params, example, *extra)` for ONE example, whose inputs are (param
+    leaves, example leaves, *extra), and those inputs (abstract)."""
+    leaves, param_tree = jax.tree.flatten(params)
+    example_leaves, example_def = jax.tree.flatten(_one_example(batch))
+    n, n_example = len(leaves), len(example_leaves)
+
+    def flat(*args: Any) -> Any:
+        p, e = args[:n], args[n : n + n_example]
+        return fn(param_tree.unflatten(p), example_def.unflatten(e), *args[n + n_example :])
+
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
+    args = [*shapes, *example_leaves, *extra]
+    return _flat_jaxpr(flat, args, inline), args
+
+
+def _paths(params: PyTree) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+
+
+def _example_axes(n_params: int, n_example: int) -> list[Axes]:
+    """Position axes of the inputs (param leaves, example leaves): axis 0 of each example leaf."""
+    return [_NONE] * n_params + [frozenset({0})] * n_example
+
+
 def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
     """Variables that depend on any of `sources` (forward closure)."""
     found = set(sources)
@@ -1013,6 +942,30 @@ def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
         if any(isinstance(v, jcore.Var) and v in found for v in eqn.invars):
             found.update(eqn.outvars)
     return found
+
+
+def _producers(jaxpr: jcore.Jaxpr) -> dict[Any, jcore.JaxprEqn]:
+    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _users(jaxpr: jcore.Jaxpr) -> dict[Any, list[jcore.JaxprEqn]]:
+    """Per variable, the equations that read it (once per operand it is)."""
+    users: dict[Any, list[jcore.JaxprEqn]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                users.setdefault(v, []).append(eqn)
+    return users
+
+
+def _needed_by(jaxpr: jcore.Jaxpr, wanted: Sequence[Any]) -> list[jcore.JaxprEqn]:
+    """The equations that `wanted` values need, in order (backward closure)."""
+    needed, eqns = {v for v in wanted if isinstance(v, jcore.Var)}, []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            eqns.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    return eqns[::-1]
 
 
 def _names(text: str) -> frozenset[str]:
@@ -1095,17 +1048,12 @@ def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -
 
 def _gather_axes(eqn: Any, operand: Axes, indices: Axes) -> Axes:
     dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
-    out_rank = len(_shape(eqn.outvars[0]))
-    offset = tuple(dn.offset_dims)
-    batch_out = [d for d in range(out_rank) if d not in offset]
+    op_shape, offset = _shape(eqn.invars[0]), tuple(dn.offset_dims)
+    batch_out = [d for d in range(len(_shape(eqn.outvars[0]))) if d not in offset]
     index_dims = range(len(_shape(eqn.invars[1])) - 1)  # the last is the index vector
     found = {d for d, k in zip(batch_out, index_dims, strict=True) if k in indices}
-    window = [
-        d
-        for d in range(len(_shape(eqn.invars[0])))
-        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
-    ]
-    op_shape = _shape(eqn.invars[0])
+    gone = {*dn.collapsed_slice_dims, *dn.operand_batching_dims}
+    window = [d for d in range(len(op_shape)) if d not in gone]
     fill = str(eqn.params["mode"]).endswith("FILL_OR_DROP")
     for out_d, op_d in zip(offset, window, strict=True):
         # A full-size window starts at 0 (clamped), so index t stays t; filling could move it.
@@ -1126,11 +1074,8 @@ def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes
         if d in operand or k in indices
     }
     op_shape, upd_shape = _shape(eqn.invars[0]), _shape(eqn.invars[2])
-    window = [
-        d
-        for d in range(len(op_shape))
-        if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
-    ]
+    gone = {*dn.inserted_window_dims, *dn.operand_batching_dims}
+    window = [d for d in range(len(op_shape)) if d not in gone]
     for upd_d, op_d in zip(dn.update_window_dims, window, strict=True):
         whole = upd_shape[upd_d] == op_shape[op_d] and op_d not in dn.scatter_dims_to_operand_dims
         if whole and (op_d in operand or upd_d in updates):
@@ -1138,7 +1083,7 @@ def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes
     return frozenset(found)
 
 
-def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
+def _position_rule(eqn: Any, ins: list[Axes]) -> list[Axes]:
     """Output position axes of one equation from its inputs' (see the comment above)."""
     name, params = eqn.primitive.name, eqn.params
     outs = eqn.outvars
@@ -1153,7 +1098,7 @@ def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
         return [frozenset(found)] * len(outs)
     if name == "optimization_barrier":
         return list(ins)
-    if name in ("transpose",):
+    if name == "transpose":
         perm = [int(k) for k in params["permutation"]]
         return [frozenset(j for j, k in enumerate(perm) if k in ins[0])]
     if name == "broadcast_in_dim":
@@ -1162,38 +1107,28 @@ def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
         return [frozenset(int(dims[k]) for k in ins[0] if src[k] == dst[dims[k]])]
     if name == "reshape":
         return [_reshape_axes(_shape(eqn.invars[0]), _shape(outs[0]), ins[0])]
-    if name == "squeeze":
-        gone = {int(d) for d in params["dimensions"]}
-        kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in gone]
-        return [frozenset(j for j, k in enumerate(kept) if k in ins[0])]
-    if name in _REDUCTIONS:
-        gone = {int(a) for a in params["axes"]}
+    if name == "squeeze" or name in _REDUCTIONS:  # the axes not removed keep their order
+        gone = {int(a) for a in params["dimensions" if name == "squeeze" else "axes"]}
         kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in gone]
         return [frozenset(j for j, k in enumerate(kept) if k in ins[0])] * len(outs)
     if name in _CUMULATIVE:
         return [ins[0]]
     if name == "dot_general":
         (lc, rc), (lb, rb) = params["dimension_numbers"]
-        lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
-        batch = [
+        found = {
             j for j, (a, b) in enumerate(zip(lb, rb, strict=True)) if a in ins[0] or b in ins[1]
-        ]
-        lfree = [k for k in range(lhs_rank) if k not in lc and k not in lb]
-        rfree = [k for k in range(rhs_rank) if k not in rc and k not in rb]
-        found = set(batch)
+        }
+        lfree = [k for k in range(len(_shape(eqn.invars[0]))) if k not in lc and k not in lb]
+        rfree = [k for k in range(len(_shape(eqn.invars[1]))) if k not in rc and k not in rb]
         found |= {len(lb) + j for j, k in enumerate(lfree) if k in ins[0]}
         found |= {len(lb) + len(lfree) + j for j, k in enumerate(rfree) if k in ins[1]}
         return [frozenset(found)]
     if name == "slice":
         shape = _shape(eqn.invars[0])
         strides = params["strides"] or (1,) * len(shape)
-        whole = [
-            s == 0 and e == n and st == 1
-            for s, e, n, st in zip(
-                params["start_indices"], params["limit_indices"], shape, strides, strict=True
-            )
-        ]
-        return [frozenset(k for k in ins[0] if whole[k])]
+        starts, limits = params["start_indices"], params["limit_indices"]
+        whole = {k for k, n in enumerate(shape) if (starts[k], limits[k], strides[k]) == (0, n, 1)}
+        return [ins[0] & whole]
     if name == "dynamic_slice":
         shape = _shape(eqn.invars[0])
         return [frozenset(k for k in ins[0] if params["slice_sizes"][k] == shape[k])]
@@ -1213,19 +1148,20 @@ def _position_rule(eqn: Any, ins: list[Axes], positions: dict) -> list[Axes]:
     inner = _inner_jaxpr(eqn) if name in _CALLS | _CUSTOM else None
     if inner is not None and len(inner.jaxpr.invars) == len(ins):
         labels = _propagate_positions(inner.jaxpr, ins)
-        return [
-            labels.get(v, _NONE) if isinstance(v, jcore.Var) else _NONE for v in inner.jaxpr.outvars
-        ]
+        return [_axes_of(labels, v) for v in inner.jaxpr.outvars]
     return [_NONE] * len(outs)
 
 
 def _propagate_positions(jaxpr: jcore.Jaxpr, in_axes: Sequence[Axes]) -> dict[Any, Axes]:
     positions: dict[Any, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
     for eqn in jaxpr.eqns:
-        ins = [positions.get(v, _NONE) if isinstance(v, jcore.Var) else _NONE for v in eqn.invars]
-        for var, axes in zip(eqn.outvars, _position_rule(eqn, ins, positions), strict=True):
-            positions[var] = axes
+        ins = [_axes_of(positions, v) for v in eqn.invars]
+        positions.update(zip(eqn.outvars, _position_rule(eqn, ins), strict=True))
     return positions
+
+
+def _axes_of(positions: Mapping[Any, Axes], var: Any) -> Axes:
+    return positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
 
 
 # -- The gradient graph. ------------------------------------------------------------------------
@@ -1244,11 +1180,7 @@ class Post:
 
     @property
     def scalar(self) -> bool:
-        return self.factor is None or not _shape_of(self.factor)
-
-
-def _shape_of(x: Any) -> tuple[int, ...]:
-    return tuple(getattr(getattr(x, "aval", None), "shape", ())) if not isinstance(x, float) else ()
+        return self.factor is None or isinstance(self.factor, float) or not _shape(self.factor)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1304,19 +1236,11 @@ class Graph:
 
     @staticmethod
     def build(loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int) -> "Graph":
-        example = _one_example(batch)
         leaves, param_tree = jax.tree.flatten(params)
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-        example_leaves, example_def = jax.tree.flatten(example)
-        n_params, n_example = len(leaves), len(example_leaves)
-
+        paths = _paths(params)
         aux_tree = []
 
-        def flat_value_and_grad(*inputs: Any) -> list[Any]:
-            *flat, seed = inputs
-            p = jax.tree.unflatten(param_tree, flat[:n_params])
-            e = jax.tree.unflatten(example_def, flat[n_params:])
-
+        def value_and_grad(p: PyTree, e: PyTree, seed: Array) -> list[Any]:
             def seeded(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
                 loss, aux = loss_fn(p, e)
                 return loss * seed.astype(loss.dtype), (loss, aux)
@@ -1326,18 +1250,13 @@ class Graph:
             aux_tree[:] = [tree]
             return [loss, *jax.tree.leaves(grads), *aux_leaves]
 
-        seed_dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
-        shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
-        args = [*shapes, *example_leaves, jax.ShapeDtypeStruct((), seed_dtype)]
-        closed = _hoist_scans(_flat_jaxpr(flat_value_and_grad, args, _CALLS | _CUSTOM), args)
+        x64 = jax.config.read("jax_enable_x64")
+        seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
+        closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
+        closed = _hoist_scans(closed, args)
         jaxpr = closed.jaxpr
-        producer, users = {}, {}
-        for eqn in jaxpr.eqns:
-            for v in eqn.outvars:
-                producer[v] = eqn
-            for v in eqn.invars:
-                if isinstance(v, jcore.Var):
-                    users.setdefault(v, []).append(eqn)
+        n_params, n_example = len(leaves), len(args) - len(leaves) - 1
+        producer, users = _producers(jaxpr), _users(jaxpr)
         static: set[Any] = set(jaxpr.constvars)
         for eqn in jaxpr.eqns:
             if not eqn.effects and all(
@@ -1349,9 +1268,7 @@ class Graph:
         if per_example > 1:
             # raises for a leaf not position-wise
             untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
-            positions = _propagate_positions(
-                jaxpr, [_NONE] * n_params + [frozenset({0})] * n_example + [_NONE]
-            )
+            positions = _propagate_positions(jaxpr, [*_example_axes(n_params, n_example), _NONE])
         grads = jaxpr.outvars[1:]
         return Graph(
             jaxpr=jaxpr,
@@ -1364,9 +1281,7 @@ class Graph:
             per_example=per_example,
             producer=producer,
             users={v: tuple(u) for v, u in users.items()},
-            batched=frozenset(
-                _depends_on(jaxpr, set(jaxpr.invars[n_params : n_params + n_example]))
-            ),
+            batched=frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:-1]))),  # the example's
             seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
             static=frozenset(static),
             positions=positions,
@@ -1387,14 +1302,9 @@ class Graph:
         """The concrete value of a static variable (e.g. position indices from iota)."""
         if isinstance(var, jcore.Literal):
             return np.asarray(var.val)
-        wanted, eqns = {var}, []
-        for eqn in reversed(self.jaxpr.eqns):
-            if any(v in wanted for v in eqn.outvars):
-                eqns.append(eqn)
-                wanted.update(v for v in eqn.invars if isinstance(v, jcore.Var))
         env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
         with jax.ensure_compile_time_eval():
-            _evaluate(eqns[::-1], env)
+            _evaluate(_needed_by(self.jaxpr, [var]), env)
         return np.asarray(env[var])
 
     def is_zero(self, var: Any) -> bool:
@@ -1419,10 +1329,10 @@ class Graph:
             if not any(seeded):
                 continue
             name = eqn.primitive.name
-            if name == "convert_element_type" and not all(
-                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in (*eqn.invars, *eqn.outvars)
-            ):
+            if name == "convert_element_type" and not _floats_only(eqn):
                 return f"'{name}' to or from a non-float type"
+            if name == "gather" and _gather_affine(eqn):
+                return _gather_affine(eqn)
             if name in _LINEAR_UNARY:
                 ok = seeded[0] and not any(seeded[1:])
             elif name in _LINEAR_SUMS:
@@ -1430,25 +1340,20 @@ class Graph:
             elif name in _LINEAR_PRODUCTS:
                 ok = sum(seeded[:2]) == 1 and not any(seeded[2:])
             elif name in _LINEAR_AT:
-                linear_at, zero_at = _LINEAR_AT[name]
                 ok = all(
-                    (k in linear_at and (s or (k in zero_at and self.is_zero(v))))
-                    or (k not in linear_at and not s)
+                    (s or self.is_zero(v)) if k in _LINEAR_AT[name] else not s
                     for k, (s, v) in enumerate(zip(seeded, eqn.invars, strict=True))
                 )
-                if name == "pad":
-                    ok = ok and self.is_zero(eqn.invars[1])
-                why = _gather_affine(eqn) if name == "gather" else ""
-                if why:
-                    return why
             else:
                 return f"'{name}' is not known to be linear"
+            if name == "pad":  # the padding value is a constant added
+                ok = ok and self.is_zero(eqn.invars[1])
             if not ok:
                 return f"'{name}' is not linear in the cotangents it reads"
         return ""
 
     def position_axes(self, var: Any) -> Axes:
-        return self.positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
+        return _axes_of(self.positions, var)
 
     def core(self, var: Any) -> tuple[Any, tuple[Post, ...]]:
         """Follow a gradient back through layout ops and batch-independent scalings to the
@@ -1469,7 +1374,7 @@ class Graph:
                     x, m = m, x
                 if not self.is_batched(x) or self.is_batched(m):
                     break
-                if _shape_of(m) not in ((), _shape_of(x)):
+                if _shape(m) not in ((), _shape(x)):
                     break
                 steps.append(Post(eqn, factor=m, divide=name == "div"))
                 var = x
@@ -1493,40 +1398,30 @@ class Graph:
         if not all(exclusive(v) for v in self.producer[var].outvars if v is not var):
             return ()  # it makes values others need too (a scan's other outputs): read it
 
-        changed = True
-        while changed:
-            changed = False
-            for eqn in list(members.values()):
-                for v in eqn.invars:
-                    src = self.producer.get(v) if isinstance(v, jcore.Var) else None
-                    if (
-                        src is not None
-                        and id(src) not in members
-                        and all(map(exclusive, src.outvars))
-                    ):
-                        members[id(src)] = src
-                        changed = True
+        todo = [self.producer[var]]  # a member's inputs; revisited as members join
+        while todo:
+            for v in todo.pop().invars:
+                src = self.producer.get(v) if isinstance(v, jcore.Var) else None
+                if src is not None and id(src) not in members and all(map(exclusive, src.outvars)):
+                    members[id(src)] = src
+                    todo.append(src)
         return tuple(e for e in self.jaxpr.eqns if id(e) in members)
 
 
-# Linear in their first operand (the only one that may be a cotangent).
+# Linear in their first operand (the only one that may be a cotangent; x / m for div).
 _LINEAR_UNARY = _names(
     """
     neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
-    slice split unstack convert_element_type real imag
+    slice split unstack convert_element_type real imag div dynamic_slice gather pad
     """
 )
 _LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate", "stack"})  # all linear
 _LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
-# name -> (operands that may be cotangents, those of them that may instead be proven zero)
-_LINEAR_AT: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "div": ((0,), ()),
-    "dynamic_slice": ((0,), ()),
-    "gather": ((0,), ()),
-    "pad": ((0,), ()),
-    "select_n": (tuple(range(1, 64)), tuple(range(1, 64))),
-    "dynamic_update_slice": ((0, 1), (0, 1)),
-    "scatter-add": ((0, 2), (0, 2)),
+# name -> the operands that may be cotangents or instead proven zeros (no other may be seeded)
+_LINEAR_AT: dict[str, tuple[int, ...]] = {
+    "select_n": tuple(range(1, 64)),
+    "dynamic_update_slice": (0, 1),
+    "scatter-add": (0, 2),
 }
 
 
@@ -1548,15 +1443,17 @@ def _is_layout(eqn: Any) -> bool:
     if name in _LAYOUT:
         return True
     if name == "convert_element_type":
-        return jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) and jnp.issubdtype(
-            eqn.outvars[0].aval.dtype, jnp.floating
-        )
+        return _floats_only(eqn)
     if name == "broadcast_in_dim":
         return math.prod(_shape(eqn.invars[0])) == math.prod(_shape(eqn.outvars[0]))
     if name == "reduce_sum":  # over axes of size 1 only: sums nothing
         shape = _shape(eqn.invars[0])
         return all(shape[a] == 1 for a in eqn.params["axes"])
     return False
+
+
+def _floats_only(eqn: Any) -> bool:
+    return all(jnp.issubdtype(_dtype(v), jnp.floating) for v in (*eqn.invars, *eqn.outvars))
 
 
 def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
@@ -1616,40 +1513,39 @@ def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
     """Output k of `scan` as a hoistable weight-gradient contraction, or None."""
     body = scan.params["jaxpr"].jaxpr
     nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
-    producer = {v: e for e in body.eqns for v in e.outvars}
-    users: dict[Any, int] = {}
-    for e in body.eqns:
-        for v in e.invars:
-            if isinstance(v, jcore.Var):
-                users[v] = users.get(v, 0) + 1
+    producer, users = _producers(body), _users(body)
     var = body.outvars[k]
     accumulated = k < ncar
     if accumulated:  # carry_out = add_any(carry_in, term), carry_in used there only, init 0
         carry_in, add = body.invars[nc + k], producer.get(var)
         if add is None or add.primitive.name != "add_any" or carry_in not in add.invars:
             return None
-        if users.get(carry_in, 0) != 1 or carry_in in body.outvars:
+        if len(users.get(carry_in, ())) != 1 or carry_in in body.outvars:
             return None
         if not _is_literal_zero(scan.invars[nc + k], producer_out):
             return None
         (var,) = [v for v in add.invars if v is not carry_in] or [None]
-    post = []
-    while isinstance(var, jcore.Var) and var in producer and _is_layout(producer[var]):
-        post.append(producer[var])
-        var = producer[var].invars[0]
+    var, post = _walk_back(var, producer, _is_layout)
     dot = producer.get(var) if isinstance(var, jcore.Var) else None
     if dot is None or dot.primitive.name != "dot_general":
         return None
-    return _Hoist(dot, tuple(post[::-1]), accumulated)
+    return _Hoist(dot, post, accumulated)
+
+
+def _walk_back(var: Any, producer: Mapping, through: Callable[[Any], bool]) -> tuple[Any, tuple]:
+    """Follow `var` back through the equations `through` accepts, by their first operand: (the
+    variable reached, those equations in order)."""
+    path = []
+    while isinstance(var, jcore.Var) and var in producer and through(producer[var]):
+        path.append(producer[var])
+        var = producer[var].invars[0]
+    return var, tuple(path[::-1])
 
 
 def _is_literal_zero(var: Any, producer: Mapping) -> bool:
     """A literal 0 or a broadcast of one (how JAX starts a gradient accumulator)."""
-    while isinstance(var, jcore.Var) and var in producer:
-        eqn = producer[var]
-        if eqn.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
-            return False
-        var = eqn.invars[0]
+    cast = ("broadcast_in_dim", "convert_element_type")
+    var, _ = _walk_back(var, producer, lambda eqn: eqn.primitive.name in cast)
     return isinstance(var, jcore.Literal) and not np.any(np.asarray(var.val))
 
 
@@ -1657,16 +1553,11 @@ def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.Closed
     """`closed` with the weight-gradient contractions of its scans moved after them, where
     that holds fewer numbers per example than the stacked per-example weight gradients."""
     jaxpr = closed.jaxpr
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    producer = _producers(jaxpr)
     plans: dict[int, dict[int, _Hoist]] = {}
+    scaled = lambda eqn: _is_layout(eqn) or eqn.primitive.name in ("mul", "div", "neg")
     for grad in jaxpr.outvars[1:]:
-        var = grad
-        while (
-            isinstance(var, jcore.Var)
-            and var in producer
-            and (_is_layout(producer[var]) or producer[var].primitive.name in ("mul", "div", "neg"))
-        ):
-            var = producer[var].invars[0]
+        var, _ = _walk_back(grad, producer, scaled)
         scan = producer.get(var) if isinstance(var, jcore.Var) else None
         if scan is None or scan.primitive.name != "scan":
             continue
@@ -1775,15 +1666,10 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
         for eqn in h.post:
             (g,) = _bind(eqn, [g])
         results[k] = g
-    outs, kept_iter = [], iter(kept)
-    for k in range(n_out):
-        if k in hoists:
-            outs.append(results[k])
-        elif k < ncar:
-            outs.append(carry[k])
-        else:
-            outs.append(next(kept_iter))
-    return outs
+    rest = iter(kept)  # the stacked outputs not hoisted, in order
+    return [
+        results[k] if k in hoists else carry[k] if k < ncar else next(rest) for k in range(n_out)
+    ]
 
 
 # ============================================================================================
@@ -3043,6 +2929,80 @@ ROUTES: tuple[Route[Any], ...] = (
 # §7 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeafPlan:
+    """How impl="factorized" computes one parameter leaf's statistics (pure data).
+
+    `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
+    route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
+    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized" (no
+    per-unit gradient exists), "chunked" (the route materializes some), or "fallback" (no route
+    proved its identities and per-unit gradients are materialized; exact, slowest).
+    """
+
+    leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
+    shape: tuple[int, ...]
+    match: "Match"  # what the route proved; `match.route` computes the statistics from it
+    methods: Mapping[str, str]
+    cost: "Cost"
+    refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
+    index: int = dataclasses.field(repr=False, default=0)
+
+    @property
+    def route(self) -> str:  # the route taken: a name in ROUTES
+        return self.match.route.name
+
+    @property
+    def reason(self) -> str:  # what the route's match proved
+        return self.match.reason
+
+    @property
+    def status(self) -> str:
+        if "chunked" not in self.methods.values():
+            return "factorized"
+        return "fallback" if self.route == "fallback" else "chunked"
+
+    def __str__(self) -> str:
+        methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
+        head = (
+            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
+        )
+        body = f"{self.reason} [{methods}]"
+        if self.route == "fallback":  # the pattern each route saw, where it was its own kind
+            seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
+            body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
+        lines = textwrap.wrap(head, 100, subsequent_indent="    ")
+        return "\n".join(
+            lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
+        )
+
+
+class Plan(tuple):
+    """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
+    opens with a one-line summary: leaves per route and the estimated cost against plain grad
+    (floating-point operations from shapes: a rough guide, not a measurement)."""
+
+    plain_flops: float
+
+    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
+        self = super().__new__(cls, leaves)
+        self.plain_flops = plain_flops
+        return self
+
+    @property
+    def summary(self) -> str:
+        routes: dict[str, int] = {}
+        for p in self:
+            routes[p.route] = routes.get(p.route, 0) + 1
+        counts = ", ".join(f"{n} {r}" for r, n in routes.items())
+        extra = sum(float(p.cost.flops) for p in self)
+        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
+        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary, *map(str, self)])
+
+
 def plan(
     graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
 ) -> tuple[LeafPlan, ...]:
@@ -3095,13 +3055,23 @@ def _execute(
     early = [w for w in need if w != "clipped" and (w == "norms" or not drop)]
     late = [w for w in need if w != "clipped" and w not in early]
 
+    def factorized(
+        ps: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
+    ) -> dict:
+        """The ingredients `wanted` the leaves `ps` compute factorized ("clipped" by `weights`)."""
+        out = {}
+        for p in ps:
+            args, route = (graph, leaves[p.index], p.match, env), p.match.route
+            for what in (w for w in wanted if p.methods[w] == "factorized"):
+                out[what, p.index] = (
+                    route.compute(*args, what) if weights is None else route.clipped(*args, weights)
+                )
+        return out
+
     def on_ready(ready: list[int], env: dict) -> dict:
         results = {}
         for i in ready:
-            p, local = plans[i], _masked(graph, env, keep, reads[i])
-            for what in early:
-                if p.methods[what] == "factorized":
-                    results[what, i] = p.match.route.compute(graph, leaves[i], p.match, local, what)
+            results.update(factorized([plans[i]], early, _masked(graph, env, keep, reads[i])))
         return results
 
     reads = [p.match.route.reads(graph, p.match) for p in plans]
@@ -3112,22 +3082,8 @@ def _execute(
         return {i: ws for i, ws in found.items() if ws}
 
     chunk = _chunk(graph, chunk_size, {**chunked_in(late), **chunked_in(early)}, batched)
-
-    def loop(wanted: Sequence[str], keep: Array | None, weights: Array | None = None) -> tuple:
-        return _chunk_loop(
-            graph,
-            plans,
-            chunked_in(wanted),
-            batched,
-            unbatched,
-            batch,
-            params,
-            chunk,
-            weights,
-            keep,
-        )
-
-    found, loop_norms = loop(early, keep)
+    loop = functools.partial(_chunk_loop, graph, plans, batched, unbatched, batch, params, chunk)
+    found, loop_norms = loop(chunked_in(early), keep)
     results.update(found)
     sq_norms = None
     if "norms" in need:
@@ -3147,32 +3103,20 @@ def _execute(
     if units is not None and sq_norms is not None:
         sq_norms = _where_units(units, sq_norms)
     env = _masked(graph, {**batched, **unbatched}, keep, list(batched))
-    for p in plans:
-        for what in late:
-            if p.methods[what] == "factorized":
-                results[what, p.index] = p.match.route.compute(
-                    graph, leaves[p.index], p.match, env, what
-                )
-    results.update(loop(late, keep)[0])
-    means: dict[str, PyTree] = {
-        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
-        for w in (*early, *late)
-        if w != "norms"
-    }
+    results.update(factorized(plans, late, env))
+    results.update(loop(chunked_in(late), keep)[0])
     if "clipped" in need:
         assert clip_norm is not None and sq_norms is not None
         factors = _clip_factors(sq_norms, clip_norm)
         factors = factors if units is None else _where_units(units, factors)
         weights = factors.reshape(graph.n_examples, graph.per_example)
-        clipped: list[Any] = [None] * len(leaves)
-        for p in plans:
-            if p.methods["clipped"] == "factorized":
-                clipped[p.index] = p.match.route.clipped(
-                    graph, leaves[p.index], p.match, env, weights
-                )
-        for (_, i), value in loop(["clipped"], keep, weights)[0].items():
-            clipped[i] = value
-        means["clipped"] = jax.tree.unflatten(graph.param_tree, clipped)
+        results.update(factorized(plans, ["clipped"], env, weights))
+        results.update(loop(chunked_in(["clipped"]), keep, weights)[0])
+    means: dict[str, PyTree] = {
+        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
+        for w in need
+        if w != "norms"
+    }
     n_units: Any = graph.n_units
     if keep is None:
         loss = losses.mean()
@@ -3218,28 +3162,11 @@ def _run_head(
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
-    needed: set[Any] = {v for v in [*outputs, *interface] if isinstance(v, jcore.Var)}
-    head: list[Any] = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            head.append(eqn)
-            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-    head.reverse()
-    position = {id(eqn): k for k, eqn in enumerate(head)}
-    ready_at = [
-        max(
-            (
-                position[id(graph.producer[v])]
-                for v in vs
-                if v in graph.producer and id(graph.producer[v]) in position
-            ),
-            default=-1,
-        )
-        for vs in reads
-    ]
-    last_use: dict[Any, int] = {
-        v: len(head) for v in [*outputs, *interface] if isinstance(v, jcore.Var)
-    }
+    wanted = [v for v in [*outputs, *interface] if isinstance(v, jcore.Var)]
+    head = _needed_by(jaxpr, wanted)
+    made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
+    ready_at = [max((made_at[v] for v in vs if v in made_at), default=-1) for vs in reads]
+    last_use: dict[Any, int] = dict.fromkeys(wanted, len(head))  # kept to the end
     for k, eqn in enumerate(head):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
@@ -3278,9 +3205,7 @@ def _run_head(
 def _run_segment(graph: Graph, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
     """Evaluate head equations batched (vmap over examples), adding to `values` every result
     used after position `end`."""
-    produced = dict.fromkeys(
-        v for e in segment for v in e.outvars
-    )  # ordered: one program per trace
+    produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
     reads = list(
         dict.fromkeys(
             v for e in segment for v in e.invars if isinstance(v, jcore.Var) and v not in produced
@@ -3327,14 +3252,14 @@ def _chunk(graph: Graph, chunk_size: int | None, chunked: Mapping[int, Any], bat
 def _chunk_loop(
     graph: Graph,
     plans: tuple[LeafPlan, ...],
-    chunked: Mapping[int, Sequence[str]],
     batched: dict,
     unbatched: dict,
     batch: PyTree,
     params: PyTree,
     chunk: int,
+    chunked: Mapping[int, Sequence[str]],
+    keep: Array | None,
     weights: Array | None = None,
-    keep: Array | None = None,
 ) -> tuple[dict[tuple[str, int], Array], Array | None]:
     """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
     ingredients each needs: means of φ, per-unit norms ([B, U], summed over these leaves),
@@ -3349,8 +3274,8 @@ def _chunk_loop(
     )
     with_norms = any("norms" in ws for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
-    w = jnp.ones((graph.n_examples, graph.per_example), dtype) if weights is None else weights
     shape = (graph.n_examples, graph.per_example)
+    w = jnp.ones(shape, dtype) if weights is None else weights
     k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
 
     def per_chunk(xs: tuple) -> tuple[dict, Array]:
@@ -3402,7 +3327,5 @@ def _chunk_loop(
     examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w, k)
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
-    out = {}
-    for key, value in acc.items():
-        out[key] = value[2] / (value[0] - 1) if key[0] == "var" else value
+    out = {key: v[2] / (v[0] - 1) if key[0] == "var" else v for key, v in acc.items()}
     return out, (norms if with_norms and weights is None else None)
