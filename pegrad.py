@@ -154,7 +154,9 @@ def value_and_grad_stats(
             )
         else:
             graph = Graph.build(loss, floats, batch, per_example)
-            graph = dataclasses.replace(graph, weighted=keep is not None or drop)
+            graph = dataclasses.replace(
+                graph, weighted=keep is not None or drop, chunk_size=chunk_size
+            )
             wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
             plans = plan(graph, wanted, choose=choose)
             out = _execute(graph, plans, stats, chunk_size, clip_norm, floats, batch, keep, drop)
@@ -1225,6 +1227,7 @@ class Graph:
     param_tree: Any
     aux_tree: Any = None  # the auxiliary outputs' structure (outputs after the gradients)
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
+    chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
 
     @property
     def token(self) -> bool:
@@ -1833,6 +1836,12 @@ class Route(Generic[M]):
         """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
         raise NotImplementedError
 
+    def compute_many(
+        self, graph: Graph, leaf: Leaf, m: M, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """Several factorized ingredients at once (a route may share work between them)."""
+        return {what: self.compute(graph, leaf, m, env, what) for what in wanted}
+
     def clipped(self, graph: Graph, leaf: Leaf, m: M, env: Env, weights: Array) -> Array:
         """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
         raise NotImplementedError
@@ -2067,7 +2076,9 @@ class Contraction(CoreRoute[CoreMatch]):
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
     ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)).
-    Non-linear φ has no such identity: per-example gradients in bounded chunks."""
+    Non-linear φ (sq, sign) has no such identity: per-example gradients are formed a bounded
+    chunk at a time right where the head has the operands, so that they die where plain
+    grad's do; the variance (and norms without the Gram form) in the chunk loop."""
 
     name = "contraction"
 
@@ -2103,7 +2114,7 @@ class Contraction(CoreRoute[CoreMatch]):
     ) -> dict[str, str]:
         terms, _, free_a, free_b = self._sizes(m)
         gram = 2 * terms * terms < free_a * free_b and m.scalar
-        factored = {"sum", "clipped"} | ({"norms"} if gram else set())
+        factored = {"sum", "clipped", "sq", "sign"} | ({"norms"} if gram else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and list(methods.values()).count("chunked"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
@@ -2115,14 +2126,65 @@ class Contraction(CoreRoute[CoreMatch]):
         if what == "norms":  # two Grams and their inner product
             grams = graph.n_examples * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
-        return Cost(2.0 * graph.n_examples * terms * leaf.size, 4.0 * (factors + leaf.size))
+        dots = 2.0 * graph.n_examples * terms * leaf.size
+        if what in ("sq", "sign"):  # one dot per example, its chunk as large as the operands
+            return Cost(dots + graph.n_examples * leaf.size, 4.0 * (2 * factors + leaf.size))
+        return Cost(dots, 4.0 * (factors + leaf.size))
 
     def unit_flops(self, graph: Graph, leaf: Leaf, m: CoreMatch) -> float:
         return 2.0 * leaf.size * self._sizes(m)[0]
 
+    def _phi_sums(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """(1/N) Σ_i φ(g_i) for each φ wanted, from per-example gradients formed c examples at
+        a time (one scan over chunks; c · leaf entries at most the operands' size, or the
+        caller's chunk_size). Padding examples have zero operands: g = 0, φ(0) = 0."""
+        dtype, n = leaf.stat_dtype, graph.n_examples
+        lc, rc, lb, rb = _dot_dims(m.core)
+        a, b = _operands(m.core, env, dtype, tie=False)
+        c = min(n, graph.chunk_size or max(1, (a.size + b.size) // max(1, leaf.size)))
+        pad = -n % c
+        a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
+
+        def chunk(totals: list[Array], operands: tuple[Array, Array]) -> tuple[list, None]:
+            dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
+            g = jax.vmap(dot)(*operands)
+            return [t + jnp.sum(_PHI[w](g), 0) for t, w in zip(totals, wanted, strict=True)], None
+
+        split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
+        zeros = [jnp.zeros(_shape(m.core.outvars[0]), dtype) for _ in wanted]
+        totals, _ = jax.lax.scan(chunk, zeros, (split(a), split(b)))
+        return {
+            w: _replay(m.post, t * (1.0 / n), env, _PHI[w])
+            for w, t in zip(wanted, totals, strict=True)
+        }
+
+    def compute_many(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """Where sq or sign are wanted, the per-example gradients they form give the sum too."""
+        formed = [w for w in wanted if w in ("sq", "sign")]
+        if formed and "sum" in wanted:
+            formed.append("sum")
+        out = self._phi_sums(graph, leaf, m, env, formed) if formed else {}
+        rest = [w for w in wanted if w not in out]
+        return {**out, **super().compute_many(graph, leaf, m, env, rest)}
+
+    def cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, methods: Mapping[str, str]) -> Cost:
+        total = super().cost(graph, leaf, m, methods)
+        if methods.get("sum") == "factorized" and "factorized" in (
+            methods.get("sq"),
+            methods.get("sign"),
+        ):  # the sum then comes from the per-example gradients already formed
+            total = total + Cost(-self.factored_cost(graph, leaf, m, "sum").flops, 0.0)
+        return total
+
     def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
         if what == "sum":
             return _dot_sum(graph, leaf, m, env, what)
+        if what in ("sq", "sign"):
+            return self._phi_sums(graph, leaf, m, env, [what])[what]
         assert what == "norms"
         dtype = leaf.stat_dtype
         lc, rc, lb, rb = _dot_dims(m.core)
@@ -2369,7 +2431,8 @@ class SegmentRows(RowScatter):
     stable sort of the row keys and a segment sum, O(R log R + R·window) per example, never
     the [B, table] gradient. Then each entry of g_i is one segment's sum or 0, and the row
     identities hold with segments for rows. Proven: every indexed dimension has window size
-    1, so two rows' windows (after the mode's clamping) are identical or disjoint."""
+    1 or is read whole, so two rows' windows (after the mode's clamping) are identical or
+    disjoint."""
 
     name = "segment-rows"
 
@@ -2385,9 +2448,10 @@ class SegmentRows(RowScatter):
             return Refusal(why)
         dims = core.params["dimension_numbers"].scatter_dims_to_operand_dims
         sizes = _window_sizes(core)
-        if any(sizes[d] != 1 for d in dims):
+        table = _shape(core.outvars[0])
+        if any(sizes[d] not in (1, table[d]) for d in dims):
             return Refusal("a window spans several rows: windows may partly overlap")
-        if math.prod(_shape(core.outvars[0])[d] for d in dims) >= 2**31 - 1:
+        if math.prod(table[d] for d in dims) >= 2**31 - 1:
             return Refusal("too many rows to key in 32 bits")
         reason = (
             "lookup rows, repeated rows summed per example (segment sums): g_i = Σ_r onehot ⊗ δ"
@@ -2411,9 +2475,11 @@ class SegmentRows(RowScatter):
         per = idx.shape[0] // graph.n_examples
         dims = m.core.params["dimension_numbers"].scatter_dims_to_operand_dims
         table = _shape(m.core.outvars[0])
-        limits = jnp.asarray([table[d] - 1 for d in dims], idx.dtype)
+        sizes = _window_sizes(m.core)
+        starts = [table[d] - sizes[d] + 1 for d in dims]  # 1 for a dimension read whole
+        limits = jnp.asarray([n - 1 for n in starts], idx.dtype)
         at = jnp.clip(idx, 0, limits)  # where a row lands (CLIP); other rows out of bounds: ok 0
-        strides = np.cumprod([1, *[table[d] for d in dims][:0:-1]])[::-1]
+        strides = np.cumprod([1, *starts[:0:-1]])[::-1]
         key = jnp.where(ok, at @ jnp.asarray(strides, idx.dtype), -1)
 
         def segments(key: Array, at: Array, upd: Array, ok: Array) -> tuple[Array, Array, Array]:
@@ -3062,10 +3128,12 @@ def _execute(
         out = {}
         for p in ps:
             args, route = (graph, leaves[p.index], p.match, env), p.match.route
-            for what in (w for w in wanted if p.methods[w] == "factorized"):
-                out[what, p.index] = (
-                    route.compute(*args, what) if weights is None else route.clipped(*args, weights)
-                )
+            whats = [w for w in wanted if p.methods[w] == "factorized"]
+            if weights is not None:
+                out.update({(w, p.index): route.clipped(*args, weights) for w in whats})
+            elif whats:
+                found = route.compute_many(*args, whats)
+                out.update({(w, p.index): found[w] for w in whats})
         return out
 
     def on_ready(ready: list[int], env: dict) -> dict:

@@ -4,6 +4,7 @@ layouts Flax and NNX produce. Each route here is taken only where its preconditi
 test breaks one and sees the leaf refused (and the numbers still equal the naive loop, which
 tests/test_zoo.py checks for the library models themselves)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -128,6 +129,8 @@ LOOKUPS = {
     "index-batched": lambda table, ids: table[ids[None]][0],  # Flax's Embed on x[None]
     "take-fill": lambda table, ids: jnp.take(table, ids, axis=0),
     "take-clip": lambda table, ids: jnp.take(table, ids, axis=0, mode="clip"),
+    # a window over the whole row, its column start indexed too (clamped to 0)
+    "eqx-embedding": lambda table, ids: jax.vmap(eqx.nn.Embedding(weight=table))(ids),
 }
 
 
@@ -145,7 +148,7 @@ def test_repeated_rows_of_a_token_table_are_summed_per_example(lookup: str):
 
     tokens = jnp.asarray([[0, 1, 0, 7], [4, 9, 3, 3], [1, 1, 1, 4]])  # 7, 9 out of range
     batch = (tokens, jax.random.normal(jax.random.key(1), (3, 4, 3), F64))
-    if lookup == "index":  # jnp indexing promises in-range ids: keep them in range
+    if lookup in ("index", "eqx-embedding"):  # they promise in-range ids: keep them in range
         batch = (jnp.minimum(tokens, 4), batch[1])
     _check(loss, params, batch)
     assert _routes(loss, params, batch)["['emb']"] == "segment-rows"
