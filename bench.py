@@ -30,7 +30,9 @@ Sections:
   memory profile; inputs are `jax.ShapeDtypeStruct`s, so nothing model-sized is allocated.
 * families: the model families people train, B = `family_batch`, mean and mean+sq_mean:
   an MLP; transformers as a list of blocks, as stacked blocks in `lax.scan`, and with
-  grouped-query attention + RoPE; a CNN (`eqx.nn.Conv2d`); a GRU (`eqx.nn.GRUCell` in
+  grouped-query attention + RoPE; a GPT written with flax.linen layers (Dense, LayerNorm,
+  Embed, MultiHeadDotProductAttention) called on x[None], as a list of blocks and in nn.scan
+  (needs flax, from the test extra); a CNN (`eqx.nn.Conv2d`); a GRU (`eqx.nn.GRUCell` in
   `lax.scan`); a top-1 mixture of experts reading its expert by a gather. Beside pegrad's
   implementations, "micro_grad" is optax's `optax.microbatching.micro_grad` (per-example
   gradients one microbatch at a time, transformed to (g, g²) and averaged): the JAX peer.
@@ -75,7 +77,17 @@ import pegrad
 
 IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token", "micro_grad")
 SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families")
-FAMILIES = ("mlp", "transformer", "transformer-scan", "gqa-rope", "cnn", "gru", "moe")
+FAMILIES = (
+    "mlp",
+    "transformer",
+    "transformer-scan",
+    "gqa-rope",
+    "flax-gpt",
+    "flax-gpt-scan",
+    "cnn",
+    "gru",
+    "moe",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,6 +488,56 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
             classify(jax.random.normal(keys[1], (b, d))),
         )
 
+    def flax_gpt(scan: bool) -> Workload:
+        # Written as a flax.linen user writes it, not for pegrad: batched layers called on
+        # x[None], biases everywhere, LayerNorms, token and position `Embed`s.
+        try:
+            import flax.linen as nn
+        except ImportError as error:
+            raise SystemExit("the flax-gpt families need flax: pip install -e '.[test]'") from error
+        vocab, heads, layers = 256, 4, config.family_layers
+
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x: Array, _: None = None) -> tuple[Array, None]:
+                h = nn.LayerNorm()(x)
+                mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+                x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(h, h, mask=mask)
+                h = nn.LayerNorm()(x)
+                return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(h))), None
+
+        class GPT(nn.Module):
+            @nn.compact
+            def __call__(self, tokens: Array) -> Array:
+                x = nn.Embed(vocab, d)(tokens) + nn.Embed(seq, d)(jnp.arange(tokens.shape[-1]))
+                if scan:
+                    stack = nn.scan(
+                        Block,
+                        variable_axes={"params": 0},
+                        split_rngs={"params": True},
+                        length=layers,
+                    )
+                    x, _ = stack()(x, None)
+                else:
+                    for _ in range(layers):
+                        x, _ = Block()(x)
+                return nn.Dense(vocab)(nn.LayerNorm()(x))
+
+        model = GPT()
+        tokens = jax.random.randint(keys[6], (b, seq + 1), 0, vocab, jnp.int32)
+        params = model.init(keys[5], tokens[:1, :-1])
+
+        def loss(p: PyTree, example: Array) -> Float[Array, ""]:
+            logits = model.apply(p, example[None, :-1])[0]  # type: ignore[index]
+            picked = jnp.take_along_axis(jax.nn.log_softmax(logits), example[1:, None], -1)
+            return -jnp.mean(picked)
+
+        n = sum(x.size for x in jax.tree.leaves(params))
+        programs = _programs(config.family_stat_sets, b, config, config.family_impls, token=False)
+        where = "blocks in nn.scan" if scan else "list of blocks"
+        label = f"flax.linen GPT {shape}, {where}, on x[None] ({n / 1e6:.2f}M)"
+        return Workload("families", label, loss, params, tokens, tuple(programs), True)
+
     shape = f"d{d} L{config.family_layers} T{seq}"
     builders = {
         "mlp": mlp,
@@ -484,6 +546,8 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
             f"transformer {shape}, blocks in lax.scan", scan_layers=True
         ),
         "gqa-rope": lambda: lm(f"transformer {shape}, GQA + RoPE", position="rotary", n_kv_heads=1),
+        "flax-gpt": lambda: flax_gpt(scan=False),
+        "flax-gpt-scan": lambda: flax_gpt(scan=True),
         "cnn": cnn,
         "gru": gru,
         "moe": moe,

@@ -154,7 +154,9 @@ def value_and_grad_stats(
             )
         else:
             graph = Graph.build(loss, floats, batch, per_example)
-            graph = dataclasses.replace(graph, weighted=keep is not None or drop)
+            graph = dataclasses.replace(
+                graph, weighted=keep is not None or drop, chunk_size=chunk_size
+            )
             wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
             plans = plan(graph, wanted, choose=choose)
             out = _execute(graph, plans, stats, chunk_size, clip_norm, floats, batch, keep, drop)
@@ -1225,6 +1227,7 @@ class Graph:
     param_tree: Any
     aux_tree: Any = None  # the auxiliary outputs' structure (outputs after the gradients)
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
+    chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
 
     @property
     def token(self) -> bool:
@@ -1695,9 +1698,11 @@ class Match:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ValueMatch(Match):
-    """The gradient is a value of the graph: example-independent, or the head's per example."""
+    """The gradient is a value of the graph (example-independent, or the head's per example),
+    or `post` (layout, batch-independent scalings) applied to one."""
 
     grad: Atom
+    post: tuple[Post, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1714,17 +1719,19 @@ class CoreMatch(Match):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RankOneMatch(CoreMatch):
-    """A dot_general contracting only unit axes: `units` are the operands' axes that index
-    units besides the example (the traced position axis at token granularity, else none)."""
+    """A dot_general contracting only unit axes: `units` are the operands' contracted axes that
+    index units besides the example (the traced position axis at token granularity; axes of
+    size 1 at example granularity)."""
 
     units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UnitSumMatch(CoreMatch):
-    """A reduce_sum whose summed axes include exactly one traced position axis, `axis`."""
+    """A reduce_sum of a batched value; at token granularity its summed axes include exactly
+    one traced position axis, `axis` (None at example granularity: one unit per example)."""
 
-    axis: int
+    axis: int | None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1796,7 +1803,9 @@ class Route(Generic[M]):
 
     def cost(self, graph: Graph, leaf: Leaf, m: M, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
-        materialization of every unit's gradient (written once, read per ingredient)."""
+        materialization of every unit's gradient (written once, read per ingredient), and
+        the head's values they read are held until the chunk loop runs, after the head, and
+        read again there."""
         total = Cost()
         for what, how in methods.items():
             if how == "factorized":
@@ -1805,7 +1814,11 @@ class Route(Generic[M]):
         if chunked:
             n, p = graph.n_units, leaf.size
             unit = graph.n_examples * self.unit_flops(graph, leaf, m)
-            total = total + Cost(unit + n * p * chunked, 4.0 * n * p * (1 + chunked))
+            held = sum(
+                math.prod(_shape(v)) * (graph.n_examples if graph.is_batched(v) else 1)
+                for v in self.reads(graph, m)
+            )
+            total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + 2 * held))
         return total
 
     def factored_cost(self, graph: Graph, leaf: Leaf, m: M, what: str) -> Cost:
@@ -1822,6 +1835,12 @@ class Route(Generic[M]):
     def compute(self, graph: Graph, leaf: Leaf, m: M, env: Env, what: str) -> Array:
         """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
         raise NotImplementedError
+
+    def compute_many(
+        self, graph: Graph, leaf: Leaf, m: M, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """Several factorized ingredients at once (a route may share work between them)."""
+        return {what: self.compute(graph, leaf, m, env, what) for what in wanted}
 
     def clipped(self, graph: Graph, leaf: Leaf, m: M, env: Env, weights: Array) -> Array:
         """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
@@ -1975,17 +1994,23 @@ class OuterProduct(CoreRoute[RankOneMatch]):
         if not (graph.is_batched(a) and graph.is_batched(b)):
             return Refusal("a factor of the dot_general does not depend on the example")
         lc, rc, _, _ = _dot_dims(core)
+        # An axis of size 1 (a model called on x[None]) sums one term: it is no position.
+        unit = [k for k, d in enumerate(lc) if _shape(a)[d] == 1]
+        summed = [k for k in range(len(lc)) if k not in unit]
         if not graph.token:
-            if lc:
-                return Refusal(f"the dot_general sums {len(lc)} axes per example (not rank one)")
+            if summed:
+                return Refusal(
+                    f"the dot_general sums {len(summed)} axes per example (not rank one)"
+                )
             reason = "dense weight used once per example: g_i = δ_i ⊗ x_i"
-            return RankOneMatch(self, reason, core, post)
-        if len(lc) != 1:
-            return Refusal(f"contracts {len(lc)} axes; a per-token term contracts one (positions)")
-        if lc[0] not in graph.position_axes(a) or rc[0] not in graph.position_axes(b):
+            return RankOneMatch(self, reason, core, post, (lc, rc))
+        if len(summed) != 1:
+            return Refusal(f"sums {len(summed)} axes; a per-token term sums one (positions)")
+        (k,) = summed
+        if lc[k] not in graph.position_axes(a) or rc[k] not in graph.position_axes(b):
             return Refusal("the contracted axes are not both traced to the example's positions")
         reason = "weight at every position: g_t = δ_t ⊗ x_t over the traced position axis"
-        return RankOneMatch(self, reason, core, post, ((lc[0],), (rc[0],)))
+        return RankOneMatch(self, reason, core, post, ((lc[k],), (rc[k],)))
 
     def factored_cost(self, graph: Graph, leaf: Leaf, m: RankOneMatch, what: str) -> Cost:
         n, p = graph.n_units, leaf.size
@@ -2037,11 +2062,12 @@ class OuterProduct(CoreRoute[RankOneMatch]):
         dtype = leaf.stat_dtype
         a, b = (_read(env, v).astype(dtype) for v in m.core.invars[:2])
         lc, rc, lb, rb = _dot_dims(m.core)
-        if m.units == ((), ()):
+        if not graph.token:  # what it contracts are axes of size 1
             g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)))[None]
-        else:  # the unit axis becomes a batch axis: one outer product per position
+        else:  # the position axis becomes a batch axis: one outer product per position
             (ua,), (ub,) = m.units
-            g = jax.lax.dot_general(a, b, (((), ()), ((ua, *lb), (ub, *rb))))
+            ones = ([d for d in lc if d != ua], [d for d in rc if d != ub])  # size 1
+            g = jax.lax.dot_general(a, b, (ones, ((ua, *lb), (ub, *rb))))
         return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
 
 
@@ -2050,7 +2076,9 @@ class Contraction(CoreRoute[CoreMatch]):
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
     ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)).
-    Non-linear φ has no such identity: per-example gradients in bounded chunks."""
+    Non-linear φ (sq, sign) has no such identity: per-example gradients are formed a bounded
+    chunk at a time right where the head has the operands, so that they die where plain
+    grad's do; the variance (and norms without the Gram form) in the chunk loop."""
 
     name = "contraction"
 
@@ -2068,6 +2096,8 @@ class Contraction(CoreRoute[CoreMatch]):
         if not lc:
             return Refusal("the dot_general sums nothing (rank one: outer-product)")
         terms = math.prod(_shape(a)[k] for k in lc)
+        if terms == 1:
+            return Refusal("the dot_general sums one term (rank one: outer-product)")
         reason = f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k"
         return CoreMatch(self, reason, core, post)
 
@@ -2084,7 +2114,7 @@ class Contraction(CoreRoute[CoreMatch]):
     ) -> dict[str, str]:
         terms, _, free_a, free_b = self._sizes(m)
         gram = 2 * terms * terms < free_a * free_b and m.scalar
-        factored = {"sum", "clipped"} | ({"norms"} if gram else set())
+        factored = {"sum", "clipped", "sq", "sign"} | ({"norms"} if gram else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and list(methods.values()).count("chunked"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
@@ -2096,14 +2126,65 @@ class Contraction(CoreRoute[CoreMatch]):
         if what == "norms":  # two Grams and their inner product
             grams = graph.n_examples * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
-        return Cost(2.0 * graph.n_examples * terms * leaf.size, 4.0 * (factors + leaf.size))
+        dots = 2.0 * graph.n_examples * terms * leaf.size
+        if what in ("sq", "sign"):  # one dot per example, its chunk as large as the operands
+            return Cost(dots + graph.n_examples * leaf.size, 4.0 * (2 * factors + leaf.size))
+        return Cost(dots, 4.0 * (factors + leaf.size))
 
     def unit_flops(self, graph: Graph, leaf: Leaf, m: CoreMatch) -> float:
         return 2.0 * leaf.size * self._sizes(m)[0]
 
+    def _phi_sums(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """(1/N) Σ_i φ(g_i) for each φ wanted, from per-example gradients formed c examples at
+        a time (one scan over chunks; c · leaf entries at most the operands' size, or the
+        caller's chunk_size). Padding examples have zero operands: g = 0, φ(0) = 0."""
+        dtype, n = leaf.stat_dtype, graph.n_examples
+        lc, rc, lb, rb = _dot_dims(m.core)
+        a, b = _operands(m.core, env, dtype, tie=False)
+        c = min(n, graph.chunk_size or max(1, (a.size + b.size) // max(1, leaf.size)))
+        pad = -n % c
+        a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
+
+        def chunk(totals: list[Array], operands: tuple[Array, Array]) -> tuple[list, None]:
+            dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
+            g = jax.vmap(dot)(*operands)
+            return [t + jnp.sum(_PHI[w](g), 0) for t, w in zip(totals, wanted, strict=True)], None
+
+        split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
+        zeros = [jnp.zeros(_shape(m.core.outvars[0]), dtype) for _ in wanted]
+        totals, _ = jax.lax.scan(chunk, zeros, (split(a), split(b)))
+        return {
+            w: _replay(m.post, t * (1.0 / n), env, _PHI[w])
+            for w, t in zip(wanted, totals, strict=True)
+        }
+
+    def compute_many(
+        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """Where sq or sign are wanted, the per-example gradients they form give the sum too."""
+        formed = [w for w in wanted if w in ("sq", "sign")]
+        if formed and "sum" in wanted:
+            formed.append("sum")
+        out = self._phi_sums(graph, leaf, m, env, formed) if formed else {}
+        rest = [w for w in wanted if w not in out]
+        return {**out, **super().compute_many(graph, leaf, m, env, rest)}
+
+    def cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, methods: Mapping[str, str]) -> Cost:
+        total = super().cost(graph, leaf, m, methods)
+        if methods.get("sum") == "factorized" and "factorized" in (
+            methods.get("sq"),
+            methods.get("sign"),
+        ):  # the sum then comes from the per-example gradients already formed
+            total = total + Cost(-self.factored_cost(graph, leaf, m, "sum").flops, 0.0)
+        return total
+
     def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
         if what == "sum":
             return _dot_sum(graph, leaf, m, env, what)
+        if what in ("sq", "sign"):
+            return self._phi_sums(graph, leaf, m, env, [what])[what]
         assert what == "norms"
         dtype = leaf.stat_dtype
         lc, rc, lb, rb = _dot_dims(m.core)
@@ -2128,34 +2209,44 @@ class Contraction(CoreRoute[CoreMatch]):
 
 
 class UnitSum(CoreRoute[UnitSumMatch]):
-    """Token granularity: the core sums an example-dependent value z over axes that include
-    exactly one traced position axis (a bias, a norm layer's scale): unit t's gradient is z at
-    t summed over the other axes — small (N × leaf), so it is formed and reduced directly."""
+    """The core sums an example-dependent value z over some of its axes (a bias or a norm
+    layer's scale or shift applied at every position, a per-channel gate): unit u's gradient
+    is z summed over those axes, except, at token granularity, the one summed axis traced to
+    the positions, which indexes the units. Small (N × leaf): formed from z by one reduction
+    and reduced directly — no per-unit tail, no chunk loop. Exact by construction: it is the
+    computation the gradient itself performs, batched."""
 
     name = "unit-sum"
 
     def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> UnitSumMatch | Refusal:
         var = leaf.grad if var is None else var
-        if not graph.token:
-            return Refusal("example granularity: a sum over positions is one example's term")
         core, post = graph.core(var)
         if core is None or core.primitive.name != "reduce_sum":
             return Refusal("the gradient's last operation is not a reduce_sum")
         z = core.invars[0]
+        if not graph.is_batched(z):
+            return Refusal("the summed value does not depend on the example")
+        if not graph.token:
+            reason = "a sum over positions (bias, scale, gate): g_i = Σ_k z_ik, one reduction"
+            return UnitSumMatch(self, reason, core, post, None)
         found = graph.position_axes(z) & set(core.params["axes"])
-        if not graph.is_batched(z) or len(found) != 1:
+        if len(found) != 1:
             return Refusal(f"the sum runs over {len(found)} traced position axes, not one")
         reason = "a sum over positions (bias, scale): g_t = z_t"
         return UnitSumMatch(self, reason, core, post, next(iter(found)))
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, what: str) -> Cost:
-        z = graph.n_examples * math.prod(_shape(m.core.invars[0]))
-        return Cost(z + 2.0 * graph.n_units * leaf.size, 4.0 * (z + graph.n_units * leaf.size))
+    def cost(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, methods: Mapping[str, str]) -> Cost:
+        """One reduction of z forms every unit's gradient (fused away for a plain sum); each
+        ingredient then reads them."""
+        z, g = graph.n_examples * math.prod(_shape(m.core.invars[0])), graph.n_units * leaf.size
+        formed = any(w != "sum" for w in methods)
+        return Cost(z + 2.0 * g * len(methods), 4.0 * (z + g * formed))
 
     def _units(self, m: UnitSumMatch, z: Array) -> Array:
-        """[B, ...] -> [B, T, *core output]: each unit's own sum."""
+        """[B, ...] -> [B, U, *core output]: each unit's own sum (U = 1 per example)."""
         rest = tuple(a + 1 for a in m.core.params["axes"] if a != m.axis)
-        z = jnp.moveaxis(jnp.sum(z, axis=rest, keepdims=True), m.axis + 1, 1)
+        z = jnp.sum(z, axis=rest, keepdims=True)
+        z = z[:, None] if m.axis is None else jnp.moveaxis(z, m.axis + 1, 1)
         return z.reshape(z.shape[0], z.shape[1], *_shape(m.core.outvars[0]))
 
     def compute(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, what: str) -> Array:
@@ -2186,39 +2277,54 @@ class UnitSum(CoreRoute[UnitSumMatch]):
 
 class RowScatter(CoreRoute[CoreMatch]):
     """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
-    core is scatter-add(0, idx, upd) with one window per row of `upd`. Example granularity:
-    the indices are static and the windows — start and size, after the mode's clamping — are
+    core is scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of
+    `idx` but its last, in any layout: `x[None]` adds a unit axis). Example granularity: the
+    indices are static and the windows — start and size, after the mode's clamping — are
     pairwise disjoint (position embeddings), so each entry of g_i is one update entry or 0 and
-    Σ_i φ(g_i) = scatter(Σ_i φ(upd_i)), ‖g_i‖² = ‖upd_i‖². Token granularity: the row axis is
-    the traced position axis, one row per unit, the same identities per unit. Out-of-bounds
-    rows are dropped by the scatter's mode (and left out of the norms) as they are in g."""
+    Σ_i φ(g_i) = scatter(Σ_i φ(upd_i)), ‖g_i‖² = ‖upd_i‖². Token granularity: one row axis is
+    the traced position axis (the others of size 1), one row per unit, the same identities
+    per unit. Out-of-bounds rows are dropped by the scatter's mode (and left out of the
+    norms) as they are in g."""
 
     name = "row-scatter"
+
+    def _rows_refusal(self, graph: Graph, core: jcore.JaxprEqn) -> str:
+        """Why the core is not a scatter-add of batched rows into a proven-zero table, or ""."""
+        operand, indices, updates = core.invars
+        dn = core.params["dimension_numbers"]
+        if not graph.is_zero(operand):
+            return "the scatter adds into a table not proven zero"
+        if not graph.is_batched(updates):
+            return "the scattered rows do not depend on the example"
+        n = _row_axes(core)
+        window = tuple(dn.update_window_dims) == tuple(range(n, len(_shape(updates))))
+        same = _shape(updates)[:n] == _shape(indices)[:n]
+        if not (window and same) or dn.operand_batching_dims:
+            return "not one window per row of the updates"
+        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
+        if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
+            return f"scatter mode {mode}"
+        return ""
 
     def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
         var = leaf.grad if var is None else var
         core, post = graph.core(var)
         if core is None or core.primitive.name != "scatter-add":
             return Refusal("the gradient's last operation is not a scatter-add")
-        operand, indices, updates = core.invars
-        dn = core.params["dimension_numbers"]
-        if not graph.is_zero(operand):
-            return Refusal("the scatter adds into a table not proven zero")
-        if not graph.is_batched(updates):
-            return Refusal("the scattered rows do not depend on the example")
-        rows = tuple(dn.update_window_dims) == tuple(range(1, len(_shape(updates))))
-        if not rows or dn.operand_batching_dims or len(_shape(indices)) != 2:
-            return Refusal("not one window per row of the updates")
-        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
-        if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
-            return Refusal(f"scatter mode {mode}")
+        why = self._rows_refusal(graph, core)
+        if why:
+            return Refusal(why)
+        indices, updates = core.invars[1:]
         if graph.token:
-            if 0 not in graph.position_axes(updates):
-                return Refusal("the row axis is not traced to the example's positions")
+            rows = _shape(updates)[: _row_axes(core)]
+            found = graph.position_axes(updates) & set(range(len(rows)))
+            if len(found) != 1 or math.prod(rows) != rows[next(iter(found))]:
+                return Refusal("not one row axis traced to the positions (others of size 1)")
             reason = "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions"
             return CoreMatch(self, reason, core, post)
         if not graph.is_static(indices):
             return Refusal("rows depend on the example (repeated rows add up before φ)")
+        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
         overlap = _windows_overlap(core, graph.static_value(indices), mode)
         if overlap:
             return Refusal(overlap)
@@ -2235,12 +2341,24 @@ class RowScatter(CoreRoute[CoreMatch]):
         idx, upd = _read(env, indices), _read(env, updates).astype(dtype)
         if not graph.is_batched(indices):
             idx = jnp.broadcast_to(idx, (upd.shape[0], *jnp.shape(idx)))
-        return idx.reshape(-1, idx.shape[-1]), upd.reshape(-1, *upd.shape[2:])
+        window = upd.shape[1 + _row_axes(m.core) :]
+        return idx.reshape(-1, idx.shape[-1]), upd.reshape(-1, *window)
 
     def _scatter(self, m: CoreMatch, idx: Array, upd: Array) -> Array:
+        """scatter-add(0, idx [R, k], upd [R, *window]) as the core writes its rows."""
         zeros = jnp.zeros(_shape(m.core.outvars[0]), upd.dtype)
-        dn, mode = m.core.params["dimension_numbers"], m.core.params["mode"]
-        return jax.lax.scatter_add(zeros, idx, upd, dn, mode=mode)
+        return jax.lax.scatter_add(zeros, idx, upd, _rows_dn(m.core), mode=m.core.params["mode"])
+
+    def _gather(self, m: CoreMatch, table: Array, idx: Array) -> Array:
+        """The rows `idx` [R, k] of `table`: [R, *window] (clamped: read where they land)."""
+        dn = _rows_dn(m.core)
+        gather_dn = jax.lax.GatherDimensionNumbers(
+            offset_dims=tuple(dn.update_window_dims),
+            collapsed_slice_dims=tuple(dn.inserted_window_dims),
+            start_index_map=tuple(dn.scatter_dims_to_operand_dims),
+        )
+        clip = jax.lax.GatherScatterMode.CLIP
+        return jax.lax.gather(table, idx, gather_dn, _window_sizes(m.core), mode=clip)
 
     def _in_bounds(self, m: CoreMatch, idx: Array) -> Array:
         """[rows] bool: the row's window is written (always, after clamping, in CLIP mode)."""
@@ -2251,32 +2369,35 @@ class RowScatter(CoreRoute[CoreMatch]):
         limit = jnp.asarray([_shape(m.core.outvars[0])[d] - sizes[d] for d in dims], idx.dtype)
         return jnp.all((idx >= 0) & (idx <= limit), axis=-1)
 
+    def _units(
+        self, graph: Graph, m: CoreMatch, env: Env, dtype: Any, what: str
+    ) -> tuple[Array, Array, Array]:
+        """Rows (indices [R', k], updates [R', *window], written [R'] bool) such that every
+        entry of every unit's gradient is one row's update or 0 (for `what` = "sum", such
+        that the rows add up to it): here the core's own rows."""
+        idx, upd = self._rows(graph, m, env, dtype)
+        return idx, upd, self._in_bounds(m, idx)
+
     def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
         dtype, n = leaf.stat_dtype, graph.n_units
-        idx, upd = self._rows(graph, m, env, dtype)
+        idx, upd, ok = self._units(graph, m, env, dtype, what)
+        written = ok.reshape(-1, *[1] * (upd.ndim - 1))
         if what in _PHI:
             phi = _PHI[what]
-            return _replay(m.post, self._scatter(m, idx, phi(upd) * (1.0 / n)), env, phi)
+            rows = jnp.where(written, phi(upd), 0.0) * (1.0 / n)
+            return _replay(m.post, self._scatter(m, idx, rows), env, phi)
         if what == "norms":
-            ok = self._in_bounds(m, idx).astype(dtype)
-            rows = jnp.sum(upd * upd, axis=tuple(range(1, upd.ndim))) * ok
+            rows = jnp.sum(upd * upd, axis=tuple(range(1, upd.ndim))) * ok.astype(dtype)
             rows = rows.reshape(graph.n_examples, -1)
             if not graph.token:
                 rows = jnp.sum(rows, 1, keepdims=True)
             return rows * _scale_sq(m.post, env, dtype)
         # Σ_u (g_u − ḡ)²: units writing an entry contribute (upd − ḡ)², the others ḡ².
-        mean = self._scatter(m, idx, upd) / n
-        dn = m.core.params["dimension_numbers"]
-        gather_dn = jax.lax.GatherDimensionNumbers(
-            offset_dims=tuple(dn.update_window_dims),
-            collapsed_slice_dims=tuple(dn.inserted_window_dims),
-            start_index_map=tuple(dn.scatter_dims_to_operand_dims),
+        mean = self._scatter(m, idx, jnp.where(written, upd, 0.0)) / n
+        spread = self._scatter(
+            m, idx, jnp.where(written, (upd - self._gather(m, mean, idx)), 0.0) ** 2
         )
-        at_rows = jax.lax.gather(
-            mean, idx, gather_dn, _window_sizes(m.core), mode=jax.lax.GatherScatterMode.CLIP
-        )
-        spread = self._scatter(m, idx, (upd - at_rows) ** 2)
-        writers = self._scatter(m, idx, jnp.ones_like(upd))
+        writers = self._scatter(m, idx, jnp.where(written, 1.0, 0.0) * jnp.ones_like(upd))
         var = (spread + (n - writers) * mean * mean) / (n - 1)
         return _replay(m.post, var, env, jnp.square)
 
@@ -2295,6 +2416,8 @@ class RowScatter(CoreRoute[CoreMatch]):
     ) -> Array:
         _, indices, updates = m.core.invars
         idx, upd = _read(env, indices), _read(env, updates).astype(leaf.stat_dtype)
+        idx = jnp.reshape(idx, (-1, jnp.shape(idx)[-1]))
+        upd = upd.reshape(-1, *upd.shape[_row_axes(m.core) :])
         if graph.token:
             g = jax.vmap(lambda i, u: self._scatter(m, i[None], u[None]))(idx, upd)
         else:
@@ -2302,10 +2425,101 @@ class RowScatter(CoreRoute[CoreMatch]):
         return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
 
 
+class SegmentRows(RowScatter):
+    """Example granularity, rows that depend on the example (a token table's lookup): rows with
+    the same index add up before φ, so each example's rows are first summed per index — a
+    stable sort of the row keys and a segment sum, O(R log R + R·window) per example, never
+    the [B, table] gradient. Then each entry of g_i is one segment's sum or 0, and the row
+    identities hold with segments for rows. Proven: every indexed dimension has window size
+    1 or is read whole, so two rows' windows (after the mode's clamping) are identical or
+    disjoint."""
+
+    name = "segment-rows"
+
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
+        var = leaf.grad if var is None else var
+        if graph.token:
+            return Refusal("token granularity: one row per unit (row-scatter)")
+        core, post = graph.core(var)
+        if core is None or core.primitive.name != "scatter-add":
+            return Refusal("the gradient's last operation is not a scatter-add")
+        why = self._rows_refusal(graph, core)
+        if why:
+            return Refusal(why)
+        dims = core.params["dimension_numbers"].scatter_dims_to_operand_dims
+        sizes = _window_sizes(core)
+        table = _shape(core.outvars[0])
+        if any(sizes[d] not in (1, table[d]) for d in dims):
+            return Refusal("a window spans several rows: windows may partly overlap")
+        if math.prod(table[d] for d in dims) >= 2**31 - 1:
+            return Refusal("too many rows to key in 32 bits")
+        reason = (
+            "lookup rows, repeated rows summed per example (segment sums): g_i = Σ_r onehot ⊗ δ"
+        )
+        return CoreMatch(self, reason, core, post)
+
+    def factored_cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, what: str) -> Cost:
+        if what == "sum":
+            return super().factored_cost(graph, leaf, m, what)
+        rows = graph.n_examples * math.prod(_shape(m.core.invars[2]))
+        sort = graph.n_examples * math.prod(_shape(m.core.invars[1])) * 20.0
+        return Cost(4.0 * rows + sort, 4.0 * (2 * rows + leaf.size))
+
+    def _units(
+        self, graph: Graph, m: CoreMatch, env: Env, dtype: Any, what: str
+    ) -> tuple[Array, Array, Array]:
+        idx, upd = self._rows(graph, m, env, dtype)
+        ok = self._in_bounds(m, idx)
+        if what == "sum":  # linear: the rows add up the same without segments
+            return idx, upd, ok
+        per = idx.shape[0] // graph.n_examples
+        dims = m.core.params["dimension_numbers"].scatter_dims_to_operand_dims
+        table = _shape(m.core.outvars[0])
+        sizes = _window_sizes(m.core)
+        starts = [table[d] - sizes[d] + 1 for d in dims]  # 1 for a dimension read whole
+        limits = jnp.asarray([n - 1 for n in starts], idx.dtype)
+        at = jnp.clip(idx, 0, limits)  # where a row lands (CLIP); other rows out of bounds: ok 0
+        strides = np.cumprod([1, *starts[:0:-1]])[::-1]
+        key = jnp.where(ok, at @ jnp.asarray(strides, idx.dtype), -1)
+
+        def segments(key: Array, at: Array, upd: Array, ok: Array) -> tuple[Array, Array, Array]:
+            order = jnp.argsort(key, stable=True)
+            key, at, upd, ok = key[order], at[order], upd[order], ok[order]
+            starts = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+            segment = jnp.cumsum(starts) - 1
+            kept = jnp.where(ok.reshape(-1, *[1] * (upd.ndim - 1)), upd, 0.0)
+            sums = jax.ops.segment_sum(kept, segment, per)
+            where = jnp.zeros_like(at).at[segment].set(at)
+            written = jax.ops.segment_sum(ok.astype(jnp.int32), segment, per) > 0
+            return where, sums, written
+
+        shaped = (
+            key.reshape(graph.n_examples, per),
+            at.reshape(graph.n_examples, per, -1),
+            upd.reshape(graph.n_examples, per, *upd.shape[1:]),
+            ok.reshape(graph.n_examples, per),
+        )
+        where, sums, written = jax.vmap(segments)(*shaped)
+        return where.reshape(idx.shape), sums.reshape(upd.shape), written.reshape(-1)
+
+
+def _row_axes(core: jcore.JaxprEqn) -> int:
+    """How many leading axes of a scatter's updates index rows: all of its indices' but the
+    last (the index vector)."""
+    return len(_shape(core.invars[1])) - 1
+
+
+def _rows_dn(core: jcore.JaxprEqn) -> Any:
+    """The scatter's dimension numbers for rows laid out [R, *window]."""
+    dn = core.params["dimension_numbers"]
+    shift = _row_axes(core) - 1
+    return dn._replace(update_window_dims=tuple(d - shift for d in dn.update_window_dims))
+
+
 def _window_sizes(core: jcore.JaxprEqn) -> tuple[int, ...]:
     dn = core.params["dimension_numbers"]
     operand, updates = _shape(core.outvars[0]), _shape(core.invars[2])
-    window = iter(updates[1:])
+    window = iter(updates[_row_axes(core) :])
     return tuple(1 if d in dn.inserted_window_dims else next(window) for d in range(len(operand)))
 
 
@@ -2560,32 +2774,47 @@ _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 class HeadValue(Route[ValueMatch]):
     """Example granularity: the gradient needs no op of its own after the backward pass (a
-    bias, a norm layer's scale used once per example): g_i is a value the batched head
-    computes anyway — plain grad holds it too, as the cotangent it sums. Every statistic reads
-    it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the variance in two passes; nothing is formed
-    again, and the value dies where plain grad's does."""
+    bias, a norm layer's scale used once per example), or only layout and batch-independent
+    scalings (a bias added to x[None]: a sum over an axis of size 1): g_i is a value v_i the
+    batched head computes anyway — plain grad holds it too, as the cotangent it sums — or
+    post(v_i). Every statistic reads it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the variance
+    in two passes; nothing is formed again, and the value dies where plain grad's does."""
 
     name = "head-value"
 
     def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> ValueMatch | Refusal:
         if graph.token:
             return Refusal("token granularity: a unit is a position, not an example")
-        if graph.exclusive_tail(leaf.grad):
-            return Refusal("the gradient needs ops of its own after the backward pass")
-        if not (isinstance(leaf.grad, jcore.Var) and graph.is_batched(leaf.grad)):
+        value, post = leaf.grad, ()
+        tail = graph.exclusive_tail(leaf.grad)
+        if tail:
+            _, post = graph.core(leaf.grad)
+            if {id(e) for e in tail} != {id(p.eqn) for p in post}:
+                return Refusal("the gradient needs ops of its own after the backward pass")
+            value = post[0].eqn.invars[0]
+        if not (isinstance(value, jcore.Var) and graph.is_batched(value)):
             return Refusal("the gradient does not depend on the example")
-        return ValueMatch(self, _IN_HEAD, leaf.grad)
+        reason = _IN_HEAD if not post else f"{_IN_HEAD}, after {len(post)} layout/scaling ops"
+        return ValueMatch(self, reason, value, tuple(post))
 
     def reads(self, graph: Graph, m: ValueMatch) -> list[jcore.Var]:
-        return [m.grad] if isinstance(m.grad, jcore.Var) else []
+        grad = [m.grad] if isinstance(m.grad, jcore.Var) else []
+        return [*grad, *_factor_vars(m.post)]
 
     def cost(self, graph: Graph, leaf: Leaf, m: ValueMatch, methods: Mapping[str, str]) -> Cost:
         n = graph.n_examples * leaf.size
         return Cost(3.0 * n * len(methods), 4.0 * n)
 
+    def _g(self, leaf: Leaf, m: ValueMatch, env: Env) -> Array:
+        """[B, leaf size]: every example's gradient."""
+        g = jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)
+        if m.post:
+            g = jax.vmap(lambda v: _replay(m.post, v, env, _PHI["sum"]))(g)
+        return g.reshape(g.shape[0], -1)
+
     def compute(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, what: str) -> Array:
         dtype, n = leaf.stat_dtype, graph.n_examples
-        g = jnp.asarray(_read(env, m.grad)).astype(dtype).reshape(n, -1)
+        g = self._g(leaf, m, env)
         if what in _PHI:  # a mean, not a dot with ones: here XLA then holds fewer buffers
             return jnp.mean(_PHI[what](g), axis=0).reshape(leaf.shape)
         if what == "norms":
@@ -2596,12 +2825,15 @@ class HeadValue(Route[ValueMatch]):
         return (ones @ (centred * centred) * (n / (n - 1))).reshape(leaf.shape)
 
     def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
-        return _linear_sum(graph, leaf, m.grad, (), env, weights)
+        g = self._g(leaf, m, env)
+        total = jnp.tensordot(weights.reshape(-1).astype(g.dtype), g, axes=1) / graph.n_units
+        return total.reshape(leaf.shape)
 
     def per_unit(
         self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, example: Any, params: Any
     ) -> Array:
-        return jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)[None]
+        g = jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)
+        return _replay(m.post, g, env, _PHI["sum"])[None]
 
 
 class Fallback(Route[TailMatch]):
@@ -2740,7 +2972,8 @@ def _linear_sum(
 
 
 _OUTER_PRODUCT, _CONTRACTION = OuterProduct(), Contraction()
-_UNIT_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, UnitSum(), RowScatter())  # per-token terms
+_ROW_SCATTER = RowScatter()
+_UNIT_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, UnitSum(), _ROW_SCATTER)  # per-token terms
 _PART_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, _CONTRACTION)  # placed parts
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
 ROUTES: tuple[Route[Any], ...] = (
@@ -2750,6 +2983,7 @@ ROUTES: tuple[Route[Any], ...] = (
     _CONTRACTION,
     _UNIT_ROUTES[1],
     _UNIT_ROUTES[2],
+    SegmentRows(),
     Terms(),
     DisjointParts(),
     HeadValue(),
@@ -2800,6 +3034,9 @@ class LeafPlan:
             f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
         )
         body = f"{self.reason} [{methods}]"
+        if self.route == "fallback":  # the pattern each route saw, where it was its own kind
+            seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
+            body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
         lines = textwrap.wrap(head, 100, subsequent_indent="    ")
         return "\n".join(
             lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
@@ -2891,10 +3128,12 @@ def _execute(
         out = {}
         for p in ps:
             args, route = (graph, leaves[p.index], p.match, env), p.match.route
-            for what in (w for w in wanted if p.methods[w] == "factorized"):
-                out[what, p.index] = (
-                    route.compute(*args, what) if weights is None else route.clipped(*args, weights)
-                )
+            whats = [w for w in wanted if p.methods[w] == "factorized"]
+            if weights is not None:
+                out.update({(w, p.index): route.clipped(*args, weights) for w in whats})
+            elif whats:
+                found = route.compute_many(*args, whats)
+                out.update({(w, p.index): found[w] for w in whats})
         return out
 
     def on_ready(ready: list[int], env: dict) -> dict:

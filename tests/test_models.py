@@ -427,11 +427,11 @@ _EXAMPLE = {  # a weight reads every position of the example: sum of rank-one te
     "weight": "contraction",
     "q/k weight": "contraction",
     "pos_emb": "row-scatter",  # each position reads its own row
-    "tok_emb": "fallback",  # a token may recur in a sequence: rows are sums, squared whole
-    "norm": "fallback",  # a per-example gradient of size d: materialized, cheaply
-    "final_norm": "fallback",
-    "bias": "fallback",
-    "q bias": "fallback",
+    "tok_emb": "segment-rows",  # a token may recur in a sequence: rows summed per example
+    "norm": "unit-sum",  # a sum over positions: one reduction of a head value per example
+    "final_norm": "unit-sum",
+    "bias": "unit-sum",
+    "q bias": "unit-sum",
 }
 _TOKEN = {  # each position is a unit: every weight gradient is rank one
     "weight": "outer-product",
@@ -450,7 +450,8 @@ ROUTES = {
     ("mlp", "example"): {"weight": "outer-product", "bias": "head-value"},
     ("lm-learned-untied", "example"): _EXAMPLE,
     ("lm-learned-untied", "token"): _TOKEN,
-    ("lm-rotary-tied-gqa", "example"): _ROTARY_EXAMPLE,
+    # The tied table's rows and the head's dense product add up before φ: per example.
+    ("lm-rotary-tied-gqa", "example"): {**_ROTARY_EXAMPLE, "tok_emb": "fallback"},
     ("lm-rotary-tied-gqa", "token"): {
         **_ROTARY_TOKEN,
         "tok_emb": "terms",  # gathered rows plus the tied head's rank-one terms
@@ -515,5 +516,9 @@ def test_the_cheapest_plan_takes_the_routes_on_a_wider_model(granularity: str):
     routes = explain(choose="first")
     assert [p.route for p in cheapest] == [p.route for p in routes]
     # The head is tied: at token granularity the table's rows are gathered and read by it.
-    expected = _EXAMPLE if granularity == "example" else {**_TOKEN, "tok_emb": "terms"}
+    expected = (
+        {**_EXAMPLE, "tok_emb": "fallback"}
+        if granularity == "example"
+        else {**_TOKEN, "tok_emb": "terms"}
+    )
     assert [p.route for p in cheapest] == [expected[_kind(p.leaf)] for p in cheapest]

@@ -77,8 +77,9 @@ def test_explain_names_the_route_of_every_leaf():
     batch = seq.example(jax.random.key(1), 3)
     example_level = _plans(seq.loss, params, batch)
     assert example_level["['w']"].route == "contraction"
-    # sq_mean materializes per-example gradients, and then their sum comes with them
-    assert dict(example_level["['w']"].methods) == {"sum": "chunked", "sq": "chunked"}
+    # the head holds both operands: sq is formed per example in bounded chunks of the batch,
+    # and the sum comes out of the same scan
+    assert dict(example_level["['w']"].methods) == {"sum": "factorized", "sq": "factorized"}
     assert _plans(seq.loss, params, batch, ("mean",))["['w']"].status == "factorized"
     tokens = _plans(seq.loss, params, batch, ("sq_mean",), granularity="token")
     assert tokens["['w']"].route == "outer-product" and tokens["['b']"].route == "unit-sum"
@@ -89,7 +90,8 @@ def test_explain_names_the_route_of_every_leaf():
     batch = emb.example(jax.random.key(1), 3)
     rows = _plans(emb.loss, params, batch, ("sq_mean",))
     assert rows["['pos']"].route == "row-scatter" and rows["['pos']"].status == "factorized"
-    assert rows["['emb']"].route == "fallback"  # a token may repeat within an example
+    # a token may repeat within an example: row-scatter refuses, segment-rows sums the repeats
+    assert rows["['emb']"].route == "segment-rows" and rows["['emb']"].status == "factorized"
     assert "depend on the example" in dict(rows["['emb']"].refused)["row-scatter"]
 
 

@@ -135,6 +135,89 @@ def nnx_mlp(key: jax.Array) -> tuple[Any, Callable]:
     return params, _standard_promotion(loss)
 
 
+# -- Library models called on a batch of one: x[None] -----------------------------------------
+
+V = 11  # vocabulary of the language models
+
+
+class LinenGPT(nn.Module):
+    """A GPT as Flax users write it: token and position `Embed`s, pre-norm blocks of attention
+    and a Dense MLP with biases, a final LayerNorm, an untied head or the embedding's `attend`;
+    called on a batch [1, T] of token ids."""
+
+    tied: bool = False
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        dense = dict(dtype=F64, param_dtype=F64)
+        embed = nn.Embed(V, D, **dense)
+        x = embed(tokens) + nn.Embed(T, D, **dense)(jnp.arange(tokens.shape[-1])[None])
+        mask = nn.make_causal_mask(jnp.ones(tokens.shape))
+        h = nn.LayerNorm(**dense)(x)
+        x = x + nn.MultiHeadDotProductAttention(2, use_bias=False, **dense)(h, h, mask=mask)
+        h = nn.LayerNorm(**dense)(x)
+        x = x + nn.Dense(D, **dense)(nn.gelu(nn.Dense(8, **dense)(h)))
+        x = nn.LayerNorm(**dense)(x)
+        return embed.attend(x) if self.tied else nn.Dense(V, **dense)(x)
+
+
+def _next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(log_probs, tokens[1:, None], axis=-1))
+
+
+def linen_gpt(key: jax.Array, tied: bool = False) -> tuple[Any, Callable]:
+    module = LinenGPT(tied=tied)
+    with jax.numpy_dtype_promotion("standard"):
+        params = module.init(key, jnp.zeros((1, T), jnp.int32))
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        return _next_token_loss(module.apply(p, tokens[None, :-1])[0], tokens)
+
+    return params, _standard_promotion(loss)
+
+
+def _token_windows(key: jax.Array, b: int) -> jax.Array:
+    """Token ids [B, T + 1] with repeats (a window predicts its own next tokens)."""
+    return jax.random.randint(key, (b, T + 1), 0, 4)
+
+
+class NnxTagger(nnx.Module):
+    """NNX layers on a batch [1, T]: an untied token table, a Linear with bias, a LayerNorm."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs, param_dtype=F64, dtype=F64)
+        self.hidden = nnx.Linear(D, 8, rngs=rngs, param_dtype=F64, dtype=F64)
+        self.norm = nnx.LayerNorm(8, rngs=rngs, param_dtype=F64, dtype=F64)
+        self.out = nnx.Linear(8, V, rngs=rngs, param_dtype=F64, dtype=F64)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.out(self.norm(jax.nn.silu(self.hidden(self.embed(tokens)))))
+
+
+def nnx_tagger(key: jax.Array) -> tuple[Any, Callable]:
+    with jax.numpy_dtype_promotion("standard"):
+        graphdef, params = nnx.split(NnxTagger(nnx.Rngs(params=key)), nnx.Param)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        return _next_token_loss(nnx.merge(graphdef, p)(tokens[None, :-1])[0], tokens)
+
+    return params, _standard_promotion(loss)
+
+
+def unit_batch_mlp(key: jax.Array) -> tuple[Any, Callable]:
+    """A dense layer and its bias written for batches, called on x[None]."""
+    k1, k2 = jax.random.split(key)
+    params = {"w": _normal(k1, D, 8) / 3, "b": 0.1 * _normal(k2, 8), "v": _normal(k2, 8, 3) / 3}
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+        h = jnp.tanh(x[None] @ p["w"] + p["b"])  # [1, 8]
+        return jnp.sum((h @ p["v"] - y[None]) ** 2)
+
+    return params, loss
+
+
 # -- Equinox's own layers ------------------------------------------------------------------------
 
 
@@ -321,4 +404,8 @@ MODELS = [
     Model("scanned_stack", scanned_stack, lambda k, b: _vectors(k, b, D, D)),
     Model("looped_stack", looped_stack, lambda k, b: _vectors(k, b, D, D)),
     Model("relative_position", relative_position_attention, _sequences),
+    Model("linen_gpt", linen_gpt, _token_windows),
+    Model("linen_gpt_tied", lambda key: linen_gpt(key, tied=True), _token_windows),
+    Model("nnx_tagger", nnx_tagger, _token_windows),
+    Model("unit_batch_mlp", unit_batch_mlp, _vectors),
 ]
