@@ -2314,14 +2314,20 @@ class RowScatter(CoreRoute[CoreMatch]):
             return f"scatter mode {mode}"
         return ""
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
-        var = leaf.grad if var is None else var
+    def _rows_core(self, graph: Graph, var: Atom) -> tuple[Any, tuple] | Refusal:
+        """`var`'s core and the ops after it, if the core scatters batched rows into a
+        proven-zero table (one window per row, a mode that clamps or drops)."""
         core, post = graph.core(var)
         if core is None or core.primitive.name != "scatter-add":
             return Refusal("the gradient's last operation is not a scatter-add")
         why = self._rows_refusal(graph, core)
-        if why:
-            return Refusal(why)
+        return Refusal(why) if why else (core, post)
+
+    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
+        found = self._rows_core(graph, leaf.grad if var is None else var)
+        if isinstance(found, Refusal):
+            return found
+        core, post = found
         indices, updates = core.invars[1:]
         if graph.token:
             rows = _shape(updates)[: _row_axes(core)]
@@ -2445,15 +2451,12 @@ class SegmentRows(RowScatter):
     name = "segment-rows"
 
     def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
-        var = leaf.grad if var is None else var
         if graph.token:
             return Refusal("token granularity: one row per unit (row-scatter)")
-        core, post = graph.core(var)
-        if core is None or core.primitive.name != "scatter-add":
-            return Refusal("the gradient's last operation is not a scatter-add")
-        why = self._rows_refusal(graph, core)
-        if why:
-            return Refusal(why)
+        found = self._rows_core(graph, leaf.grad if var is None else var)
+        if isinstance(found, Refusal):
+            return found
+        core, post = found
         dims = core.params["dimension_numbers"].scatter_dims_to_operand_dims
         sizes = _window_sizes(core)
         table = _shape(core.outvars[0])
