@@ -2264,8 +2264,8 @@ class UnitSum(CoreRoute[UnitSumMatch]):
             return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(m.post, env, dtype)
         g = _merge01(g)
         if what == "var":
-            centered = g - jnp.mean(g, 0)
-            return _replay(m.post, jnp.sum(centered * centered, 0) / (n - 1), env, jnp.square)
+            centered = g - _sum0(g) / g.shape[0]
+            return _replay(m.post, _sum0(centered * centered) / (n - 1), env, jnp.square)
         phi = _PHI[what]
         return _replay(m.post, _sum0(phi(g)) * (1.0 / n), env, phi)
 
