@@ -60,7 +60,7 @@ import dataclasses
 import functools
 import math
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
 import jax
@@ -1886,6 +1886,26 @@ def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Ar
     return a, b
 
 
+class DotCore(CoreRoute[C]):
+    """A route whose core is a dot_general and whose means of φ are sums over examples and
+    units of φ(core_u): computed per slice of the dot's batch dims, so that they can also be
+    formed one scan iteration at a time (InScan)."""
+
+    def core_sums(
+        self, graph: Graph, m: C, env: Env, dtype: Any, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        """(1/N) Σ_u φ(core_u) for each φ in `wanted`, in the core's output coordinates."""
+        return {w: _dot_core_sum(graph, m, env, dtype, w) for w in wanted}
+
+    def compute_many(
+        self, graph: Graph, leaf: Leaf, m: C, env: Env, wanted: Sequence[str]
+    ) -> dict[str, Array]:
+        phis = [w for w in wanted if w in _PHI]
+        sums = self.core_sums(graph, m, env, leaf.stat_dtype, phis)
+        out = {w: _replay(m.post, g, env, _PHI[w]) for w, g in sums.items()}
+        return {**out, **{w: self.compute(graph, leaf, m, env, w) for w in wanted if w not in out}}
+
+
 def _units_layout(x: Array, batch: Sequence[int], units: Sequence[int]) -> Array:
     """[B, ...] -> [B, U, nb, f]: units, batch dims (in order), free dims (in order)."""
     batch1, units1 = _shift(batch), _shift(units)
@@ -1904,20 +1924,28 @@ def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
     return weights.reshape(shape)
 
 
-def _dot_sum(
-    graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str, weights: Array | None = None
+def _dot_core_sum(
+    graph: Graph, m: CoreMatch, env: Env, dtype: Any, what: str, weights: Array | None = None
 ) -> Array:
-    """(1/N) Σ_u φ(a_u ⊗ b_u) as one dot_general contracting the examples and the unit axes
-    (φ = identity when `weights` [B, U] scale the units)."""
-    dtype, phi = leaf.stat_dtype, _PHI[what]
+    """(1/N) Σ_u φ(a_u ⊗ b_u) in the core's coordinates (before `post`), as one dot_general
+    contracting the examples and the unit axes (φ = identity when `weights` [B, U] scale
+    the units)."""
+    phi = _PHI[what]
     a, b = _operands(m.core, env, dtype, tie=weights is None)
     a = phi(a)
     if weights is not None:  # the units' axes of a: the contracted ones for a rank-one core
         units = m.units[0] if isinstance(m, RankOneMatch) else ()
         a = a * _unit_weights(weights.astype(dtype), a.ndim, units)
     dn = _over_examples(*_dot_dims(m.core))
-    g = jax.lax.dot_general(a * (1.0 / graph.n_units), phi(b), dn, preferred_element_type=dtype)
-    return _replay(m.post, g, env, phi)
+    return jax.lax.dot_general(a * (1.0 / graph.n_units), phi(b), dn, preferred_element_type=dtype)
+
+
+def _dot_sum(
+    graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str, weights: Array | None = None
+) -> Array:
+    """(1/N) Σ_u φ(g_u) of the leaf (or the clipped mean): _dot_core_sum, then `post`."""
+    g = _dot_core_sum(graph, m, env, leaf.stat_dtype, what, weights)
+    return _replay(m.post, g, env, _PHI[what])
 
 
 class Empty(Route[Match]):
@@ -1978,7 +2006,7 @@ class Constant(Route[ValueMatch]):
         return self._g(leaf, m, env) * (jnp.sum(weights) / graph.n_units).astype(leaf.stat_dtype)
 
 
-class OuterProduct(CoreRoute[RankOneMatch]):
+class OuterProduct(DotCore[RankOneMatch]):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
     contracts nothing but the unit axes — no axis at example granularity (a dense weight used
     once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
@@ -2029,8 +2057,6 @@ class OuterProduct(CoreRoute[RankOneMatch]):
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
     def compute(self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, what: str) -> Array:
-        if what in _PHI:
-            return _dot_sum(graph, leaf, m, env, what)
         dtype, n = leaf.stat_dtype, graph.n_units
         _, _, lb, rb = _dot_dims(m.core)
         a, b = _operands(m.core, env, dtype, tie=False)
@@ -2079,7 +2105,7 @@ class OuterProduct(CoreRoute[RankOneMatch]):
         return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
 
 
-class Contraction(CoreRoute[CoreMatch]):
+class Contraction(DotCore[CoreMatch]):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
@@ -2142,42 +2168,34 @@ class Contraction(CoreRoute[CoreMatch]):
     def unit_flops(self, graph: Graph, leaf: Leaf, m: CoreMatch) -> float:
         return 2.0 * leaf.size * self._sizes(m)[0]
 
-    def _phi_sums(
-        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, wanted: Sequence[str]
+    def core_sums(
+        self, graph: Graph, m: CoreMatch, env: Env, dtype: Any, wanted: Sequence[str]
     ) -> dict[str, Array]:
-        """(1/N) Σ_i φ(g_i) for each φ wanted, from per-example gradients formed c examples at
-        a time (one scan over chunks; c · leaf entries at most the operands' size, or the
-        caller's chunk_size). Padding examples have zero operands: g = 0, φ(0) = 0."""
-        dtype, n = leaf.stat_dtype, graph.n_examples
+        """sq and sign from per-example gradients formed c examples at a time (one scan over
+        chunks; c per-example gradients hold at most as many numbers as the operands, or the
+        caller's chunk_size), which give the sum too. Padding examples have zero operands:
+        g = 0, φ(0) = 0."""
+        formed = [w for w in wanted if w in ("sq", "sign")]
+        if not formed:
+            return super().core_sums(graph, m, env, dtype, wanted)
+        formed += ["sum"] if "sum" in wanted else []
+        n = graph.n_examples
         lc, rc, lb, rb = _dot_dims(m.core)
         a, b = _operands(m.core, env, dtype, tie=False)
-        c = min(n, graph.chunk_size or max(1, (a.size + b.size) // max(1, leaf.size)))
+        dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
+        one = jax.eval_shape(dot, a[0], b[0])
+        c = min(n, graph.chunk_size or max(1, (a.size + b.size) // max(1, one.size)))
         pad = -n % c
         a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
 
         def chunk(totals: list[Array], operands: tuple[Array, Array]) -> tuple[list, None]:
-            dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
             g = jax.vmap(dot)(*operands)
-            return [t + _sum0(_PHI[w](g)) for t, w in zip(totals, wanted, strict=True)], None
+            return [t + _sum0(_PHI[w](g)) for t, w in zip(totals, formed, strict=True)], None
 
         split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
-        zeros = [jnp.zeros(_shape(m.core.outvars[0]), dtype) for _ in wanted]
+        zeros = [jnp.zeros(one.shape, dtype) for _ in formed]
         totals, _ = jax.lax.scan(chunk, zeros, (split(a), split(b)))
-        return {
-            w: _replay(m.post, t * (1.0 / n), env, _PHI[w])
-            for w, t in zip(wanted, totals, strict=True)
-        }
-
-    def compute_many(
-        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, wanted: Sequence[str]
-    ) -> dict[str, Array]:
-        """Where sq or sign are wanted, the per-example gradients they form give the sum too."""
-        formed = [w for w in wanted if w in ("sq", "sign")]
-        if formed and "sum" in wanted:
-            formed.append("sum")
-        out = self._phi_sums(graph, leaf, m, env, formed) if formed else {}
-        rest = [w for w in wanted if w not in out]
-        return {**out, **super().compute_many(graph, leaf, m, env, rest)}
+        return {w: t * (1.0 / n) for w, t in zip(formed, totals, strict=True)}
 
     def cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, methods: Mapping[str, str]) -> Cost:
         total = super().cost(graph, leaf, m, methods)
@@ -2189,11 +2207,7 @@ class Contraction(CoreRoute[CoreMatch]):
         return total
 
     def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
-        if what == "sum":
-            return _dot_sum(graph, leaf, m, env, what)
-        if what in ("sq", "sign"):
-            return self._phi_sums(graph, leaf, m, env, [what])[what]
-        assert what == "norms"
+        assert what == "norms"  # the means of φ: core_sums
         dtype = leaf.stat_dtype
         lc, rc, lb, rb = _dot_dims(m.core)
         a, b = _operands(m.core, env, dtype, tie=False)
@@ -2565,7 +2579,7 @@ class _Composite(Route[T]):
         raise NotImplementedError
 
     def compute(self, graph: Graph, leaf: Leaf, m: T, env: Env, what: str) -> Array:
-        parts = [p.route.compute(graph, leaf, p, env, what) for p in m.parts]
+        parts = [p.route.compute_many(graph, leaf, p, env, [what])[what] for p in m.parts]
         return self._combine(m, parts, what, env)
 
     def clipped(self, graph: Graph, leaf: Leaf, m: T, env: Env, weights: Array) -> Array:
@@ -3007,6 +3021,56 @@ ROUTES: tuple[Route[Any], ...] = (
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class InScan:
+    """Where a leaf's means of φ are formed inside a scan: its core is a dot_general of two
+    values the scan stacks (stacked outputs or scanned inputs) that keeps the iterations
+    apart (a batch dim of both operands). Each mean is then a sum over examples and units per
+    slice of that axis, so the scan body forms slice t from iteration t's operands of the
+    whole batch, and no stacked operand outlives the loop (plain grad contracts inside it
+    too)."""
+
+    match: CoreMatch  # the leaf's, by a DotCore route
+    scan: jcore.JaxprEqn
+    operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
+    axis: int  # the core's output axis over iterations
+    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign"
+
+
+def _in_scan(graph: Graph, m: Match, methods: Mapping[str, str]) -> InScan | None:
+    """The proof that `m`'s means of φ can be formed inside a scan (InScan), or None."""
+    if not isinstance(m.route, DotCore) or not isinstance(m, CoreMatch):
+        return None
+    if any(w not in _PHI or how != "factorized" for w, how in methods.items()):
+        return None  # norms, variance, clipping read the operands of every layer at once
+    a, b = m.core.invars[:2]
+    scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, jcore.Var)]
+    scans = [e for e in scans if e is not None and e.primitive.name == "scan"]
+    if not scans:
+        return None
+    scan = scans[0]
+    operands = [_per_iteration(scan, v) for v in (a, b)]
+    _, _, lb, rb = _dot_dims(m.core)
+    axes = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
+    if operands[0] is None or operands[1] is None or not axes:
+        return None
+    return InScan(m, scan, (operands[0], operands[1]), axes[0], tuple(methods))
+
+
+def _per_iteration(scan: jcore.JaxprEqn, var: Any) -> Atom | None:
+    """The body's value at iteration t of `var`'s slice t (along axis 0): `var` a stacked
+    output of `scan` or one of its scanned inputs; else None."""
+    body = scan.params["jaxpr"].jaxpr
+    nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
+    for k, v in enumerate(scan.outvars):
+        if v is var and k >= ncar:
+            return body.outvars[k]
+    for k, v in enumerate(scan.invars):
+        if v is var and k >= nc + ncar:
+            return body.invars[k]
+    return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class LeafPlan:
     """How impl="factorized" computes one parameter leaf's statistics (pure data).
 
@@ -3024,6 +3088,7 @@ class LeafPlan:
     cost: "Cost"
     refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
     index: int = dataclasses.field(repr=False, default=0)
+    in_scan: InScan | None = dataclasses.field(repr=False, default=None)
 
     @property
     def route(self) -> str:  # the route taken: a name in ROUTES
@@ -3045,6 +3110,8 @@ class LeafPlan:
             f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
         )
         body = f"{self.reason} [{methods}]"
+        if self.in_scan is not None:
+            body += "; formed inside the scan, one iteration at a time"
         if self.route == "fallback":  # the pattern each route saw, where it was its own kind
             seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
             body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
@@ -3106,7 +3173,11 @@ def plan(
                 best = (cost.seconds, m, methods, cost)
         assert best is not None  # the fallback always matches
         _, m, methods, cost = best
-        plans.append(LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index))
+        in_scan = _in_scan(graph, m, methods)
+        refusals = tuple(refused)
+        plans.append(
+            LeafPlan(leaf.path, leaf.shape, m, methods, cost, refusals, leaf.index, in_scan)
+        )
     return tuple(plans)
 
 
@@ -3153,8 +3224,20 @@ def _execute(
             results.update(factorized([plans[i]], early, _masked(graph, env, keep, reads[i])))
         return results
 
-    reads = [p.match.route.reads(graph, p.match) for p in plans]
-    losses, batched, unbatched, results, aux = _run_head(graph, reads, params, batch, on_ready)
+    in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
+    reads = [
+        _factor_vars(in_scan[p.index].match.post)
+        if p.index in in_scan
+        else p.match.route.reads(graph, p.match)
+        for p in plans
+    ]
+    losses, batched, unbatched, results, aux = _run_head(
+        graph, reads, params, batch, on_ready, in_scan, keep
+    )
+    for i, job in in_scan.items():  # their means exist in core coordinates: apply the post
+        env = {**batched, **unbatched}
+        for w in job.means:
+            results[w, i] = _replay(job.match.post, results[w, i], env, _PHI[w])
 
     def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
         found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
@@ -3229,6 +3312,8 @@ def _run_head(
     params: PyTree,
     batch: PyTree,
     on_ready: Callable[[list[int], dict], dict],
+    in_scan: Mapping[int, InScan],
+    keep: Array | None,
 ) -> tuple[Array, dict, dict, dict, PyTree]:
     """Losses [B], the values the routes read (batched ones with a leading B, others once),
     the factorized results and the auxiliary outputs [B, ...].
@@ -3237,14 +3322,22 @@ def _run_head(
     segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
     factorized ingredients, and an optimization barrier makes the rest of the backward pass
     wait for them, so that each leaf's statistics are computed where plain grad computes its
-    gradient and the activations they read die as early as they do there."""
+    gradient and the activations they read die as early as they do there. The `in_scan`
+    leaves' sums are formed inside their scans (`_scan_with_sums`, `keep` the examples kept)."""
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
     wanted = [v for v in [*outputs, *interface] if isinstance(v, jcore.Var)]
-    head = _needed_by(jaxpr, wanted)
+    jobs: dict[int, dict[int, InScan]] = {}
+    for i, job in in_scan.items():
+        jobs.setdefault(id(job.scan), {})[i] = job
+    forced = [job.scan.outvars[0] for job in in_scan.values()]
+    head = _needed_by(jaxpr, [*wanted, *forced])  # the scans run even if nothing else reads them
     made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
-    ready_at = [max((made_at[v] for v in vs if v in made_at), default=-1) for vs in reads]
+    ready_at = [
+        -2 if i in in_scan else max((made_at[v] for v in vs if v in made_at), default=-1)
+        for i, vs in enumerate(reads)
+    ]
     last_use: dict[Any, int] = dict.fromkeys(wanted, len(head))  # kept to the end
     for k, eqn in enumerate(head):
         for v in eqn.invars:
@@ -3256,9 +3349,10 @@ def _run_head(
     inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
     values.update(zip(jaxpr.invars, inputs, strict=True))
     start, results = 0, {}
-    for cut in sorted({*ready_at, len(head) - 1}):
+    for cut in sorted({*ready_at, len(head) - 1} - {-2}):
         if head[start : cut + 1]:
-            _run_segment(graph, head[start : cut + 1], values, cut, last_use)
+            found = _run_segment(graph, head[start : cut + 1], values, cut, last_use, jobs, keep)
+            results.update(found)
         start = max(start, cut + 1)
         ready = [i for i, r in enumerate(ready_at) if r == cut]
         if ready:
@@ -3281,9 +3375,18 @@ def _run_head(
     )
 
 
-def _run_segment(graph: Graph, segment: list[Any], values: dict, end: int, last_use: dict) -> None:
+def _run_segment(
+    graph: Graph,
+    segment: list[Any],
+    values: dict,
+    end: int,
+    last_use: dict,
+    jobs: Mapping[int, Mapping[int, InScan]],
+    keep: Array | None,
+) -> dict:
     """Evaluate head equations batched (vmap over examples), adding to `values` every result
-    used after position `end`."""
+    used after position `end`; the scans with `jobs` form their leaves' sums inside (returned:
+    (ingredient, leaf index) -> the mean in the core's coordinates)."""
     produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
     reads = list(
         dict.fromkeys(
@@ -3296,23 +3399,91 @@ def _run_segment(graph: Graph, segment: list[Any], values: dict, end: int, last_
     outs_b = [v for v in outs if v in graph.batched]
     outs_u = [v for v in outs if v not in graph.batched]
 
-    if not reads_b:  # nothing here depends on the example
+    if not reads_b:  # nothing here depends on the example (so no scan with jobs either)
         env = {v: values[v] for v in reads_u}
         _evaluate(segment, env)
         values.update((v, env[v]) for v in outs)
-        return
+        return {}
 
-    def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list]:
+    def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list, dict]:
         env = dict(zip(reads_b, batched_in, strict=True))
         env.update(zip(reads_u, unbatched_in, strict=True))
-        _evaluate(segment, env)
-        return [env[v] for v in outs_b], [env[v] for v in outs_u]
+        sums: dict = {}
+        read = {v for e in segment for v in e.invars if isinstance(v, jcore.Var)} | set(outs)
 
-    got_b, got_u = jax.vmap(one_example, in_axes=(0, None), out_axes=(0, None))(
-        [values[v] for v in reads_b], [values[v] for v in reads_u]
-    )
+        def bind(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+            if id(eqn) not in jobs:
+                return _bind(eqn, invals)
+            outs, found = _scan_with_sums(graph, eqn, invals, jobs[id(eqn)], keep, read)
+            sums.update(found)
+            return outs
+
+        _evaluate(segment, env, bind=bind)
+        return [env[v] for v in outs_b], [env[v] for v in outs_u], sums
+
+    got_b, got_u, sums = jax.vmap(
+        one_example, in_axes=(0, None), out_axes=(0, None, None), axis_name=_EXAMPLES
+    )([values[v] for v in reads_b], [values[v] for v in reads_u])
     values.update(zip(outs_b, got_b, strict=True))
     values.update(zip(outs_u, got_u, strict=True))
+    return sums
+
+
+_EXAMPLES = "pegrad_examples"  # the head's vmap axis, over which in-scan sums gather the batch
+
+
+def _scan_with_sums(
+    graph: Graph,
+    scan: jcore.JaxprEqn,
+    invals: list[Any],
+    jobs: Mapping[int, InScan],
+    keep: Array | None,
+    read: Container[Any],
+) -> tuple[list[Any], dict]:
+    """`scan` evaluated for one example inside the head's vmap, its body also forming the
+    means of φ of the leaves with `jobs` (leaf index -> InScan): at iteration t the operands
+    of the whole batch are gathered over the vmap's axis (no copy: the batched value itself),
+    and the route reduces them as one slice of its core (the iteration axis of size 1).
+    Returns the scan's outputs and, per (ingredient, leaf index), the stacked means in the
+    core's coordinates (unbatched). Stacked outputs nobody `read`s are not formed (None): the
+    operands hoisting emitted for these leaves, now consumed inside."""
+    params, body = scan.params, scan.params["jaxpr"]
+    nc, ncar = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    stacked = [k for k in range(ncar, len(scan.outvars)) if scan.outvars[k] in read]
+    extra = [v for job in jobs.values() for v in job.operands]
+    wanted = [*body.jaxpr.outvars[:ncar], *(body.jaxpr.outvars[k] for k in stacked), *extra]
+
+    def step(carry: list, x: list) -> tuple[list, tuple[list, list]]:
+        outs = _run(body.jaxpr, body.consts, [*consts, *carry, *x], outs=wanted)
+        n_out = ncar + len(stacked)
+        operands, sums = iter(outs[n_out:]), []
+        for i, job in jobs.items():
+            m, env = job.match, {}
+            for var in m.core.invars[:2]:
+                value = jax.lax.all_gather(next(operands), _EXAMPLES)
+                value = value if keep is None else _where_units(keep, value)
+                env[var] = jnp.expand_dims(value, 1)  # the core's operand, one iteration
+            assert isinstance(m.route, DotCore)
+            found = m.route.core_sums(graph, m, env, graph.leaves[i].stat_dtype, job.means)
+            sums.append([jnp.squeeze(found[w], job.axis) for w in job.means])
+        return outs[:ncar], (outs[ncar:n_out], sums)
+
+    carry, (ys_read, sums) = jax.lax.scan(
+        step,
+        list(init),
+        list(xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params.get("unroll", 1),
+    )
+    found = {
+        (w, i): jnp.moveaxis(stacked, 0, job.axis)
+        for (i, job), per_leaf in zip(jobs.items(), sums, strict=True)
+        for w, stacked in zip(job.means, per_leaf, strict=True)
+    }
+    ys = dict(zip(stacked, ys_read, strict=True))
+    return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 
 
 def _chunk(graph: Graph, chunk_size: int | None, chunked: Mapping[int, Any], batched: dict) -> int:

@@ -1,0 +1,158 @@
+"""Means of φ formed inside the scan that stacks a weight's layers (DESIGN: InScan): the scan
+body sums φ(g) over the batch one layer per iteration, so no stacked operand outlives the loop.
+Equal to the naive loop (float64, B 1/2/5, with a mask; granularity="token" refuses a scan over
+layers, SPEC §3); taken
+only where its proof holds — each precondition is broken once below and the leaf then computes
+its statistics after the scan, as before."""
+
+from collections import Counter
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close, naive_stats, naive_unit_grads
+from test_pegrad import _scan_case
+
+import pegrad
+
+F64 = jnp.float64
+L, T, D = 3, 4, 5
+PHI_STATS = [("mean",), ("sq_mean",), ("mean", "sq_mean"), ("sign_mean", "mean")]
+
+
+def _sequence_stack(key: jax.Array) -> tuple[Any, Any]:
+    """Stacked layers [L, D, D] applied by lax.scan to every position of [T, D]: each layer's
+    dot contracts the positions (contraction)."""
+    k1, k2 = jax.random.split(key)
+    params = {
+        "layers": jax.random.normal(k1, (L, D, D), F64) / D,
+        "gains": 1.0 + 0.1 * jax.random.normal(k2, (L, D), F64),
+    }
+
+    def loss(p: Any, ex: Any) -> jax.Array:
+        x, y = ex
+
+        def layer(h: jax.Array, weights: tuple) -> tuple[jax.Array, None]:
+            w, g = weights
+            return h + g * jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(layer, x, (p["layers"], p["gains"]))
+        return jnp.mean((h - y) ** 2)
+
+    return params, loss
+
+
+def _vector_stack(key: jax.Array) -> tuple[Any, Any]:
+    """The same stack on one vector per example: each layer's dot is rank one (outer-product)."""
+    params, loss = _sequence_stack(key)
+    return params, lambda p, ex: loss(p, (ex[0][None], ex[1][None]))
+
+
+def _batch(key: jax.Array, n: int, sequence: bool) -> tuple[jax.Array, jax.Array]:
+    shape = (n, T, D) if sequence else (n, D)
+    kx, ky = jax.random.split(key)
+    return jax.random.normal(kx, shape, F64), jax.random.normal(ky, shape, F64)
+
+
+MODELS = {"sequence": (_sequence_stack, True), "vector": (_vector_stack, False)}
+
+
+def _case(name: str, n: int) -> tuple[Any, Any, Any]:
+    build, sequence = MODELS[name]
+    params, loss = build(jax.random.key(0))
+    return params, loss, _batch(jax.random.key(1), n, sequence)
+
+
+def _in_scan(loss, params, batch, stats, **options) -> dict[str, bool]:
+    plans = pegrad.explain(loss, params, batch, stats, choose="first", **options)
+    taken = {p.leaf: p.in_scan is not None for p in plans}
+    for p in plans:  # explain says it exactly where it is done
+        assert ("formed inside the scan" in " ".join(str(p).split())) == taken[p.leaf], str(p)
+    return taken
+
+
+@pytest.mark.parametrize("n", [1, 2, 5], ids=lambda n: f"B{n}")
+@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_means_formed_inside_the_scan_equal_the_naive_loop(name: str, stats: tuple, n: int):
+    params, loss, batch = _case(name, n)
+    assert _in_scan(loss, params, batch, stats)["['layers']"]
+    _, unit_grads = naive_unit_grads(loss, params, batch)
+    want = naive_stats(unit_grads, clip_norm=1.0)
+    for choose in ("first", "cheapest"):
+        fn = pegrad.value_and_grad_stats(loss, stats, choose=choose)
+        _, got = jax.jit(fn)(params, batch)
+        for s in stats:
+            assert_tree_close(got[s], want[s], f"{name}/{choose}/{s}")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_masked_example_counts_in_no_mean_formed_inside_the_scan(name: str):
+    """The gathered operands of an example not kept are replaced by 0 (NaN there included)."""
+    params, loss, batch = _case(name, 5)
+    keep = np.array([True, False, True, True, False])
+    x, y = batch
+    batch = (x.at[1].set(jnp.nan), y)
+    stats = ("mean", "sq_mean")
+    kept = jax.tree.map(lambda v: v[keep], batch)
+    _, unit_grads = naive_unit_grads(loss, params, kept)
+    want = naive_stats(unit_grads, clip_norm=1.0)
+    fn = pegrad.value_and_grad_stats(loss, stats)
+    _, got = jax.jit(fn)(params, batch, mask=jnp.asarray(keep))
+    for s in stats:
+        assert_tree_close(got[s], want[s], f"{name}/masked/{s}")
+
+
+@pytest.mark.parametrize(
+    "stats", [("sq_norms",), ("var",), ("clipped_mean",), ("mean", "sq_norms")]
+)
+def test_norms_variance_and_clipping_are_not_formed_inside_the_scan(stats: tuple):
+    """They read every layer's operands at once (norms sum over layers before clipping)."""
+    params, loss, batch = _case("sequence", 3)
+    clip = 1.0 if "clipped_mean" in stats else None
+    assert not any(_in_scan(loss, params, batch, stats, clip_norm=clip).values())
+
+
+def test_a_weight_shared_by_every_iteration_is_not_formed_inside_the_scan():
+    """A recurrent cell's gradient sums over iterations (the dot contracts the iteration
+    axis: no slice per iteration), and a factor the same at every step is not stacked by the
+    scan; the stacked layers of the same model are."""
+    params, loss, batch = _scan_case(2, 5)
+    taken = _in_scan(loss, params, batch, ("mean", "sq_mean"))
+    assert taken == {"['cell']": False, "['context']": False, "['layers']": True}
+
+
+def _scan_outputs(fn, *args) -> Counter:
+    """Shapes of every scan output in fn's program (calls and scans looked into)."""
+    found: Counter = Counter()
+
+    def visit(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                found.update(tuple(v.aval.shape) for v in eqn.outvars)
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    visit(inner)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
+def test_no_stacked_operand_leaves_the_backward_scan(stats: tuple):
+    """Every activation-sized array the factorized program's scans output ([L, B, T, D]), plain
+    grad's scans output too: the weight's operands are consumed inside the loop."""
+    params, loss, batch = _case("sequence", 5)
+    n = 5
+
+    def plain(p, b):
+        return jax.value_and_grad(lambda p: jnp.mean(jax.vmap(loss, (None, 0))(p, b)))(p)
+
+    large = lambda shapes: Counter(  # noqa: E731
+        {s: k for s, k in shapes.items() if np.prod(s, dtype=int) >= L * n * T * D}
+    )
+    ours = large(_scan_outputs(pegrad.value_and_grad_stats(loss, stats), params, batch))
+    assert not ours - large(_scan_outputs(plain, params, batch)), ours
