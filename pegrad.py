@@ -3024,15 +3024,17 @@ ROUTES: tuple[Route[Any], ...] = (
 class InScan:
     """Where a leaf's means of φ are formed inside a scan: its core is a dot_general of two
     values the scan stacks (stacked outputs or scanned inputs) that keeps the iterations
-    apart (a batch dim of both operands). Each mean is then a sum over examples and units per
-    slice of that axis, so the scan body forms slice t from iteration t's operands of the
-    whole batch, and no stacked operand outlives the loop (plain grad contracts inside it
-    too)."""
+    apart (a batch dim of both operands: stacked layers). Each mean is then a sum over
+    examples and units per slice of that axis, so the scan body forms slice t from iteration
+    t's operands of the whole batch, and no stacked operand outlives the loop (plain grad
+    contracts inside it too). A core that contracts the iterations (a weight every iteration
+    shares) has no such slices, but its sum is linear: Σ_t of iteration t's contributions,
+    accumulated in a carry as plain grad does."""
 
     match: CoreMatch  # the leaf's, by a DotCore route
     scan: jcore.JaxprEqn
     operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
-    axis: int  # the core's output axis over iterations
+    axis: int | None  # the core's output axis over iterations; None: summed over them
     means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign"
 
 
@@ -3049,11 +3051,18 @@ def _in_scan(graph: Graph, m: Match, methods: Mapping[str, str]) -> InScan | Non
         return None
     scan = scans[0]
     operands = [_per_iteration(scan, v) for v in (a, b)]
-    _, _, lb, rb = _dot_dims(m.core)
-    axes = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
-    if operands[0] is None or operands[1] is None or not axes:
+    if operands[0] is None or operands[1] is None:
         return None
-    return InScan(m, scan, (operands[0], operands[1]), axes[0], tuple(methods))
+    lc, rc, lb, rb = _dot_dims(m.core)
+    apart = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
+    summed = any(p == 0 and q == 0 for p, q in zip(lc, rc, strict=True))
+    if apart:
+        axis = apart[0]
+    elif summed and set(methods) == {"sum"}:
+        axis = None
+    else:  # φ of a sum over iterations is no sum over iterations
+        return None
+    return InScan(m, scan, (operands[0], operands[1]), axis, tuple(methods))
 
 
 def _per_iteration(scan: jcore.JaxprEqn, var: Any) -> Atom | None:
@@ -3454,10 +3463,17 @@ def _scan_with_sums(
     extra = [v for job in jobs.values() for v in job.operands]
     wanted = [*body.jaxpr.outvars[:ncar], *(body.jaxpr.outvars[k] for k in stacked), *extra]
 
-    def step(carry: list, x: list) -> tuple[list, tuple[list, list]]:
-        outs = _run(body.jaxpr, body.consts, [*consts, *carry, *x], outs=wanted)
+    summed = {i: job for i, job in jobs.items() if job.axis is None}
+    totals = {
+        i: jnp.zeros(_shape(job.match.core.outvars[0]), graph.leaves[i].stat_dtype)
+        for i, job in summed.items()
+    }
+
+    def step(carry: tuple[list, dict], x: list) -> tuple[tuple[list, dict], tuple[list, dict]]:
+        scan_carry, totals = carry
+        outs = _run(body.jaxpr, body.consts, [*consts, *scan_carry, *x], outs=wanted)
         n_out = ncar + len(stacked)
-        operands, sums = iter(outs[n_out:]), []
+        operands, sums = iter(outs[n_out:]), {}
         for i, job in jobs.items():
             m, env = job.match, {}
             for var in m.core.invars[:2]:
@@ -3466,22 +3482,23 @@ def _scan_with_sums(
                 env[var] = jnp.expand_dims(value, 1)  # the core's operand, one iteration
             assert isinstance(m.route, DotCore)
             found = m.route.core_sums(graph, m, env, graph.leaves[i].stat_dtype, job.means)
-            sums.append([jnp.squeeze(found[w], job.axis) for w in job.means])
-        return outs[:ncar], (outs[ncar:n_out], sums)
+            if job.axis is None:  # the one iteration it contracts: its contribution
+                totals = {**totals, i: totals[i] + found["sum"]}
+            else:
+                sums.update({(w, i, job.axis): jnp.squeeze(found[w], job.axis) for w in job.means})
+        return (outs[:ncar], totals), (outs[ncar:n_out], sums)
 
-    carry, (ys_read, sums) = jax.lax.scan(
+    (carry, totals), (ys_read, sums) = jax.lax.scan(
         step,
-        list(init),
+        (list(init), totals),
         list(xs),
         length=params["length"],
         reverse=params["reverse"],
         unroll=params.get("unroll", 1),
     )
-    found = {
-        (w, i): jnp.moveaxis(stacked, 0, job.axis)
-        for (i, job), per_leaf in zip(jobs.items(), sums, strict=True)
-        for w, stacked in zip(job.means, per_leaf, strict=True)
-    }
+    found = {("sum", i): total for i, total in totals.items()}
+    for (w, i, axis), per_iteration in sums.items():
+        found[w, i] = jnp.moveaxis(per_iteration, 0, axis)
     ys = dict(zip(stacked, ys_read, strict=True))
     return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 

@@ -115,13 +115,26 @@ def test_norms_variance_and_clipping_are_not_formed_inside_the_scan(stats: tuple
     assert not any(_in_scan(loss, params, batch, stats, clip_norm=clip).values())
 
 
-def test_a_weight_shared_by_every_iteration_is_not_formed_inside_the_scan():
-    """A recurrent cell's gradient sums over iterations (the dot contracts the iteration
-    axis: no slice per iteration), and a factor the same at every step is not stacked by the
-    scan; the stacked layers of the same model are."""
+@pytest.mark.parametrize("n", [1, 2, 5], ids=lambda n: f"B{n}")
+@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
+def test_a_weight_every_iteration_shares_sums_only_its_mean_inside_the_scan(stats: tuple, n: int):
+    """A recurrent cell's gradient sums over iterations (its dot contracts the iteration axis):
+    Σ_t is linear, so the mean accumulates inside the scan, but φ of a sum over iterations is
+    not a sum over them: sq and sign are formed after it. A factor the same at every step
+    (`context`) is not stacked by the scan; the stacked layers of the same model are."""
     params, loss, batch = _scan_case(2, 5)
-    taken = _in_scan(loss, params, batch, ("mean", "sq_mean"))
-    assert taken == {"['cell']": False, "['context']": False, "['layers']": True}
+    x, y = batch
+    batch = (x[:n], y[:n])
+    assert _in_scan(loss, params, batch, stats) == {
+        "['cell']": stats == ("mean",),
+        "['context']": False,
+        "['layers']": True,
+    }
+    _, unit_grads = naive_unit_grads(loss, params, batch)
+    want = naive_stats(unit_grads, clip_norm=1.0)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
+    for s in stats:
+        assert_tree_close(got[s], want[s], f"recurrent/{s}")
 
 
 def _scan_outputs(fn, *args) -> Counter:
