@@ -153,11 +153,11 @@ def value_and_grad_stats(
                 loss, stats, chunk_size, clip_norm, floats, batch, per_example, keep, drop
             )
         else:
-            graph = Graph.build(loss, floats, batch, per_example)
+            wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
+            graph = Graph.build(loss, floats, batch, per_example, _means_only(wanted))
             graph = dataclasses.replace(
                 graph, weighted=keep is not None or drop, chunk_size=chunk_size
             )
-            wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
             plans = plan(graph, wanted, choose=choose)
             out = _execute(graph, plans, stats, chunk_size, clip_norm, floats, batch, keep, drop)
         value, stats_out, aux = out
@@ -189,7 +189,7 @@ def explain(
     stats = _check_options(stats, "factorized", granularity, None, clip_norm, choose)
     floats, loss = _as_parameters(params, loss_fn, has_aux)
     per_example = _check_inputs(loss, floats, batch, stats, granularity)
-    graph = Graph.build(loss, floats, batch, per_example)
+    graph = Graph.build(loss, floats, batch, per_example, _means_only(stats))
     plans = plan(graph, stats, choose=choose)
     return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
 
@@ -315,6 +315,11 @@ _INGREDIENTS = {
     "sq_norms": ("norms",),
     "clipped_mean": ("norms", "clipped"),
 }
+
+
+def _means_only(stats: Sequence[str]) -> bool:
+    """Whether every ingredient of `stats` is a mean of φ (what InScan forms inside a scan)."""
+    return set(_ingredients(stats)) <= set(_PHI)
 
 
 def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
@@ -1246,7 +1251,12 @@ class Graph:
         return self.n_examples * self.per_example
 
     @staticmethod
-    def build(loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int) -> "Graph":
+    def build(
+        loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int, hoist: bool = False
+    ) -> "Graph":
+        """The graph; `hoist`: move every hoistable weight-gradient dot out of its scan (the
+        statistics are means of φ, formed back inside it by InScan), else only where that
+        holds fewer numbers (_hoist_pays)."""
         leaves, param_tree = jax.tree.flatten(params)
         paths = _paths(params)
         aux_tree = []
@@ -1264,7 +1274,7 @@ class Graph:
         x64 = jax.config.read("jax_enable_x64")
         seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
-        closed = _hoist_scans(closed, args)
+        closed = _hoist_scans(closed, args, hoist)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         producer, users = _producers(jaxpr), _users(jaxpr)
@@ -1560,9 +1570,12 @@ def _is_literal_zero(var: Any, producer: Mapping) -> bool:
     return isinstance(var, jcore.Literal) and not np.any(np.asarray(var.val))
 
 
-def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.ClosedJaxpr:
-    """`closed` with the weight-gradient contractions of its scans moved after them, where
-    that holds fewer numbers per example than the stacked per-example weight gradients."""
+def _hoist_scans(
+    closed: jcore.ClosedJaxpr, args: Sequence[Any], always: bool = False
+) -> jcore.ClosedJaxpr:
+    """`closed` with the weight-gradient contractions of its scans moved after them: `always`,
+    or where that holds fewer numbers per example than the stacked per-example weight
+    gradients."""
     jaxpr = closed.jaxpr
     producer = _producers(jaxpr)
     plans: dict[int, dict[int, _Hoist]] = {}
@@ -1574,7 +1587,7 @@ def _hoist_scans(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> jcore.Closed
             continue
         k = scan.outvars.index(var)
         hoist = _hoistable(scan, k, producer)
-        if hoist is not None and _hoist_pays(scan, hoist, k):
+        if hoist is not None and (always or _hoist_pays(scan, hoist, k)):
             plans.setdefault(id(scan), {})[k] = hoist
     if not plans:
         return closed

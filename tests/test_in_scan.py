@@ -169,3 +169,22 @@ def test_no_stacked_operand_leaves_the_backward_scan(stats: tuple):
     )
     ours = large(_scan_outputs(pegrad.value_and_grad_stats(loss, stats), params, batch))
     assert not ours - large(_scan_outputs(plain, params, batch)), ours
+
+
+@pytest.mark.parametrize("stats", [*PHI_STATS, ("mean", "sq_norms")], ids="+".join)
+def test_operands_larger_than_the_weight_are_hoisted_only_for_means_formed_inside(stats: tuple):
+    """Six positions of width 3: a layer's stacked operands hold more numbers than its
+    per-example weight gradient. Means of φ consume them inside the scan, so the dot is
+    hoisted for them; norms would hold them after it, so there it stays in the scan (and the
+    leaf takes the fallback)."""
+    params, loss, batch = _scan_case(6, 3)
+    taken = _in_scan(loss, params, batch, stats)
+    route = {p.leaf: p.route for p in pegrad.explain(loss, params, batch, stats, choose="first")}
+    means_only = "sq_norms" not in stats
+    assert taken["['layers']"] == means_only
+    assert route["['layers']"] == ("contraction" if means_only else "fallback")
+    _, unit_grads = naive_unit_grads(loss, params, batch)
+    want = naive_stats(unit_grads, clip_norm=1.0)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
+    for s in stats:
+        assert_tree_close(got[s], want[s], f"long/{s}")
