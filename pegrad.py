@@ -3370,27 +3370,36 @@ def _run_head(
     seed = jnp.ones((), _dtype(jaxpr.invars[-1]))
     inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
     values.update(zip(jaxpr.invars, inputs, strict=True))
+    # Where each batched value holds its examples: a scan's stacked outputs keep them on
+    # axis 1, where vmap leaves them, so that no stacked residual is transposed (copied)
+    # between segments; the routes get every value they read with the examples first.
+    batch_axis: dict[Any, int] = {}
+    leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
     start, results = 0, {}
     for cut in sorted({*ready_at, len(head) - 1} - {-2}):
-        if head[start : cut + 1]:
-            found = _run_segment(graph, head[start : cut + 1], values, cut, last_use, jobs, keep)
+        segment = head[start : cut + 1]
+        if segment:
+            found = _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
             results.update(found)
         start = max(start, cut + 1)
         ready = [i for i, r in enumerate(ready_at) if r == cut]
         if ready:
-            new = on_ready(ready, values)
+            read = {v for i in ready for v in reads[i] if batch_axis.get(v, 0)}
+            new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
             live = [v for v in values if last_use.get(v, -1) > cut]
             new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
             values.update(zip(live, kept, strict=True))
             results.update(new)
     losses, *aux = [
-        x if graph.is_batched(v) else jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))
+        leading(v)
+        if graph.is_batched(v)
+        else jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))
         for v in outputs
         for x in [_read(values, v)]
     ]
     return (
         losses,
-        {v: values[v] for v in interface if v in graph.batched},
+        {v: leading(v) for v in interface if v in graph.batched},
         {v: _read(values, v) for v in interface if v not in graph.batched},
         results,
         jax.tree.unflatten(graph.aux_tree, aux),
@@ -3401,14 +3410,16 @@ def _run_segment(
     graph: Graph,
     segment: list[Any],
     values: dict,
+    batch_axis: dict[Any, int],
     end: int,
     last_use: dict,
     jobs: Mapping[int, Mapping[int, InScan]],
     keep: Array | None,
 ) -> dict:
     """Evaluate head equations batched (vmap over examples), adding to `values` every result
-    used after position `end`; the scans with `jobs` form their leaves' sums inside (returned:
-    (ingredient, leaf index) -> the mean in the core's coordinates)."""
+    used after position `end` (its examples on axis `batch_axis[v]`, default 0); the scans
+    with `jobs` form their leaves' sums inside (returned: (ingredient, leaf index) -> the mean
+    in the core's coordinates)."""
     produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
     reads = list(
         dict.fromkeys(
@@ -3443,15 +3454,28 @@ def _run_segment(
         _evaluate(segment, env, bind=bind)
         return [env[v] for v in outs_b], [env[v] for v in outs_u], sums
 
+    stacked = [1 if _stacked_output(graph, v) else 0 for v in outs_b]
     got_b, got_u, sums = jax.vmap(
-        one_example, in_axes=(0, None), out_axes=(0, None, None), axis_name=_EXAMPLES
+        one_example,
+        in_axes=([batch_axis.get(v, 0) for v in reads_b], None),
+        out_axes=(stacked, None, None),
+        axis_name=_EXAMPLES,
     )([values[v] for v in reads_b], [values[v] for v in reads_u])
+    batch_axis.update(zip(outs_b, stacked, strict=True))
     values.update(zip(outs_b, got_b, strict=True))
     values.update(zip(outs_u, got_u, strict=True))
     return sums
 
 
 _EXAMPLES = "pegrad_examples"  # the head's vmap axis, over which in-scan sums gather the batch
+
+
+def _stacked_output(graph: Graph, var: Any) -> bool:
+    """A stacked output of a scan (vmap gives it the examples on axis 1)."""
+    eqn = graph.producer.get(var)
+    if eqn is None or eqn.primitive.name != "scan":
+        return False
+    return eqn.outvars.index(var) >= eqn.params["num_carry"]
 
 
 def _scan_with_sums(
