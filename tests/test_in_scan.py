@@ -25,10 +25,11 @@ PHI_STATS = [("mean",), ("sq_mean",), ("mean", "sq_mean"), ("sign_mean", "mean")
 def _sequence_stack(key: jax.Array) -> tuple[Any, Any]:
     """Stacked layers [L, D, D] applied by lax.scan to every position of [T, D]: each layer's
     dot contracts the positions (contraction)."""
-    k1, k2 = jax.random.split(key)
+    k1, k2, k3 = jax.random.split(key, 3)
     params = {
         "layers": jax.random.normal(k1, (L, D, D), F64) / D,
         "gains": 1.0 + 0.1 * jax.random.normal(k2, (L, D), F64),
+        "out": jnp.eye(D, dtype=F64) + 0.1 * jax.random.normal(k3, (D, D), F64),
     }
 
     def loss(p: Any, ex: Any) -> jax.Array:
@@ -39,7 +40,7 @@ def _sequence_stack(key: jax.Array) -> tuple[Any, Any]:
             return h + g * jnp.tanh(h @ w), None
 
         h, _ = jax.lax.scan(layer, x, (p["layers"], p["gains"]))
-        return jnp.mean((h - y) ** 2)
+        return jnp.mean((h @ p["out"] - y) ** 2)  # its leaf is ready between the two scans
 
     return params, loss
 
@@ -188,3 +189,39 @@ def test_operands_larger_than_the_weight_are_hoisted_only_for_means_formed_insid
     _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
     for s in stats:
         assert_tree_close(got[s], want[s], f"long/{s}")
+
+
+def _large_transposes(fn, size: int, *args) -> int:
+    """How many transposes in fn's program (calls and scans looked into) output ≥ size entries."""
+    count = 0
+
+    def visit(jaxpr) -> None:
+        nonlocal count
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "transpose" and np.prod(eqn.outvars[0].aval.shape) >= size:
+                count += 1
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    visit(inner)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return count
+
+
+@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
+def test_stacked_residuals_are_not_copied_between_the_heads_segments(stats: tuple):
+    """The head runs in segments, each its own vmap (here one ends at `out`'s gradient,
+    between the forward and the backward scan): a scan's stacked outputs keep the examples on
+    axis 1 (where vmap leaves them), so no [L, B, ...] residual is transposed to [B, L, ...]
+    and back; plain grad transposes none either."""
+    params, loss, batch = _case("sequence", 5)
+
+    def plain(p, b):
+        return jax.value_and_grad(lambda p: jnp.mean(jax.vmap(loss, (None, 0))(p, b)))(p)
+
+    size = L * 5 * T * D
+    ours = pegrad.value_and_grad_stats(loss, stats)
+    assert _large_transposes(ours, size, params, batch) <= _large_transposes(
+        plain, size, params, batch
+    )
