@@ -146,21 +146,24 @@ def test_a_weight_every_iteration_shares_sums_only_its_mean_inside_the_scan(stat
         assert_tree_close(got[s], want[s], f"recurrent/{s}")
 
 
-def _scan_outputs(fn, *args) -> Counter:
-    """Shapes of every scan output in fn's program (calls and scans looked into)."""
-    found: Counter = Counter()
+def _equations(fn, *args):
+    """Every equation of fn's program, calls and scans looked into."""
 
-    def visit(jaxpr) -> None:
+    def visit(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":
-                found.update(tuple(v.aval.shape) for v in eqn.outvars)
+            yield eqn
             for value in eqn.params.values():
                 inner = getattr(value, "jaxpr", value)
                 if hasattr(inner, "eqns"):
-                    visit(inner)
+                    yield from visit(inner)
 
-    visit(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    yield from visit(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _scan_outputs(fn, *args) -> Counter:
+    """Shapes of every scan output in fn's program."""
+    scans = (e for e in _equations(fn, *args) if e.primitive.name == "scan")
+    return Counter(tuple(v.aval.shape) for e in scans for v in e.outvars)
 
 
 @pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
@@ -200,21 +203,11 @@ def test_operands_larger_than_the_weight_are_hoisted_only_for_means_formed_insid
 
 
 def _large_transposes(fn, size: int, *args) -> int:
-    """How many transposes in fn's program (calls and scans looked into) output ≥ size entries."""
-    count = 0
-
-    def visit(jaxpr) -> None:
-        nonlocal count
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "transpose" and np.prod(eqn.outvars[0].aval.shape) >= size:
-                count += 1
-            for value in eqn.params.values():
-                inner = getattr(value, "jaxpr", value)
-                if hasattr(inner, "eqns"):
-                    visit(inner)
-
-    visit(jax.make_jaxpr(fn)(*args).jaxpr)
-    return count
+    """How many transposes in fn's program output ≥ size entries."""
+    return sum(
+        e.primitive.name == "transpose" and np.prod(e.outvars[0].aval.shape) >= size
+        for e in _equations(fn, *args)
+    )
 
 
 @pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
