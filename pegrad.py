@@ -48,7 +48,7 @@ Sections (the definition first, then the machinery; "SPEC §N" is the repository
   §6 routes          one typed class per route with its own match result; ROUTES in precedence
   §7 planner         per leaf the cheapest route whose match proves it: explain's Plan of
                      LeafPlans (pure data)
-  §8 executor        the batched head, each leaf's route, the chunk loops
+  §8 executor        the batched head, each leaf's route, the fallback's chunk loop
 
 Proof of equality (float64; every statistic × implementation × granularity × batch size against
 a naive per-example loop; one test per precondition, broken): tests/test_pegrad.py and
@@ -1825,8 +1825,8 @@ class Route(Generic[M]):
     def cost(self, graph: Graph, leaf: Leaf, m: M, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
         materialization of every unit's gradient (written once, read per ingredient), and
-        the head's values they read are read again by the chunk loop (and held until it
-        runs, where it runs after the head: token granularity, dropped examples, clipping)."""
+        the head's values they read are held until the chunk loop runs, after the head, and
+        read again there."""
         total = Cost()
         for what, how in methods.items():
             if how == "factorized":
@@ -2128,7 +2128,7 @@ class Contraction(DotCore[CoreMatch]):
     ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)).
     Non-linear φ (sq, sign) has no such identity: per-example gradients are formed a bounded
     chunk at a time right where the head has the operands, so that they die where plain
-    grad's do; the variance (and norms without the Gram form) in the leaf's chunk loop."""
+    grad's do; the variance (and norms without the Gram form) in the chunk loop."""
 
     name = "contraction"
 
@@ -3207,7 +3207,7 @@ def plan(
 
 
 # ============================================================================================
-# §8 Executor: the batched head, then each leaf's route; chunk loops for what is chunked.
+# §8 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
 
 
 def _execute(
@@ -3243,21 +3243,10 @@ def _execute(
                 out.update({(w, p.index): found[w] for w in whats})
         return out
 
-    def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
-        found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
-        return {i: ws for i, ws in found.items() if ws}
-
-    # Example granularity: a leaf's chunked ingredients are formed as soon as the head has
-    # what they read, so that those values die where plain grad's do (the token fallback
-    # reads the example itself, in the one loop after the head).
-    in_head = {} if graph.token else chunked_in(early)
-
     def on_ready(ready: list[int], env: dict) -> dict:
         results = {}
         for i in ready:
             results.update(factorized([plans[i]], early, _masked(graph, env, keep, reads[i])))
-            if i in in_head:
-                results.update(_chunks_in_head(graph, plans[i], in_head[i], env, chunk_size, keep))
         return results
 
     in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
@@ -3275,11 +3264,13 @@ def _execute(
         for w in job.means:
             results[w, i] = _replay(job.match.post, results[w, i], env, _PHI[w])
 
-    early_loop = {i: ws for i, ws in chunked_in(early).items() if i not in in_head}
-    chunk = _chunk(graph, chunk_size, {**chunked_in(late), **early_loop}, batched)
-    matches = {p.index: p.match for p in plans}
-    loop = functools.partial(_chunk_loop, graph, matches, batched, unbatched, batch, params, chunk)
-    found, loop_norms = loop(early_loop, keep)
+    def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
+        found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
+        return {i: ws for i, ws in found.items() if ws}
+
+    chunk = _chunk(graph, chunk_size, {**chunked_in(late), **chunked_in(early)}, batched)
+    loop = functools.partial(_chunk_loop, graph, plans, batched, unbatched, batch, params, chunk)
+    found, loop_norms = loop(chunked_in(early), keep)
     results.update(found)
     sq_norms = None
     if "norms" in need:
@@ -3565,34 +3556,9 @@ def _chunk(graph: Graph, chunk_size: int | None, chunked: Mapping[int, Any], bat
     return max(1, min(n, max(parameters, activations) // materialized))
 
 
-def _chunks_in_head(
-    graph: Graph,
-    p: LeafPlan,
-    wanted: Sequence[str],
-    env: Mapping,
-    chunk_size: int | None,
-    keep: Array | None,
-) -> dict:
-    """Leaf `p`'s chunked ingredients `wanted` (example granularity) from the head's values
-    `env`, right where they exist: its own chunk loop, whose chunk of per-example gradients
-    holds no more numbers than the values the leaf reads (live there anyway). Per-unit norms
-    come back as ("norms", leaf index), [B, U]."""
-    leaf, reads = graph.leaves[p.index], p.match.route.reads(graph, p.match)
-    batched = {v: env[v] for v in reads if v in graph.batched}
-    unbatched = {v: x for v, x in env.items() if v not in graph.batched}
-    held = sum(math.prod(jnp.shape(x)) for x in batched.values())
-    chunk = chunk_size or max(1, held // max(1, leaf.size * graph.per_example))
-    chunk = min(chunk, graph.n_examples)
-    matches = {p.index: p.match}
-    found, norms = _chunk_loop(
-        graph, matches, batched, unbatched, None, None, chunk, {p.index: wanted}, keep
-    )
-    return {**found, **({("norms", p.index): norms} if norms is not None else {})}
-
-
 def _chunk_loop(
     graph: Graph,
-    leaf_matches: Mapping[int, Match],
+    plans: tuple[LeafPlan, ...],
     batched: dict,
     unbatched: dict,
     batch: PyTree,
@@ -3609,7 +3575,7 @@ def _chunk_loop(
     if not chunked:
         return {}, None
     n_units = graph.n_units
-    matches = {i: leaf_matches[i] for i in chunked}
+    matches = {i: plans[i].match for i in chunked}
     keys = list(
         dict.fromkeys(v for m in matches.values() for v in m.route.reads(graph, m) if v in batched)
     )
