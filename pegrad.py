@@ -1623,6 +1623,15 @@ def _hoist_pays(scan: Any, hoist: _Hoist, k: int) -> bool:
     return emitted < math.prod(_shape(hoist.dot.outvars[0])) or hoist.accumulated
 
 
+def _scan_like(scan: Any, step: Callable, init: Any, xs: Any) -> Any:
+    """`jax.lax.scan(step, init, xs)` with the length, direction and unrolling of the scan
+    equation `scan` (a body evaluated in its place)."""
+    p = scan.params
+    return jax.lax.scan(
+        step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
+    )
+
+
 def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) -> list[Any]:
     """Evaluate `scan` with the `hoists` (by output index) computed after it."""
     params, body = scan.params, scan.params["jaxpr"]
@@ -1645,14 +1654,7 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
         kept = [outs[k] for k in range(ncar, n_out) if k not in hoists]
         return new_carry, (kept, outs[n_out:])
 
-    carry, (kept, emitted) = jax.lax.scan(
-        step,
-        list(init),
-        list(xs),
-        length=params["length"],
-        reverse=params["reverse"],
-        unroll=params.get("unroll", 1),
-    )
+    carry, (kept, emitted) = _scan_like(scan, step, list(init), list(xs))
     stacked = dict(zip(emit, emitted, strict=True))
 
     def operand(var: Any) -> tuple[Any, bool]:
@@ -3259,8 +3261,8 @@ def _execute(
     losses, batched, unbatched, results, aux = _run_head(
         graph, reads, params, batch, on_ready, in_scan, keep
     )
+    env = {**batched, **unbatched}
     for i, job in in_scan.items():  # their means exist in core coordinates: apply the post
-        env = {**batched, **unbatched}
         for w in job.means:
             results[w, i] = _replay(job.match.post, results[w, i], env, _PHI[w])
 
@@ -3289,7 +3291,7 @@ def _execute(
     units = None if keep is None else jnp.repeat(keep, graph.per_example)
     if units is not None and sq_norms is not None:
         sq_norms = _where_units(units, sq_norms)
-    env = _masked(graph, {**batched, **unbatched}, keep, list(batched))
+    env = _masked(graph, env, keep, list(batched))
     results.update(factorized(plans, late, env))
     results.update(loop(chunked_in(late), keep)[0])
     if "clipped" in need:
@@ -3528,14 +3530,7 @@ def _scan_with_sums(
                 sums.update({(w, i, job.axis): jnp.squeeze(found[w], job.axis) for w in job.means})
         return (outs[:ncar], totals), (outs[ncar:n_out], sums)
 
-    (carry, totals), (ys_read, sums) = jax.lax.scan(
-        step,
-        (list(init), totals),
-        list(xs),
-        length=params["length"],
-        reverse=params["reverse"],
-        unroll=params.get("unroll", 1),
-    )
+    (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
     found = {("sum", i): total for i, total in totals.items()}
     for (w, i, axis), per_iteration in sums.items():
         found[w, i] = jnp.moveaxis(per_iteration, 0, axis)
