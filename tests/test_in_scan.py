@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import assert_tree_close, naive_stats, naive_unit_grads
 from test_pegrad import _scan_case
+from zoo import residual_layer
 
 import pegrad
 
@@ -35,12 +36,7 @@ def _sequence_stack(key: jax.Array) -> tuple[Any, Any]:
 
     def loss(p: Any, ex: Any) -> jax.Array:
         x, y = ex
-
-        def layer(h: jax.Array, weights: tuple) -> tuple[jax.Array, None]:
-            w, g = weights
-            return h + g * jnp.tanh(h @ w), None
-
-        h, _ = jax.lax.scan(layer, x, (p["layers"], p["gains"]))
+        h, _ = jax.lax.scan(residual_layer, x, (p["layers"], p["gains"]))
         return jnp.mean((h @ p["out"] - y) ** 2)  # its leaf is ready between the two scans
 
     return params, loss

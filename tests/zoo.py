@@ -344,6 +344,12 @@ def moe_top1(key: jax.Array) -> tuple[Any, Callable]:
     return params, loss
 
 
+def residual_layer(h: jax.Array, weights: tuple) -> tuple[jax.Array, None]:
+    """One gated residual layer as a lax.scan body over stacked (weight, gain)."""
+    w, g = weights
+    return h + g * jnp.tanh(h @ w), None
+
+
 def scanned_stack(key: jax.Array) -> tuple[Any, Callable]:
     """Stacked layers [L, D, D] applied by lax.scan, as nn.scan / filter_vmap stacks do."""
     k1, k2 = jax.random.split(key)
@@ -351,12 +357,7 @@ def scanned_stack(key: jax.Array) -> tuple[Any, Callable]:
 
     def loss(p: Any, ex: Any) -> jax.Array:
         x, y = ex
-
-        def layer(h: jax.Array, weights: tuple) -> tuple[jax.Array, None]:
-            w, g = weights
-            return h + g * jnp.tanh(h @ w), None
-
-        h, _ = jax.lax.scan(layer, x, (p["layers"], p["gains"]))
+        h, _ = jax.lax.scan(residual_layer, x, (p["layers"], p["gains"]))
         return jnp.mean((h - y) ** 2)
 
     return params, loss
