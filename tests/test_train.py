@@ -229,13 +229,19 @@ def test_resume_refuses_steps_that_relay_the_schedule(tmp_path: Path):
 
 def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path: Path):
     """A real SIGINT to `python train.py` mid-run: one line on stderr, exit status 130, and the
-    checkpoint it names is the one on disk."""
+    checkpoint it names is the one on disk. The script starts with Ctrl-C handled as in a
+    terminal: a suite started as a background job (`cmd &` in a script) passes SIGINT on
+    ignored, and Python keeps an ignored SIGINT ignored."""
     out = tmp_path / "run"
     never = "100000000"
     args = ["--model", "mlp", "--size", "tiny", "--steps", never, "--warmup", "0",
             "--checkpoint-interval", "3", "--eval-interval", never, "--out", str(out)]  # fmt: skip
+    as_in_a_terminal = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_path('train.py', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *args],
+        [sys.executable, "-c", as_in_a_terminal, *args],
         cwd=REPO,
         env=script_env(),
         stdout=subprocess.DEVNULL,
