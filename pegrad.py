@@ -45,7 +45,7 @@ Sections (the definition first, then the machinery; "SPEC §N" is the repository
   §5 the graph       grad of ONE example as a flat jaxpr: producers, users, batched, static,
                      position axes, linearity in the cotangent, a leaf's exclusive tail
   §5′ scan hoisting  weight-gradient contractions moved out of backward scans
-  §6 routes          one typed class per route with its own match result; ROUTES in precedence
+  §6 routes          one class per route; its match returns the route holding what it proved
   §7 planner         per leaf the cheapest route whose match proves it: explain's Plan of
                      LeafPlans (pure data)
   §8 executor        the batched head, each leaf's route, the fallback's chunk loop
@@ -61,7 +61,7 @@ import functools
 import math
 import textwrap
 from collections.abc import Callable, Container, Mapping, Sequence
-from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -1699,95 +1699,16 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
 
 
 # ============================================================================================
-# §6 Routes. A route computes a leaf's ingredients (§2) from values the batched head provides,
-# and is taken only where its `match` proved the mathematics it uses. Each reads the head's
-# values for all B examples at once ("env": a leading axis B on batched values); `per_unit`
-# gives one example's per-unit gradients [U, *leaf shape] for the chunk loop. A match result
-# is the route's own frozen dataclass: the operands it proved, and the route that proved them.
+# §6 Routes. A route is a class whose `match` proves on the jaxpr the mathematics it uses for a
+# leaf's gradient and returns an instance owning what it proved (its operands), or a Refusal
+# saying why not. The instance computes the leaf's ingredients (§2) from values the batched
+# head provides ("env": a leading axis B on batched values); `per_unit` gives one example's
+# per-unit gradients [U, *leaf shape] for the chunk loop.
 
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
     reason: str
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Match:
-    """What a route proved about a leaf's gradient (no operands: an empty leaf)."""
-
-    route: "Route"  # the route that proved it; the executor asks it for the statistics
-    reason: str  # what was proven (explain prints it)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ValueMatch(Match):
-    """The gradient is a value of the graph (example-independent, or the head's per example),
-    or `post` (layout, batch-independent scalings) applied to one."""
-
-    grad: Atom
-    post: tuple[Post, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CoreMatch(Match):
-    """The gradient is `post` (layout, batch-independent scalings) after one core equation."""
-
-    core: jcore.JaxprEqn
-    post: tuple[Post, ...]
-
-    @property
-    def scalar(self) -> bool:  # every scaling after the core is by a scalar
-        return all(s.scalar for s in self.post)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RankOneMatch(CoreMatch):
-    """A dot_general contracting only unit axes: `units` are the operands' contracted axes that
-    index units besides the example (the traced position axis at token granularity; axes of
-    size 1 at example granularity)."""
-
-    units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class UnitSumMatch(CoreMatch):
-    """A reduce_sum of a batched value; at token granularity its summed axes include exactly
-    one traced position axis, `axis` (None at example granularity: one unit per example)."""
-
-    axis: int | None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TermsMatch(Match):
-    """A sum of contributions, each proven by a route of its own."""
-
-    parts: tuple[CoreMatch, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    starts: tuple[int, ...]
-    part_shape: tuple[int, ...]  # in the leaf (with the stacked axis, if any)
-    stacked: int | None = None  # `stack` places the part as index starts[axis] of this axis
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PartsMatch(TermsMatch):
-    """Parts placed at static disjoint windows (`places`), summed by `core`, then `post`."""
-
-    core: jcore.JaxprEqn
-    post: tuple[Post, ...]
-    places: tuple[Placement, ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TailMatch(Match):
-    """The gradient `grad` and the ops only it needs (`tail`; empty when the head computes it),
-    `linear` when the tail is proven linear in its cotangent inputs."""
-
-    grad: Atom
-    tail: tuple[jcore.JaxprEqn, ...]
-    linear: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1805,86 +1726,105 @@ class Cost:
         return self.flops / 2e10 + self.bytes / 1e10
 
 
-M = TypeVar("M", bound=Match)
-C = TypeVar("C", bound=CoreMatch)
-T = TypeVar("T", bound=TermsMatch)
 Env = Mapping[Any, Any]  # graph variables -> values (batched ones with a leading axis B)
 
 
-class Route(Generic[M]):
-    """One way to compute a leaf's statistics; subclasses document their identities."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Route:
+    """One way to compute a leaf's statistics, proven for `leaf`; subclasses document their
+    identities and hold the operands their `match` proved."""
 
     name: ClassVar[str]
+    graph: Graph = dataclasses.field(repr=False)
+    leaf: Leaf = dataclasses.field(repr=False)
+    reason: str  # what was proven (explain prints it)
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> M | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Route | Refusal":
         """Recognise the pattern in `var` (default: the leaf's gradient) and prove every
         precondition the route's identities need, or say why not."""
         raise NotImplementedError
 
-    def methods(self, graph: Graph, leaf: Leaf, m: M, need: tuple[str, ...]) -> dict[str, str]:
+    @property
+    def dtype(self) -> jnp.dtype:  # the statistics'
+        return self.leaf.stat_dtype
+
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         return {w: "factorized" for w in need}
 
-    def cost(self, graph: Graph, leaf: Leaf, m: M, methods: Mapping[str, str]) -> Cost:
+    def cost(self, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
         materialization of every unit's gradient (written once, read per ingredient), and
         the head's values they read are held until the chunk loop runs, after the head, and
         read again there."""
-        total = Cost()
-        for what, how in methods.items():
-            if how == "factorized":
-                total = total + self.factored_cost(graph, leaf, m, what)
+        graph = self.graph
+        factored = [self.factored_cost(w) for w, how in methods.items() if how == "factorized"]
+        total = sum(factored, Cost())
         chunked = sum(1 for how in methods.values() if how == "chunked")
         if chunked:
-            n, p = graph.n_units, leaf.size
-            unit = graph.n_examples * self.unit_flops(graph, leaf, m)
+            n, p = graph.n_units, self.leaf.size
+            unit = graph.n_examples * self.unit_flops()
             held = sum(
                 math.prod(_shape(v)) * (graph.n_examples if graph.is_batched(v) else 1)
-                for v in self.reads(graph, m)
+                for v in self.reads()
             )
             total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + 2 * held))
         return total
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: M, what: str) -> Cost:
-        return Cost(2.0 * graph.n_units * leaf.size, 4.0 * leaf.size)
+    def factored_cost(self, what: str) -> Cost:
+        return Cost(2.0 * self.graph.n_units * self.leaf.size, 4.0 * self.leaf.size)
 
-    def unit_flops(self, graph: Graph, leaf: Leaf, m: M) -> float:
+    def unit_flops(self) -> float:
         """Operations to form one example's per-unit gradients."""
-        return 2.0 * graph.per_example * leaf.size
+        return 2.0 * self.graph.per_example * self.leaf.size
 
-    def reads(self, graph: Graph, m: M) -> list[jcore.Var]:
+    def reads(self) -> list[jcore.Var]:
         """The head's values this route reads."""
         return []
 
-    def compute(self, graph: Graph, leaf: Leaf, m: M, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:
         """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
         raise NotImplementedError
 
-    def compute_many(
-        self, graph: Graph, leaf: Leaf, m: M, env: Env, wanted: Sequence[str]
-    ) -> dict[str, Array]:
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         """Several factorized ingredients at once (a route may share work between them)."""
-        return {what: self.compute(graph, leaf, m, env, what) for what in wanted}
+        return {what: self.compute(env, what) for what in wanted}
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: M, env: Env, weights: Array) -> Array:
+    def clipped(self, env: Env, weights: Array) -> Array:
         """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
         raise NotImplementedError
 
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: M, env: Env, example: Any, params: Any
-    ) -> Array:
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
         """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
         raise NotImplementedError
 
 
-class CoreRoute(Route[C]):
-    """A route reading the operands of its core and the scalings after it. Norms factorize
-    where every scaling is by a scalar (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked."""
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class CoreRoute(Route):
+    """A route reading the operands of its core, the gradient being `post` (layout,
+    batch-independent scalings) after it. Norms factorize where every scaling is by a scalar
+    (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked."""
 
-    def methods(self, graph: Graph, leaf: Leaf, m: C, need: tuple[str, ...]) -> dict[str, str]:
-        return {w: "chunked" if w == "norms" and not m.scalar else "factorized" for w in need}
+    core: jcore.JaxprEqn
+    post: tuple[Post, ...]
 
-    def reads(self, graph: Graph, m: C) -> list[jcore.Var]:
-        return [v for v in (*m.core.invars, *_factor_vars(m.post)) if isinstance(v, jcore.Var)]
+    @property
+    def scalar(self) -> bool:  # every scaling after the core is by a scalar
+        return all(s.scalar for s in self.post)
+
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        return {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
+
+    def reads(self) -> list[jcore.Var]:
+        return [
+            v for v in (*self.core.invars, *_factor_vars(self.post)) if isinstance(v, jcore.Var)
+        ]
+
+    def replay(self, x: Array, env: Env, phi: Phi = _PHI["sum"], units: bool = False) -> Array:
+        """`post` applied to x in the core's coordinates (to each of its leading units)."""
+        if units:
+            return jax.vmap(lambda u: _replay(self.post, u, env, phi))(x)
+        return _replay(self.post, x, env, phi)
 
 
 def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Array, Array]:
@@ -1901,24 +1841,40 @@ def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Ar
     return a, b
 
 
-class DotCore(CoreRoute[C]):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class DotCore(CoreRoute):
     """A route whose core is a dot_general and whose means of φ are sums over examples and
     units of φ(core_u): computed per slice of the dot's batch dims, so that they can also be
-    formed one scan iteration at a time (InScan)."""
+    formed one scan iteration at a time (InScan). `units`: the operands' contracted axes that
+    index units besides the example (rank one: OuterProduct), whose units clipping weighs."""
 
-    def core_sums(
-        self, graph: Graph, m: C, env: Env, dtype: Any, wanted: Sequence[str]
-    ) -> dict[str, Array]:
+    units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+
+    def core_sums(self, env: Env, dtype: Any, wanted: Sequence[str]) -> dict[str, Array]:
         """(1/N) Σ_u φ(core_u) for each φ in `wanted`, in the core's output coordinates."""
-        return {w: _dot_core_sum(graph, m, env, dtype, w) for w in wanted}
+        return {w: self.core_sum(env, dtype, w) for w in wanted}
 
-    def compute_many(
-        self, graph: Graph, leaf: Leaf, m: C, env: Env, wanted: Sequence[str]
-    ) -> dict[str, Array]:
+    def core_sum(self, env: Env, dtype: Any, what: str, weights: Array | None = None) -> Array:
+        """(1/N) Σ_u φ(a_u ⊗ b_u) in the core's coordinates (before `post`), as one
+        dot_general contracting the examples and the unit axes (φ = identity when `weights`
+        [B, U] scale the units)."""
+        phi = _PHI[what]
+        a, b = _operands(self.core, env, dtype, tie=weights is None)
+        a = phi(a)
+        if weights is not None:
+            a = a * _unit_weights(weights.astype(dtype), a.ndim, self.units[0])
+        dn = _over_examples(*_dot_dims(self.core))
+        n = self.graph.n_units
+        return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         phis = [w for w in wanted if w in _PHI]
-        sums = self.core_sums(graph, m, env, leaf.stat_dtype, phis)
-        out = {w: _replay(m.post, g, env, _PHI[w]) for w, g in sums.items()}
-        return {**out, **{w: self.compute(graph, leaf, m, env, w) for w in wanted if w not in out}}
+        sums = self.core_sums(env, self.dtype, phis)
+        out = {w: self.replay(g, env, _PHI[w]) for w, g in sums.items()}
+        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return self.replay(self.core_sum(env, self.dtype, "sum", weights), env)
 
 
 def _units_layout(x: Array, batch: Sequence[int], units: Sequence[int]) -> Array:
@@ -1939,58 +1895,38 @@ def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
     return weights.reshape(shape)
 
 
-def _dot_core_sum(
-    graph: Graph, m: CoreMatch, env: Env, dtype: Any, what: str, weights: Array | None = None
-) -> Array:
-    """(1/N) Σ_u φ(a_u ⊗ b_u) in the core's coordinates (before `post`), as one dot_general
-    contracting the examples and the unit axes (φ = identity when `weights` [B, U] scale
-    the units)."""
-    phi = _PHI[what]
-    a, b = _operands(m.core, env, dtype, tie=weights is None)
-    a = phi(a)
-    if weights is not None:  # the units' axes of a: the contracted ones for a rank-one core
-        units = m.units[0] if isinstance(m, RankOneMatch) else ()
-        a = a * _unit_weights(weights.astype(dtype), a.ndim, units)
-    dn = _over_examples(*_dot_dims(m.core))
-    return jax.lax.dot_general(a * (1.0 / graph.n_units), phi(b), dn, preferred_element_type=dtype)
-
-
-def _dot_sum(
-    graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str, weights: Array | None = None
-) -> Array:
-    """(1/N) Σ_u φ(g_u) of the leaf (or the clipped mean): _dot_core_sum, then `post`."""
-    g = _dot_core_sum(graph, m, env, leaf.stat_dtype, what, weights)
-    return _replay(m.post, g, env, _PHI[what])
-
-
-class Empty(Route[Match]):
+class Empty(Route):
     """A leaf with no entries: every statistic is an empty array."""
 
     name = "empty"
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> Match | Refusal:
-        return Match(self, "no entries") if leaf.size == 0 else Refusal("the leaf has entries")
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Empty | Refusal":
+        return cls(graph, leaf, "no entries") if leaf.size == 0 else Refusal("the leaf has entries")
 
-    def cost(self, graph: Graph, leaf: Leaf, m: Match, methods: Mapping[str, str]) -> Cost:
+    def cost(self, methods: Mapping[str, str]) -> Cost:
         return Cost()
 
-    def compute(self, graph: Graph, leaf: Leaf, m: Match, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:
         if what == "norms":
-            return jnp.zeros((graph.n_examples, graph.per_example), leaf.stat_dtype)
-        return jnp.zeros(leaf.shape, leaf.stat_dtype)
+            return jnp.zeros((self.graph.n_examples, self.graph.per_example), self.dtype)
+        return jnp.zeros(self.leaf.shape, self.dtype)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: Match, env: Env, weights: Array) -> Array:
-        return jnp.zeros(leaf.shape, leaf.stat_dtype)
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return jnp.zeros(self.leaf.shape, self.dtype)
 
 
-class Constant(Route[ValueMatch]):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Constant(Route):
     """The gradient does not depend on the example: g_u = g for every unit, so every mean is
     φ(g), the variance is 0 and each unit's norm is ‖g‖². At token granularity only a proven
     zero gradient (an unused parameter) splits over positions."""
 
     name = "constant"
+    grad: Atom
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> ValueMatch | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Constant | Refusal":
         var = leaf.grad if var is None else var
         if graph.is_batched(var):
             return Refusal("the gradient depends on the example")
@@ -1999,29 +1935,32 @@ class Constant(Route[ValueMatch]):
         if graph.token and not graph.is_zero(var):
             return Refusal("an example-independent gradient has no per-position split")
         if graph.token:
-            return ValueMatch(self, "unused: the gradient is 0", var)
-        return ValueMatch(self, "the gradient does not depend on the example", var)
+            return cls(graph, leaf, "unused: the gradient is 0", grad=var)
+        return cls(graph, leaf, "the gradient does not depend on the example", grad=var)
 
-    def reads(self, graph: Graph, m: ValueMatch) -> list[jcore.Var]:
-        return [m.grad] if isinstance(m.grad, jcore.Var) else []
+    def reads(self) -> list[jcore.Var]:
+        return [self.grad] if isinstance(self.grad, jcore.Var) else []
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: ValueMatch, what: str) -> Cost:
-        return Cost(leaf.size, 4.0 * leaf.size)
+    def factored_cost(self, what: str) -> Cost:
+        return Cost(self.leaf.size, 4.0 * self.leaf.size)
 
-    def _g(self, leaf: Leaf, m: ValueMatch, env: Env) -> Array:
-        return jnp.broadcast_to(jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype), leaf.shape)
+    def _g(self, env: Env) -> Array:
+        return jnp.broadcast_to(
+            jnp.asarray(_read(env, self.grad)).astype(self.dtype), self.leaf.shape
+        )
 
-    def compute(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, what: str) -> Array:
-        g = self._g(leaf, m, env)
+    def compute(self, env: Env, what: str) -> Array:
+        g = self._g(env)
         if what == "norms":
-            return jnp.full((graph.n_examples, graph.per_example), jnp.sum(g * g))
+            return jnp.full((self.graph.n_examples, self.graph.per_example), jnp.sum(g * g))
         return jnp.zeros_like(g) if what == "var" else _PHI[what](g)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
-        return self._g(leaf, m, env) * (jnp.sum(weights) / graph.n_units).astype(leaf.stat_dtype)
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return self._g(env) * (jnp.sum(weights) / self.graph.n_units).astype(self.dtype)
 
 
-class OuterProduct(DotCore[RankOneMatch]):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class OuterProduct(DotCore):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
     contracts nothing but the unit axes — no axis at example granularity (a dense weight used
     once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
@@ -2037,9 +1976,9 @@ class OuterProduct(DotCore[RankOneMatch]):
 
     name = "outer-product"
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> RankOneMatch | Refusal:
-        var = leaf.grad if var is None else var
-        core, post = graph.core(var)
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "OuterProduct | Refusal":
+        core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "dot_general":
             return Refusal("the gradient's last operation is not a dot_general")
         a, b = core.invars
@@ -2055,32 +1994,32 @@ class OuterProduct(DotCore[RankOneMatch]):
                     f"the dot_general sums {len(summed)} axes per example (not rank one)"
                 )
             reason = "dense weight used once per example: g_i = δ_i ⊗ x_i"
-            return RankOneMatch(self, reason, core, post, (lc, rc))
+            return cls(graph, leaf, reason, core=core, post=post, units=(lc, rc))
         if len(summed) != 1:
             return Refusal(f"sums {len(summed)} axes; a per-token term sums one (positions)")
         (k,) = summed
         if lc[k] not in graph.position_axes(a) or rc[k] not in graph.position_axes(b):
             return Refusal("the contracted axes are not both traced to the example's positions")
         reason = "weight at every position: g_t = δ_t ⊗ x_t over the traced position axis"
-        return RankOneMatch(self, reason, core, post, ((lc[k],), (rc[k],)))
+        return cls(graph, leaf, reason, core=core, post=post, units=((lc[k],), (rc[k],)))
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: RankOneMatch, what: str) -> Cost:
-        n, p = graph.n_units, leaf.size
-        factors = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars)
+    def factored_cost(self, what: str) -> Cost:
+        n, p = self.graph.n_units, self.leaf.size
+        factors = self.graph.n_examples * sum(math.prod(_shape(v)) for v in self.core.invars)
         if what == "norms":
             return Cost(2.0 * factors, 4.0 * factors)
         matmuls = 2 if what == "var" else 1
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
-    def compute(self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, what: str) -> Array:
-        dtype, n = leaf.stat_dtype, graph.n_units
-        _, _, lb, rb = _dot_dims(m.core)
-        a, b = _operands(m.core, env, dtype, tie=False)
-        ua, ub = m.units
+    def compute(self, env: Env, what: str) -> Array:
+        dtype, n = self.dtype, self.graph.n_units
+        _, _, lb, rb = _dot_dims(self.core)
+        a, b = _operands(self.core, env, dtype, tie=False)
+        ua, ub = self.units
         A, B = _units_layout(a, lb, ua), _units_layout(b, rb, ub)  # [B, U, nb, f]
         if what == "norms":
             norms = jnp.sum(jnp.sum(A * A, -1) * jnp.sum(B * B, -1), -1)  # [B, U]
-            return norms * _scale_sq(m.post, env, dtype)
+            return norms * _scale_sq(self.post, env, dtype)
         A, B = _merge01(A), _merge01(B)  # [N, nb, f]
         abar, bbar = jnp.mean(A, 0), jnp.mean(B, 0)
         Ac, Bc = A - abar, B - bbar
@@ -2103,27 +2042,21 @@ class OuterProduct(DotCore[RankOneMatch]):
             - Kt * Kt
         )
         var = jnp.abs(total)
-        return _replay(m.post, var.reshape(_shape(m.core.outvars[0])), env, jnp.square)
+        return self.replay(var.reshape(_shape(self.core.outvars[0])), env, jnp.square)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, weights: Array) -> Array:
-        return _dot_sum(graph, leaf, m, env, "sum", weights)
-
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: RankOneMatch, env: Env, example: Any, params: Any
-    ) -> Array:
-        dtype = leaf.stat_dtype
-        a, b = (_read(env, v).astype(dtype) for v in m.core.invars[:2])
-        lc, rc, lb, rb = _dot_dims(m.core)
-        if not graph.token:  # what it contracts are axes of size 1
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
+        lc, rc, lb, rb = _dot_dims(self.core)
+        if not self.graph.token:  # what it contracts are axes of size 1
             g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)))[None]
         else:  # the position axis becomes a batch axis: one outer product per position
-            (ua,), (ub,) = m.units
+            (ua,), (ub,) = self.units
             ones = ([d for d in lc if d != ua], [d for d in rc if d != ub])  # size 1
             g = jax.lax.dot_general(a, b, (ones, ((ua, *lb), (ub, *rb))))
-        return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
+        return self.replay(g, env, units=True)
 
 
-class Contraction(DotCore[CoreMatch]):
+class Contraction(DotCore):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
@@ -2134,9 +2067,9 @@ class Contraction(DotCore[CoreMatch]):
 
     name = "contraction"
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
-        var = leaf.grad if var is None else var
-        core, post = graph.core(var)
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Contraction | Refusal":
+        core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "dot_general":
             return Refusal("the gradient's last operation is not a dot_general")
         if graph.token:
@@ -2151,58 +2084,55 @@ class Contraction(DotCore[CoreMatch]):
         if terms == 1:
             return Refusal("the dot_general sums one term (rank one: outer-product)")
         reason = f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k"
-        return CoreMatch(self, reason, core, post)
+        return cls(graph, leaf, reason, core=core, post=post)
 
-    def _sizes(self, m: CoreMatch) -> tuple[int, int, int, int]:
+    def _sizes(self) -> tuple[int, int, int, int]:
         """(terms K, batch-dim slices, free entries of a, free entries of b)."""
-        lc, _, lb, rb = _dot_dims(m.core)
-        a, b = (_shape(v) for v in m.core.invars)
+        lc, _, lb, rb = _dot_dims(self.core)
+        a, b = (_shape(v) for v in self.core.invars)
         terms, slices = math.prod(a[k] for k in lc), math.prod(a[k] for k in lb)
         free_a = math.prod(a) // (terms * slices)
         return terms, slices, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
 
-    def methods(
-        self, graph: Graph, leaf: Leaf, m: CoreMatch, need: tuple[str, ...]
-    ) -> dict[str, str]:
-        terms, _, free_a, free_b = self._sizes(m)
-        gram = 2 * terms * terms < free_a * free_b and m.scalar
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        terms, _, free_a, free_b = self._sizes()
+        gram = 2 * terms * terms < free_a * free_b and self.scalar
         factored = {"sum", "clipped", "sq", "sign"} | ({"norms"} if gram else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and list(methods.values()).count("chunked"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, what: str) -> Cost:
-        terms, slices, _, _ = self._sizes(m)
-        factors = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
+    def factored_cost(self, what: str) -> Cost:
+        terms, slices, _, _ = self._sizes()
+        n, size = self.graph.n_examples, self.leaf.size
+        factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
         if what == "norms":  # two Grams and their inner product
-            grams = graph.n_examples * slices * terms * terms
+            grams = n * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
-        dots = 2.0 * graph.n_examples * terms * leaf.size
+        dots = 2.0 * n * terms * size
         if what in ("sq", "sign"):  # one dot per example, its chunk as large as the operands
-            return Cost(dots + graph.n_examples * leaf.size, 4.0 * (2 * factors + leaf.size))
-        return Cost(dots, 4.0 * (factors + leaf.size))
+            return Cost(dots + n * size, 4.0 * (2 * factors + size))
+        return Cost(dots, 4.0 * (factors + size))
 
-    def unit_flops(self, graph: Graph, leaf: Leaf, m: CoreMatch) -> float:
-        return 2.0 * leaf.size * self._sizes(m)[0]
+    def unit_flops(self) -> float:
+        return 2.0 * self.leaf.size * self._sizes()[0]
 
-    def core_sums(
-        self, graph: Graph, m: CoreMatch, env: Env, dtype: Any, wanted: Sequence[str]
-    ) -> dict[str, Array]:
+    def core_sums(self, env: Env, dtype: Any, wanted: Sequence[str]) -> dict[str, Array]:
         """sq and sign from per-example gradients formed c examples at a time (one scan over
         chunks; c per-example gradients hold at most as many numbers as the operands, or the
         caller's chunk_size), which give the sum too. Padding examples have zero operands:
         g = 0, φ(0) = 0."""
         formed = [w for w in wanted if w in ("sq", "sign")]
         if not formed:
-            return super().core_sums(graph, m, env, dtype, wanted)
+            return super().core_sums(env, dtype, wanted)
         formed += ["sum"] if "sum" in wanted else []
-        n = graph.n_examples
-        lc, rc, lb, rb = _dot_dims(m.core)
-        a, b = _operands(m.core, env, dtype, tie=False)
+        n = self.graph.n_examples
+        lc, rc, lb, rb = _dot_dims(self.core)
+        a, b = _operands(self.core, env, dtype, tie=False)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
         one = jax.eval_shape(dot, a[0], b[0])
-        c = min(n, graph.chunk_size or max(1, (a.size + b.size) // max(1, one.size)))
+        c = min(n, self.graph.chunk_size or max(1, (a.size + b.size) // max(1, one.size)))
         pad = -n % c
         a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
 
@@ -2215,52 +2145,47 @@ class Contraction(DotCore[CoreMatch]):
         totals, _ = jax.lax.scan(chunk, zeros, (split(a), split(b)))
         return {w: t * (1.0 / n) for w, t in zip(formed, totals, strict=True)}
 
-    def cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, methods: Mapping[str, str]) -> Cost:
-        total = super().cost(graph, leaf, m, methods)
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        total = super().cost(methods)
         if methods.get("sum") == "factorized" and "factorized" in (
             methods.get("sq"),
             methods.get("sign"),
         ):  # the sum then comes from the per-example gradients already formed
-            total = total + Cost(-self.factored_cost(graph, leaf, m, "sum").flops, 0.0)
+            total = total + Cost(-self.factored_cost("sum").flops, 0.0)
         return total
 
-    def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:
         assert what == "norms"  # the means of φ: core_sums
-        dtype = leaf.stat_dtype
-        lc, rc, lb, rb = _dot_dims(m.core)
-        a, b = _operands(m.core, env, dtype, tie=False)
+        lc, rc, lb, rb = _dot_dims(self.core)
+        a, b = _operands(self.core, env, self.dtype, tie=False)
         ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
         gb = _units_layout(b, rb, rc)
         gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
         gram_b = jnp.einsum("bsnf,btnf->bnst", gb, gb)
         norms = jnp.sum(gram_a * gram_b, axis=(1, 2, 3))[:, None]
-        return norms * _scale_sq(m.post, env, dtype)
+        return norms * _scale_sq(self.post, env, self.dtype)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, weights: Array) -> Array:
-        return _dot_sum(graph, leaf, m, env, "sum", weights)
-
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, example: Any, params: Any
-    ) -> Array:
-        a, b = (_read(env, v).astype(leaf.stat_dtype) for v in m.core.invars[:2])
-        lc, rc, lb, rb = _dot_dims(m.core)
-        g = jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)))
-        return _replay(m.post, g, env, _PHI["sum"])[None]
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
+        lc, rc, lb, rb = _dot_dims(self.core)
+        return self.replay(jax.lax.dot_general(a, b, ((lc, rc), (lb, rb))), env)[None]
 
 
-class UnitSum(CoreRoute[UnitSumMatch]):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class UnitSum(CoreRoute):
     """The core sums an example-dependent value z over some of its axes (a bias or a norm
     layer's scale or shift applied at every position, a per-channel gate): unit u's gradient
     is z summed over those axes, except, at token granularity, the one summed axis traced to
-    the positions, which indexes the units. Small (N × leaf): formed from z by one reduction
-    and reduced directly — no per-unit tail, no chunk loop. Exact by construction: it is the
-    computation the gradient itself performs, batched."""
+    the positions (`axis`), which indexes the units. Small (N × leaf): formed from z by one
+    reduction and reduced directly — no per-unit tail, no chunk loop. Exact by construction:
+    it is the computation the gradient itself performs, batched."""
 
     name = "unit-sum"
+    axis: int | None  # None at example granularity: one unit per example
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> UnitSumMatch | Refusal:
-        var = leaf.grad if var is None else var
-        core, post = graph.core(var)
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "UnitSum | Refusal":
+        core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "reduce_sum":
             return Refusal("the gradient's last operation is not a reduce_sum")
         z = core.invars[0]
@@ -2268,54 +2193,51 @@ class UnitSum(CoreRoute[UnitSumMatch]):
             return Refusal("the summed value does not depend on the example")
         if not graph.token:
             reason = "a sum over positions (bias, scale, gate): g_i = Σ_k z_ik, one reduction"
-            return UnitSumMatch(self, reason, core, post, None)
+            return cls(graph, leaf, reason, core=core, post=post, axis=None)
         found = graph.position_axes(z) & set(core.params["axes"])
         if len(found) != 1:
             return Refusal(f"the sum runs over {len(found)} traced position axes, not one")
         reason = "a sum over positions (bias, scale): g_t = z_t"
-        return UnitSumMatch(self, reason, core, post, next(iter(found)))
+        return cls(graph, leaf, reason, core=core, post=post, axis=next(iter(found)))
 
-    def cost(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, methods: Mapping[str, str]) -> Cost:
+    def cost(self, methods: Mapping[str, str]) -> Cost:
         """One reduction of z forms every unit's gradient (fused away for a plain sum); each
         ingredient then reads them."""
-        z, g = graph.n_examples * math.prod(_shape(m.core.invars[0])), graph.n_units * leaf.size
+        z = self.graph.n_examples * math.prod(_shape(self.core.invars[0]))
+        g = self.graph.n_units * self.leaf.size
         formed = any(w != "sum" for w in methods)
         return Cost(z + 2.0 * g * len(methods), 4.0 * (z + g * formed))
 
-    def _units(self, m: UnitSumMatch, z: Array) -> Array:
+    def _units(self, z: Array) -> Array:
         """[B, ...] -> [B, U, *core output]: each unit's own sum (U = 1 per example)."""
-        rest = tuple(a + 1 for a in m.core.params["axes"] if a != m.axis)
+        rest = tuple(a + 1 for a in self.core.params["axes"] if a != self.axis)
         z = jnp.sum(z, axis=rest, keepdims=True)
-        z = z[:, None] if m.axis is None else jnp.moveaxis(z, m.axis + 1, 1)
-        return z.reshape(z.shape[0], z.shape[1], *_shape(m.core.outvars[0]))
+        z = z[:, None] if self.axis is None else jnp.moveaxis(z, self.axis + 1, 1)
+        return z.reshape(z.shape[0], z.shape[1], *_shape(self.core.outvars[0]))
 
-    def compute(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, what: str) -> Array:
-        dtype, n = leaf.stat_dtype, graph.n_units
-        g = self._units(m, _read(env, m.core.invars[0]).astype(dtype))
+    def compute(self, env: Env, what: str) -> Array:
+        dtype, n = self.dtype, self.graph.n_units
+        g = self._units(_read(env, self.core.invars[0]).astype(dtype))
         if what == "norms":
-            return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(m.post, env, dtype)
+            return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(self.post, env, dtype)
         g = _merge01(g)
         if what == "var":
             centered = g - _sum0(g) / g.shape[0]
-            return _replay(m.post, _sum0(centered * centered) / (n - 1), env, jnp.square)
+            return self.replay(_sum0(centered * centered) / (n - 1), env, jnp.square)
         phi = _PHI[what]
-        return _replay(m.post, _sum0(phi(g)) * (1.0 / n), env, phi)
+        return self.replay(_sum0(phi(g)) * (1.0 / n), env, phi)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, weights: Array) -> Array:
-        dtype = leaf.stat_dtype
-        g = _merge01(self._units(m, _read(env, m.core.invars[0]).astype(dtype)))
-        total = jnp.tensordot(weights.reshape(-1).astype(dtype), g, axes=1) / graph.n_units
-        return _replay(m.post, total, env, _PHI["sum"])
+    def clipped(self, env: Env, weights: Array) -> Array:
+        g = _merge01(self._units(_read(env, self.core.invars[0]).astype(self.dtype)))
+        w = weights.reshape(-1).astype(self.dtype)
+        return self.replay(jnp.tensordot(w, g, axes=1) / self.graph.n_units, env)
 
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: UnitSumMatch, env: Env, example: Any, params: Any
-    ) -> Array:
-        z = _read(env, m.core.invars[0]).astype(leaf.stat_dtype)
-        g = self._units(m, z[None])[0]
-        return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        z = _read(env, self.core.invars[0]).astype(self.dtype)
+        return self.replay(self._units(z[None])[0], env, units=True)
 
 
-class RowScatter(CoreRoute[CoreMatch]):
+class RowScatter(CoreRoute):
     """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
     core is scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of
     `idx` but its last, in any layout: `x[None]` adds a unit axis). Example granularity: the
@@ -2328,35 +2250,32 @@ class RowScatter(CoreRoute[CoreMatch]):
 
     name = "row-scatter"
 
-    def _rows_refusal(self, graph: Graph, core: jcore.JaxprEqn) -> str:
-        """Why the core is not a scatter-add of batched rows into a proven-zero table, or ""."""
-        operand, indices, updates = core.invars
-        dn = core.params["dimension_numbers"]
-        if not graph.is_zero(operand):
-            return "the scatter adds into a table not proven zero"
-        if not graph.is_batched(updates):
-            return "the scattered rows do not depend on the example"
-        n = _row_axes(core)
-        window = tuple(dn.update_window_dims) == tuple(range(n, len(_shape(updates))))
-        same = _shape(updates)[:n] == _shape(indices)[:n]
-        if not (window and same) or dn.operand_batching_dims:
-            return "not one window per row of the updates"
-        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
-        if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
-            return f"scatter mode {mode}"
-        return ""
-
-    def _rows_core(self, graph: Graph, var: Atom) -> tuple[Any, tuple] | Refusal:
+    @staticmethod
+    def _rows_core(graph: Graph, var: Atom) -> tuple[Any, tuple] | Refusal:
         """`var`'s core and the ops after it, if the core scatters batched rows into a
         proven-zero table (one window per row, a mode that clamps or drops)."""
         core, post = graph.core(var)
         if core is None or core.primitive.name != "scatter-add":
             return Refusal("the gradient's last operation is not a scatter-add")
-        why = self._rows_refusal(graph, core)
-        return Refusal(why) if why else (core, post)
+        operand, indices, updates = core.invars
+        dn = core.params["dimension_numbers"]
+        if not graph.is_zero(operand):
+            return Refusal("the scatter adds into a table not proven zero")
+        if not graph.is_batched(updates):
+            return Refusal("the scattered rows do not depend on the example")
+        n = _row_axes(core)
+        window = tuple(dn.update_window_dims) == tuple(range(n, len(_shape(updates))))
+        same = _shape(updates)[:n] == _shape(indices)[:n]
+        if not (window and same) or dn.operand_batching_dims:
+            return Refusal("not one window per row of the updates")
+        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
+        if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
+            return Refusal(f"scatter mode {mode}")
+        return core, post
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
-        found = self._rows_core(graph, leaf.grad if var is None else var)
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "RowScatter | Refusal":
+        found = cls._rows_core(graph, leaf.grad if var is None else var)
         if isinstance(found, Refusal):
             return found
         core, post = found
@@ -2367,7 +2286,7 @@ class RowScatter(CoreRoute[CoreMatch]):
             if len(found) != 1 or math.prod(rows) != rows[next(iter(found))]:
                 return Refusal("not one row axis traced to the positions (others of size 1)")
             reason = "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions"
-            return CoreMatch(self, reason, core, post)
+            return cls(graph, leaf, reason, core=core, post=post)
         if not graph.is_static(indices):
             return Refusal("rows depend on the example (repeated rows add up before φ)")
         mode = str(core.params["mode"]).rsplit(".", 1)[-1]
@@ -2375,100 +2294,93 @@ class RowScatter(CoreRoute[CoreMatch]):
         if overlap:
             return Refusal(overlap)
         reason = "rows at static, pairwise disjoint windows (e.g. positions)"
-        return CoreMatch(self, reason, core, post)
+        return cls(graph, leaf, reason, core=core, post=post)
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, what: str) -> Cost:
-        rows = graph.n_examples * math.prod(_shape(m.core.invars[2]))
-        return Cost(3.0 * rows, 4.0 * (rows + leaf.size))
+    def factored_cost(self, what: str) -> Cost:
+        rows = self.graph.n_examples * math.prod(_shape(self.core.invars[2]))
+        return Cost(3.0 * rows, 4.0 * (rows + self.leaf.size))
 
-    def _rows(self, graph: Graph, m: CoreMatch, env: Env, dtype: Any) -> tuple[Array, Array]:
+    def _rows(self, env: Env) -> tuple[Array, Array]:
         """Indices [B·R, k] (broadcast when static) and updates [B·R, *window]."""
-        _, indices, updates = m.core.invars
-        idx, upd = _read(env, indices), _read(env, updates).astype(dtype)
-        if not graph.is_batched(indices):
+        _, indices, updates = self.core.invars
+        idx, upd = _read(env, indices), _read(env, updates).astype(self.dtype)
+        if not self.graph.is_batched(indices):
             idx = jnp.broadcast_to(idx, (upd.shape[0], *jnp.shape(idx)))
-        window = upd.shape[1 + _row_axes(m.core) :]
+        window = upd.shape[1 + _row_axes(self.core) :]
         return idx.reshape(-1, idx.shape[-1]), upd.reshape(-1, *window)
 
-    def _scatter(self, m: CoreMatch, idx: Array, upd: Array) -> Array:
+    def _scatter(self, idx: Array, upd: Array) -> Array:
         """scatter-add(0, idx [R, k], upd [R, *window]) as the core writes its rows."""
-        zeros = jnp.zeros(_shape(m.core.outvars[0]), upd.dtype)
-        return jax.lax.scatter_add(zeros, idx, upd, _rows_dn(m.core), mode=m.core.params["mode"])
+        zeros = jnp.zeros(_shape(self.core.outvars[0]), upd.dtype)
+        mode = self.core.params["mode"]
+        return jax.lax.scatter_add(zeros, idx, upd, _rows_dn(self.core), mode=mode)
 
-    def _gather(self, m: CoreMatch, table: Array, idx: Array) -> Array:
+    def _gather(self, table: Array, idx: Array) -> Array:
         """The rows `idx` [R, k] of `table`: [R, *window] (clamped: read where they land)."""
-        dn = _rows_dn(m.core)
+        dn = _rows_dn(self.core)
         gather_dn = jax.lax.GatherDimensionNumbers(
             offset_dims=tuple(dn.update_window_dims),
             collapsed_slice_dims=tuple(dn.inserted_window_dims),
             start_index_map=tuple(dn.scatter_dims_to_operand_dims),
         )
         clip = jax.lax.GatherScatterMode.CLIP
-        return jax.lax.gather(table, idx, gather_dn, _window_sizes(m.core), mode=clip)
+        return jax.lax.gather(table, idx, gather_dn, _window_sizes(self.core), mode=clip)
 
-    def _in_bounds(self, m: CoreMatch, idx: Array) -> Array:
+    def _in_bounds(self, idx: Array) -> Array:
         """[rows] bool: the row's window is written (always, after clamping, in CLIP mode)."""
-        if str(m.core.params["mode"]).endswith("CLIP"):
+        if str(self.core.params["mode"]).endswith("CLIP"):
             return jnp.ones(idx.shape[:1], bool)
-        dims = m.core.params["dimension_numbers"].scatter_dims_to_operand_dims
-        sizes = _window_sizes(m.core)
-        limit = jnp.asarray([_shape(m.core.outvars[0])[d] - sizes[d] for d in dims], idx.dtype)
+        dims = self.core.params["dimension_numbers"].scatter_dims_to_operand_dims
+        sizes = _window_sizes(self.core)
+        table = _shape(self.core.outvars[0])
+        limit = jnp.asarray([table[d] - sizes[d] for d in dims], idx.dtype)
         return jnp.all((idx >= 0) & (idx <= limit), axis=-1)
 
-    def _units(
-        self, graph: Graph, m: CoreMatch, env: Env, dtype: Any, what: str
-    ) -> tuple[Array, Array, Array]:
+    def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:
         """Rows (indices [R', k], updates [R', *window], written [R'] bool) such that every
         entry of every unit's gradient is one row's update or 0 (for `what` = "sum", such
         that the rows add up to it): here the core's own rows."""
-        idx, upd = self._rows(graph, m, env, dtype)
-        return idx, upd, self._in_bounds(m, idx)
+        idx, upd = self._rows(env)
+        return idx, upd, self._in_bounds(idx)
 
-    def compute(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, what: str) -> Array:
-        dtype, n = leaf.stat_dtype, graph.n_units
-        idx, upd, ok = self._units(graph, m, env, dtype, what)
+    def compute(self, env: Env, what: str) -> Array:
+        dtype, n = self.dtype, self.graph.n_units
+        idx, upd, ok = self._units(env, what)
         written = ok.reshape(-1, *[1] * (upd.ndim - 1))
         if what in _PHI:
             phi = _PHI[what]
             rows = jnp.where(written, phi(upd), 0.0) * (1.0 / n)
-            return _replay(m.post, self._scatter(m, idx, rows), env, phi)
+            return self.replay(self._scatter(idx, rows), env, phi)
         if what == "norms":
             rows = jnp.sum(upd * upd, axis=tuple(range(1, upd.ndim))) * ok.astype(dtype)
-            rows = rows.reshape(graph.n_examples, -1)
-            if not graph.token:
+            rows = rows.reshape(self.graph.n_examples, -1)
+            if not self.graph.token:
                 rows = jnp.sum(rows, 1, keepdims=True)
-            return rows * _scale_sq(m.post, env, dtype)
+            return rows * _scale_sq(self.post, env, dtype)
         # Σ_u (g_u − ḡ)²: units writing an entry contribute (upd − ḡ)², the others ḡ².
-        mean = self._scatter(m, idx, jnp.where(written, upd, 0.0)) / n
-        spread = self._scatter(
-            m, idx, jnp.where(written, (upd - self._gather(m, mean, idx)), 0.0) ** 2
-        )
-        writers = self._scatter(m, idx, jnp.where(written, 1.0, 0.0) * jnp.ones_like(upd))
+        mean = self._scatter(idx, jnp.where(written, upd, 0.0)) / n
+        spread = self._scatter(idx, jnp.where(written, (upd - self._gather(mean, idx)), 0.0) ** 2)
+        writers = self._scatter(idx, jnp.where(written, 1.0, 0.0) * jnp.ones_like(upd))
         var = (spread + (n - writers) * mean * mean) / (n - 1)
-        return _replay(m.post, var, env, jnp.square)
+        return self.replay(var, env, jnp.square)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, weights: Array) -> Array:
-        dtype = leaf.stat_dtype
-        idx, upd = self._rows(graph, m, env, dtype)
-        rows = upd.shape[0] // graph.n_examples
-        w = jnp.broadcast_to(
-            weights.astype(dtype).reshape(graph.n_examples, -1), (graph.n_examples, rows)
-        )
-        upd = upd * w.reshape(-1, *[1] * (upd.ndim - 1)) / graph.n_units
-        return _replay(m.post, self._scatter(m, idx, upd), env, _PHI["sum"])
+    def clipped(self, env: Env, weights: Array) -> Array:
+        n = self.graph.n_examples
+        idx, upd = self._rows(env)
+        w = jnp.broadcast_to(weights.astype(self.dtype).reshape(n, -1), (n, upd.shape[0] // n))
+        upd = upd * w.reshape(-1, *[1] * (upd.ndim - 1)) / self.graph.n_units
+        return self.replay(self._scatter(idx, upd), env)
 
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: CoreMatch, env: Env, example: Any, params: Any
-    ) -> Array:
-        _, indices, updates = m.core.invars
-        idx, upd = _read(env, indices), _read(env, updates).astype(leaf.stat_dtype)
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        _, indices, updates = self.core.invars
+        idx, upd = _read(env, indices), _read(env, updates).astype(self.dtype)
         idx = jnp.reshape(idx, (-1, jnp.shape(idx)[-1]))
-        upd = upd.reshape(-1, *upd.shape[_row_axes(m.core) :])
-        if graph.token:
-            g = jax.vmap(lambda i, u: self._scatter(m, i[None], u[None]))(idx, upd)
+        upd = upd.reshape(-1, *upd.shape[_row_axes(self.core) :])
+        if self.graph.token:
+            g = jax.vmap(lambda i, u: self._scatter(i[None], u[None]))(idx, upd)
         else:
-            g = self._scatter(m, idx, upd)[None]
-        return jax.vmap(lambda x: _replay(m.post, x, env, _PHI["sum"]))(g)
+            g = self._scatter(idx, upd)[None]
+        return self.replay(g, env, units=True)
 
 
 class SegmentRows(RowScatter):
@@ -2482,10 +2394,11 @@ class SegmentRows(RowScatter):
 
     name = "segment-rows"
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> CoreMatch | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "SegmentRows | Refusal":
         if graph.token:
             return Refusal("token granularity: one row per unit (row-scatter)")
-        found = self._rows_core(graph, leaf.grad if var is None else var)
+        found = cls._rows_core(graph, leaf.grad if var is None else var)
         if isinstance(found, Refusal):
             return found
         core, post = found
@@ -2499,26 +2412,25 @@ class SegmentRows(RowScatter):
         reason = (
             "lookup rows, repeated rows summed per example (segment sums): g_i = Σ_r onehot ⊗ δ"
         )
-        return CoreMatch(self, reason, core, post)
+        return cls(graph, leaf, reason, core=core, post=post)
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: CoreMatch, what: str) -> Cost:
+    def factored_cost(self, what: str) -> Cost:
         if what == "sum":
-            return super().factored_cost(graph, leaf, m, what)
-        rows = graph.n_examples * math.prod(_shape(m.core.invars[2]))
-        sort = graph.n_examples * math.prod(_shape(m.core.invars[1])) * 20.0
-        return Cost(4.0 * rows + sort, 4.0 * (2 * rows + leaf.size))
+            return super().factored_cost(what)
+        rows = self.graph.n_examples * math.prod(_shape(self.core.invars[2]))
+        sort = self.graph.n_examples * math.prod(_shape(self.core.invars[1])) * 20.0
+        return Cost(4.0 * rows + sort, 4.0 * (2 * rows + self.leaf.size))
 
-    def _units(
-        self, graph: Graph, m: CoreMatch, env: Env, dtype: Any, what: str
-    ) -> tuple[Array, Array, Array]:
-        idx, upd = self._rows(graph, m, env, dtype)
-        ok = self._in_bounds(m, idx)
+    def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:
+        idx, upd = self._rows(env)
+        ok = self._in_bounds(idx)
         if what == "sum":  # linear: the rows add up the same without segments
             return idx, upd, ok
-        per = idx.shape[0] // graph.n_examples
-        dims = m.core.params["dimension_numbers"].scatter_dims_to_operand_dims
-        table = _shape(m.core.outvars[0])
-        sizes = _window_sizes(m.core)
+        examples = self.graph.n_examples
+        per = idx.shape[0] // examples
+        dims = self.core.params["dimension_numbers"].scatter_dims_to_operand_dims
+        table = _shape(self.core.outvars[0])
+        sizes = _window_sizes(self.core)
         starts = [table[d] - sizes[d] + 1 for d in dims]  # 1 for a dimension read whole
         limits = jnp.asarray([n - 1 for n in starts], idx.dtype)
         at = jnp.clip(idx, 0, limits)  # where a row lands (CLIP); other rows out of bounds: ok 0
@@ -2537,10 +2449,10 @@ class SegmentRows(RowScatter):
             return where, sums, written
 
         shaped = (
-            key.reshape(graph.n_examples, per),
-            at.reshape(graph.n_examples, per, -1),
-            upd.reshape(graph.n_examples, per, *upd.shape[1:]),
-            ok.reshape(graph.n_examples, per),
+            key.reshape(examples, per),
+            at.reshape(examples, per, -1),
+            upd.reshape(examples, per, *upd.shape[1:]),
+            ok.reshape(examples, per),
         )
         where, sums, written = jax.vmap(segments)(*shaped)
         return where.reshape(idx.shape), sums.reshape(upd.shape), written.reshape(-1)
@@ -2589,45 +2501,46 @@ def _windows_overlap(core: jcore.JaxprEqn, indices: np.ndarray, mode: str) -> st
     return ""
 
 
-class _Composite(Route[T]):
-    """A gradient made of parts, each proven by a route of its own: costs add up, and every
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class _Composite(Route):
+    """A gradient made of `parts`, each proven by a route of its own: costs add up, and every
     ingredient is the parts' ingredients combined (`_combine`)."""
 
-    def _combine(self, m: T, parts: list[Array], what: str, env: Env) -> Array:
+    parts: tuple[CoreRoute, ...]
+
+    def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         raise NotImplementedError
 
-    def compute(self, graph: Graph, leaf: Leaf, m: T, env: Env, what: str) -> Array:
-        parts = [p.route.compute_many(graph, leaf, p, env, [what])[what] for p in m.parts]
-        return self._combine(m, parts, what, env)
+    def compute(self, env: Env, what: str) -> Array:
+        parts = [p.compute_many(env, [what])[what] for p in self.parts]
+        return self._combine(parts, what, env)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: T, env: Env, weights: Array) -> Array:
-        parts = [p.route.clipped(graph, leaf, p, env, weights) for p in m.parts]
-        return self._combine(m, parts, "sum", env)
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
 
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: T, env: Env, example: Any, params: Any
-    ) -> Array:
-        parts = [p.route.per_unit(graph, leaf, p, env, example, params) for p in m.parts]
-        return self._combine(m, parts, "sum", env)
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        parts = [p.per_unit(env, example, params) for p in self.parts]
+        return self._combine(parts, "sum", env)
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: T, what: str) -> Cost:
-        return sum((p.route.factored_cost(graph, leaf, p, what) for p in m.parts), Cost())
+    def factored_cost(self, what: str) -> Cost:
+        return sum((p.factored_cost(what) for p in self.parts), Cost())
 
-    def unit_flops(self, graph: Graph, leaf: Leaf, m: T) -> float:
-        return float(sum(p.route.unit_flops(graph, leaf, p) for p in m.parts))
+    def unit_flops(self) -> float:
+        return float(sum(p.unit_flops() for p in self.parts))
 
-    def reads(self, graph: Graph, m: T) -> list[jcore.Var]:
-        return list(dict.fromkeys(v for p in m.parts for v in p.route.reads(graph, p)))
+    def reads(self) -> list[jcore.Var]:
+        return list(dict.fromkeys(v for p in self.parts for v in p.reads()))
 
 
-class Terms(_Composite[TermsMatch]):
+class Terms(_Composite):
     """Token granularity: several per-position contributions added (a tied embedding and
     output head, W + Wᵀ): unit t's gradient is the sum of its terms at t, each proven by a
     per-token route; linear ingredients add up term by term, the others are chunked."""
 
     name = "terms"
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> TermsMatch | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Terms | Refusal":
         if not graph.token:
             return Refusal("contributions added before φ (a weight used twice per example)")
         terms = _split_terms(graph, leaf, leaf.grad if var is None else var, ())
@@ -2635,26 +2548,25 @@ class Terms(_Composite[TermsMatch]):
             return terms
         if len(terms) < 2:
             return Refusal("not a sum of contributions")
-        return TermsMatch(self, f"{len(terms)} per-position contributions added", tuple(terms))
+        reason = f"{len(terms)} per-position contributions added"
+        return cls(graph, leaf, reason, parts=tuple(terms))
 
-    def methods(
-        self, graph: Graph, leaf: Leaf, m: TermsMatch, need: tuple[str, ...]
-    ) -> dict[str, str]:
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         return {w: "factorized" if w in ("sum", "clipped") else "chunked" for w in need}
 
-    def _combine(self, m: TermsMatch, parts: list[Array], what: str, env: Env) -> Array:
+    def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         return sum(parts[1:], parts[0])
 
 
 def _split_terms(
     graph: Graph, leaf: Leaf, var: Atom, outer: tuple[Post, ...]
-) -> list[CoreMatch] | Refusal:
+) -> list[CoreRoute] | Refusal:
     """Split a sum of contributions into per-token terms (the layout and scaling ops after the
     sum are linear, so each term takes them too)."""
     core, post = graph.core(var)
     post = (*post, *outer)
     if core is not None and core.primitive.name == "add_any":
-        terms: list[CoreMatch] = []
+        terms: list[CoreRoute] = []
         for operand in core.invars:
             sub = _split_terms(graph, leaf, operand, post)
             if isinstance(sub, Refusal):
@@ -2664,22 +2576,35 @@ def _split_terms(
     refusals = []
     for route in _UNIT_ROUTES:
         m = route.match(graph, leaf, var)
-        if isinstance(m, CoreMatch):
+        if isinstance(m, CoreRoute):
             return [dataclasses.replace(m, post=(*m.post, *outer))]
         refusals.append(m.reason)
     return Refusal(f"a term no per-token route proves ({refusals[0]})")
 
 
-class DisjointParts(_Composite[PartsMatch]):
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    starts: tuple[int, ...]
+    part_shape: tuple[int, ...]  # in the leaf (with the stacked axis, if any)
+    stacked: int | None = None  # `stack` places the part as index starts[axis] of this axis
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class DisjointParts(_Composite):
     """Example granularity: the gradient is a sum of parts placed at static, pairwise disjoint
-    windows of the leaf (a stacked weight read as w[l] in a Python loop: each read's gradient
-    is padded into place). Every entry of g_i comes from one part or is 0, so φ and the
-    variance act part by part — Σ_i φ(Σ_k place_k(p_ik)) = Σ_k place_k(Σ_i φ(p_ik)) — and
-    norms add up. Each part takes its own route (one per layer, as if unrolled)."""
+    windows of the leaf (`places`; a stacked weight read as w[l] in a Python loop: each read's
+    gradient is padded into place), summed by `core`, then `post`. Every entry of g_i comes
+    from one part or is 0, so φ and the variance act part by part —
+    Σ_i φ(Σ_k place_k(p_ik)) = Σ_k place_k(Σ_i φ(p_ik)) — and norms add up. Each part takes
+    its own route (one per layer, as if unrolled)."""
 
     name = "disjoint-parts"
+    core: jcore.JaxprEqn
+    post: tuple[Post, ...]
+    places: tuple[Placement, ...]
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> PartsMatch | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "DisjointParts | Refusal":
         if graph.token:
             return Refusal("token granularity: parts are split per position instead")
         core, post = graph.core(leaf.grad if var is None else var)
@@ -2699,53 +2624,46 @@ class DisjointParts(_Composite[PartsMatch]):
                 ):
                     return Refusal(f"parts overlap (windows {a} and {b})")
         reason = f"{len(parts)} parts at disjoint static windows"
-        matches, places = tuple(m for _, m, _ in parts), tuple(p for *_, p in parts)
-        return PartsMatch(self, reason, matches, core, post, places)
+        routes, places = tuple(r for _, r, _ in parts), tuple(p for *_, p in parts)
+        return cls(graph, leaf, reason, parts=routes, core=core, post=post, places=places)
 
-    def methods(
-        self, graph: Graph, leaf: Leaf, m: PartsMatch, need: tuple[str, ...]
-    ) -> dict[str, str]:
-        factored = {
-            w
-            for w in need
-            if all(p.route.methods(graph, leaf, p, (w,))[w] == "factorized" for p in m.parts)
-        }
-        if not all(s.scalar for s in m.post):
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        factored = {w for w in need if all(p.methods((w,))[w] == "factorized" for p in self.parts)}
+        if not all(s.scalar for s in self.post):
             factored.discard("norms")
         return {w: "factorized" if w in factored else "chunked" for w in need}
 
-    def reads(self, graph: Graph, m: PartsMatch) -> list[jcore.Var]:
-        return list(dict.fromkeys([*super().reads(graph, m), *_factor_vars(m.post)]))
+    def reads(self) -> list[jcore.Var]:
+        return list(dict.fromkeys([*super().reads(), *_factor_vars(self.post)]))
 
-    def _combine(self, m: PartsMatch, parts: list[Array], what: str, env: Env) -> Array:
+    def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         """The parts put in place (with any leading unit axes), then the ops after the sum;
         norms add up."""
         if what == "norms":
-            return sum(parts[1:], parts[0]) * _scale_sq(m.post, env, parts[0].dtype)
+            return sum(parts[1:], parts[0]) * _scale_sq(self.post, env, parts[0].dtype)
         phi = jnp.square if what == "var" else _PHI[what]
-        first = m.places[0]
+        first = self.places[0]
         lead = parts[0].shape[: parts[0].ndim - len(first.part_shape) + (first.stacked is not None)]
-        out = jnp.zeros((*lead, *_shape(m.core.outvars[0])), parts[0].dtype)
-        for part, place in zip(parts, m.places, strict=True):
+        out = jnp.zeros((*lead, *_shape(self.core.outvars[0])), parts[0].dtype)
+        for part, place in zip(parts, self.places, strict=True):
             if place.stacked is not None:
                 part = jnp.expand_dims(part, len(lead) + place.stacked)
             out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
         if lead:
-            return jax.vmap(lambda x: _replay(m.post, x, env, phi))(out)
-        return _replay(m.post, out, env, phi)
+            return jax.vmap(lambda x: _replay(self.post, x, env, phi))(out)
+        return _replay(self.post, out, env, phi)
 
 
 # The ops that put a part into a zero table: the transposes of slicing, indexing and
 # splitting (`concatenate` with proven-zero operands is how jnp.split's unused parts come back).
 _PLACEMENTS = ("pad", "dynamic_update_slice", "concatenate", "stack")
+Part = tuple[tuple[tuple[int, int], ...], CoreRoute, Placement]  # (window, route, placement)
 
 
-def _placed_parts(
-    graph: Graph, leaf: Leaf, core: jcore.JaxprEqn
-) -> list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] | Refusal:
-    """The parts of a sum of placements: (window, match, placement) each, the part proven by a
-    route of its own; windows as ((lo, hi) per axis) after clamping."""
-    found: list[tuple[tuple[tuple[int, int], ...], CoreMatch, Placement]] = []
+def _placed_parts(graph: Graph, leaf: Leaf, core: jcore.JaxprEqn) -> list[Part] | Refusal:
+    """The parts of a sum of placements, each proven by a route of its own; windows as
+    ((lo, hi) per axis) after clamping."""
+    found: list[Part] = []
     if core.primitive.name == "add_any":
         for operand in core.invars:
             inner, post = graph.core(operand)
@@ -2798,7 +2716,7 @@ def _placed_parts(
 
 def _placed_part(
     graph: Graph, leaf: Leaf, part: Atom, starts: Sequence[int], stacked: int | None = None
-) -> tuple[tuple[tuple[int, int], ...], CoreMatch, Placement] | Refusal:
+) -> Part | Refusal:
     """A part placed at `starts` (as one index of axis `stacked`), proven by a route of its
     own."""
     size = _shape(part)
@@ -2806,7 +2724,7 @@ def _placed_part(
         size = (*size[:stacked], 1, *size[stacked:])
     for route in _PART_ROUTES:
         m = route.match(graph, leaf, part)
-        if isinstance(m, CoreMatch):
+        if isinstance(m, CoreRoute):
             window = tuple((s, s + k) for s, k in zip(starts, size, strict=True))
             return (window, m, Placement(tuple(starts), size, stacked))
     return Refusal("a part no route proves")
@@ -2815,17 +2733,22 @@ def _placed_part(
 _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 
-class HeadValue(Route[ValueMatch]):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class HeadValue(Route):
     """Example granularity: the gradient needs no op of its own after the backward pass (a
     bias, a norm layer's scale used once per example), or only layout and batch-independent
-    scalings (a bias added to x[None]: a sum over an axis of size 1): g_i is a value v_i the
-    batched head computes anyway — plain grad holds it too, as the cotangent it sums — or
-    post(v_i). Every statistic reads it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the variance
-    in two passes; nothing is formed again, and the value dies where plain grad's does."""
+    scalings (a bias added to x[None]: a sum over an axis of size 1): g_i is a value v_i
+    (`grad`) the batched head computes anyway — plain grad holds it too, as the cotangent it
+    sums — or post(v_i). Every statistic reads it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the
+    variance in two passes; nothing is formed again, and the value dies where plain grad's
+    does."""
 
     name = "head-value"
+    grad: jcore.Var
+    post: tuple[Post, ...]
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> ValueMatch | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "HeadValue | Refusal":
         if graph.token:
             return Refusal("token granularity: a unit is a position, not an example")
         value, post = leaf.grad, ()
@@ -2838,61 +2761,64 @@ class HeadValue(Route[ValueMatch]):
         if not (isinstance(value, jcore.Var) and graph.is_batched(value)):
             return Refusal("the gradient does not depend on the example")
         reason = _IN_HEAD if not post else f"{_IN_HEAD}, after {len(post)} layout/scaling ops"
-        return ValueMatch(self, reason, value, tuple(post))
+        return cls(graph, leaf, reason, grad=value, post=tuple(post))
 
-    def reads(self, graph: Graph, m: ValueMatch) -> list[jcore.Var]:
-        grad = [m.grad] if isinstance(m.grad, jcore.Var) else []
-        return [*grad, *_factor_vars(m.post)]
+    def reads(self) -> list[jcore.Var]:
+        return [self.grad, *_factor_vars(self.post)]
 
-    def cost(self, graph: Graph, leaf: Leaf, m: ValueMatch, methods: Mapping[str, str]) -> Cost:
-        n = graph.n_examples * leaf.size
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        n = self.graph.n_examples * self.leaf.size
         return Cost(3.0 * n * len(methods), 4.0 * n)
 
-    def _g(self, leaf: Leaf, m: ValueMatch, env: Env) -> Array:
+    def _g(self, env: Env) -> Array:
         """[B, leaf size]: every example's gradient."""
-        g = jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)
-        if m.post:
-            g = jax.vmap(lambda v: _replay(m.post, v, env, _PHI["sum"]))(g)
+        g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
+        if self.post:
+            g = jax.vmap(lambda v: _replay(self.post, v, env, _PHI["sum"]))(g)
         return g.reshape(g.shape[0], -1)
 
-    def compute(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, what: str) -> Array:
-        dtype, n = leaf.stat_dtype, graph.n_examples
-        g = self._g(leaf, m, env)
+    def compute(self, env: Env, what: str) -> Array:
+        n, g = self.graph.n_examples, self._g(env)
         if what in _PHI:  # a mean, not a dot with ones: here XLA then holds fewer buffers
-            return jnp.mean(_PHI[what](g), axis=0).reshape(leaf.shape)
+            return jnp.mean(_PHI[what](g), axis=0).reshape(self.leaf.shape)
         if what == "norms":
             return jnp.sum(g * g, axis=1)
         assert what == "var"
-        ones = jnp.full((n,), 1.0 / n, dtype)
+        ones = jnp.full((n,), 1.0 / n, self.dtype)
         centred = g - ones @ g
-        return (ones @ (centred * centred) * (n / (n - 1))).reshape(leaf.shape)
+        return (ones @ (centred * centred) * (n / (n - 1))).reshape(self.leaf.shape)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, weights: Array) -> Array:
-        g = self._g(leaf, m, env)
-        total = jnp.tensordot(weights.reshape(-1).astype(g.dtype), g, axes=1) / graph.n_units
-        return total.reshape(leaf.shape)
+    def clipped(self, env: Env, weights: Array) -> Array:
+        g = self._g(env)
+        total = jnp.tensordot(weights.reshape(-1).astype(g.dtype), g, axes=1) / self.graph.n_units
+        return total.reshape(self.leaf.shape)
 
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: ValueMatch, env: Env, example: Any, params: Any
-    ) -> Array:
-        g = jnp.asarray(_read(env, m.grad)).astype(leaf.stat_dtype)
-        return _replay(m.post, g, env, _PHI["sum"])[None]
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
+        return _replay(self.post, g, env, _PHI["sum"])[None]
 
 
-class Fallback(Route[TailMatch]):
-    """Exact for any leaf. Example granularity: the leaf's exclusive gradient tail (the ops
-    only its gradient needs) evaluated per example, a bounded chunk of examples at a time.
-    Token granularity: the untied reference (§4) for this leaf, per example, in chunks."""
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Fallback(Route):
+    """Exact for any leaf. Example granularity: the leaf's exclusive gradient `tail` (the ops
+    only its gradient needs; empty when the head computes it) evaluated per example, a bounded
+    chunk of examples at a time; `linear` when the tail is proven linear in its cotangent
+    inputs, so that sums over examples transpose into it. Token granularity: the untied
+    reference (§4) for this leaf, per example, in chunks."""
 
     name = "fallback"
+    grad: Atom
+    tail: tuple[jcore.JaxprEqn, ...]
+    linear: bool
 
-    def match(self, graph: Graph, leaf: Leaf, var: Atom | None = None) -> TailMatch | Refusal:
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Fallback | Refusal":
         if graph.token:
             reason = "exact: this leaf untied per position, per example"
-            return TailMatch(self, reason, leaf.grad, (), False)
+            return cls(graph, leaf, reason, grad=leaf.grad, tail=(), linear=False)
         tail = graph.exclusive_tail(leaf.grad)
         if not tail:
-            return TailMatch(self, f"exact: {_IN_HEAD}", leaf.grad, (), True)
+            return cls(graph, leaf, f"exact: {_IN_HEAD}", grad=leaf.grad, tail=(), linear=True)
         why = graph.nonlinear_in_seed(tail, leaf.grad)
         linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
         reason = f"exact: its own gradient ops ({len(tail)}) per example"
@@ -2901,13 +2827,11 @@ class Fallback(Route[TailMatch]):
             if linear
             else f" ({why or 'half precision'})"
         )
-        return TailMatch(self, reason, leaf.grad, tail, linear)
+        return cls(graph, leaf, reason, grad=leaf.grad, tail=tail, linear=linear)
 
-    def methods(
-        self, graph: Graph, leaf: Leaf, m: TailMatch, need: tuple[str, ...]
-    ) -> dict[str, str]:
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         # With a mask a masked example's inputs may be anything (NaN): no transposition.
-        linear = m.linear and not graph.token and not graph.weighted
+        linear = self.linear and not self.graph.token and not self.graph.weighted
         methods = {
             w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need
         }
@@ -2915,38 +2839,79 @@ class Fallback(Route[TailMatch]):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
 
-    def factored_cost(self, graph: Graph, leaf: Leaf, m: TailMatch, what: str) -> Cost:
-        n = graph.n_examples
-        reads = sum(math.prod(_shape(v)) for v in self.reads(graph, m))
-        return Cost(n * (sum(_flops(e) for e in m.tail) + reads), 4.0 * (n * reads + leaf.size))
+    def factored_cost(self, what: str) -> Cost:
+        n = self.graph.n_examples
+        reads = sum(math.prod(_shape(v)) for v in self.reads())
+        flops = sum(_flops(e) for e in self.tail)
+        return Cost(n * (flops + reads), 4.0 * (n * reads + self.leaf.size))
 
-    def unit_flops(self, graph: Graph, leaf: Leaf, m: TailMatch) -> float:
-        if graph.token:  # the untied forward and backward: T copies at every boundary
-            return 4.0 * graph.per_example * sum(_flops(e) for e in graph.jaxpr.eqns)
-        return float(sum(_flops(e) for e in m.tail) + leaf.size)
+    def unit_flops(self) -> float:
+        if self.graph.token:  # the untied forward and backward: T copies at every boundary
+            return 4.0 * self.graph.per_example * sum(_flops(e) for e in self.graph.jaxpr.eqns)
+        return float(sum(_flops(e) for e in self.tail) + self.leaf.size)
 
-    def reads(self, graph: Graph, m: TailMatch) -> list[jcore.Var]:
-        if graph.token:
-            return []
-        return _inputs(m.grad, m.tail)
+    def reads(self) -> list[jcore.Var]:
+        return [] if self.graph.token else _inputs(self.grad, self.tail)
 
-    def compute(self, graph: Graph, leaf: Leaf, m: TailMatch, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:
         assert what == "sum"
-        return _linear_sum(graph, leaf, m.grad, m.tail, env, None)
+        return self.clipped(env, None)
 
-    def clipped(self, graph: Graph, leaf: Leaf, m: TailMatch, env: Env, weights: Array) -> Array:
-        return _linear_sum(graph, leaf, m.grad, m.tail, env, weights)
+    def clipped(self, env: Env, weights: Array | None) -> Array:
+        """(1/N) Σ_i w_i g_i for a gradient the head computes (read it) or whose tail is
+        linear in its cotangent inputs c_i given its primal inputs x_i: g_i = L_{x_i}(c_i).
+        Then Σ_i L_{x_i}(c_i) = Mᵀ(c) with M(W) = (L_{x_i}ᵀ W)_i — JAX transposes the tail
+        twice, and the second transpose sums over examples inside the operation (as plain
+        grad does: one weight-gradient convolution over the batch, not B of them)."""
+        graph, leaf, grad, tail = self.graph, self.leaf, self.grad, self.tail
+        dtype, n, b = self.dtype, graph.n_units, graph.n_examples
+        w = jnp.ones((b,), dtype) if weights is None else weights.reshape(-1).astype(dtype)
+        if not tail:
+            g = jnp.broadcast_to(jnp.asarray(_read(env, grad)).astype(dtype), (b, *leaf.shape))
+            return jnp.tensordot(w / n, g, axes=1)
+        inputs = _inputs(grad, tail)
+        cts = [v for v in inputs if v in graph.seeded]
+        primals = [v for v in inputs if v not in graph.seeded and v in graph.batched]
+        fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
 
-    def per_unit(
-        self, graph: Graph, leaf: Leaf, m: TailMatch, env: Env, example: Any, params: Any
-    ) -> Array:
-        if graph.token:
-            assert graph.untie is not None
-            _, grads = graph.untie.value_and_grad(params, example, frozenset({leaf.index}))
-            return jax.tree.leaves(grads)[0].astype(leaf.stat_dtype)
+        def run_tail(c: list, x: list) -> Any:
+            local = {
+                **fixed,
+                **dict(zip(cts, c, strict=True)),
+                **dict(zip(primals, x, strict=True)),
+            }
+            _evaluate(tail, local)
+            return _read(local, grad)
+
+        per_example = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in cts]
+
+        def transposed(w_: Array, x: list) -> list:
+            (c,) = jax.linear_transpose(lambda c: run_tail(c, x), per_example)(w_)
+            return c
+
+        def to_batch(w_: Array) -> list:
+            xs = [env[v] for v in primals]
+            return jax.vmap(transposed, (None, 0), axis_size=b)(w_, xs)
+
+        scale = (w / n).astype(leaf.dtype)
+        c_all = [
+            jnp.broadcast_to(env[v], (b, *_shape(v)))
+            * scale.reshape(-1, *[1] * len(_shape(v))).astype(_dtype(v))
+            for v in cts
+        ]
+        leaf_struct = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        (total,) = jax.linear_transpose(to_batch, leaf_struct)(c_all)
+        return total.astype(dtype)
+
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        if self.graph.token:
+            assert self.graph.untie is not None
+            untied = frozenset({self.leaf.index})
+            _, grads = self.graph.untie.value_and_grad(params, example, untied)
+            return jax.tree.leaves(grads)[0].astype(self.dtype)
         local = dict(env)
-        _evaluate(m.tail, local)
-        return jnp.asarray(_read(local, m.grad)).astype(leaf.stat_dtype)[None]
+        _evaluate(self.tail, local)
+        return jnp.asarray(_read(local, self.grad)).astype(self.dtype)[None]
 
 
 def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
@@ -2961,76 +2926,21 @@ def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
     )
 
 
-def _linear_sum(
-    graph: Graph,
-    leaf: Leaf,
-    grad: Atom,
-    tail: tuple[jcore.JaxprEqn, ...],
-    env: Env,
-    weights: Array | None,
-) -> Array:
-    """(1/N) Σ_i w_i g_i for a gradient the head computes (read it) or whose tail is linear in
-    its cotangent inputs c_i given its primal inputs x_i: g_i = L_{x_i}(c_i). Then
-    Σ_i L_{x_i}(c_i) = Mᵀ(c) with M(W) = (L_{x_i}ᵀ W)_i — JAX transposes the tail twice, and
-    the second transpose sums over examples inside the operation (as plain grad does: one
-    weight-gradient convolution over the batch, not B of them)."""
-    dtype, n = leaf.stat_dtype, graph.n_units
-    w = (
-        jnp.ones((graph.n_examples,), dtype)
-        if weights is None
-        else weights.reshape(-1).astype(dtype)
-    )
-    if not tail:
-        g = jnp.asarray(_read(env, grad)).astype(dtype)
-        g = jnp.broadcast_to(g, (graph.n_examples, *leaf.shape))
-        return jnp.tensordot(w / n, g, axes=1)
-    inputs = _inputs(grad, tail)
-    cts = [v for v in inputs if v in graph.seeded]
-    primals = [v for v in inputs if v not in graph.seeded and v in graph.batched]
-    fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
-
-    def run_tail(c: list, x: list) -> Any:
-        local = {**fixed, **dict(zip(cts, c, strict=True)), **dict(zip(primals, x, strict=True))}
-        _evaluate(tail, local)
-        return _read(local, grad)
-
-    per_example = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in cts]
-
-    def transposed(w_: Array, x: list) -> list:
-        (c,) = jax.linear_transpose(lambda c: run_tail(c, x), per_example)(w_)
-        return c
-
-    def to_batch(w_: Array) -> list:
-        xs = [env[v] for v in primals]
-        return jax.vmap(transposed, (None, 0), axis_size=graph.n_examples)(w_, xs)
-
-    scale = (w / n).astype(leaf.dtype)
-    c_all = [
-        jnp.broadcast_to(env[v], (graph.n_examples, *_shape(v)))
-        * scale.reshape(-1, *[1] * len(_shape(v))).astype(_dtype(v))
-        for v in cts
-    ]
-    (total,) = jax.linear_transpose(to_batch, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))(c_all)
-    return total.astype(dtype)
-
-
-_OUTER_PRODUCT, _CONTRACTION = OuterProduct(), Contraction()
-_ROW_SCATTER = RowScatter()
-_UNIT_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, UnitSum(), _ROW_SCATTER)  # per-token terms
-_PART_ROUTES: tuple[Route[Any], ...] = (_OUTER_PRODUCT, _CONTRACTION)  # placed parts
+_UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
+_PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction)  # placed parts
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
-ROUTES: tuple[Route[Any], ...] = (
-    Empty(),
-    Constant(),
-    _OUTER_PRODUCT,
-    _CONTRACTION,
-    _UNIT_ROUTES[1],
-    _UNIT_ROUTES[2],
-    SegmentRows(),
-    Terms(),
-    DisjointParts(),
-    HeadValue(),
-    Fallback(),
+ROUTES: tuple[type[Route], ...] = (
+    Empty,
+    Constant,
+    OuterProduct,
+    Contraction,
+    UnitSum,
+    RowScatter,
+    SegmentRows,
+    Terms,
+    DisjointParts,
+    HeadValue,
+    Fallback,
 )
 
 
@@ -3049,16 +2959,16 @@ class InScan:
     shares) has no such slices, but its sum is linear: Σ_t of iteration t's contributions,
     accumulated in a carry as plain grad does."""
 
-    match: CoreMatch  # the leaf's, by a DotCore route
+    route: DotCore  # the leaf's
     scan: jcore.JaxprEqn
     operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
     axis: int | None  # the core's output axis over iterations; None: summed over them
     means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign"
 
 
-def _in_scan(graph: Graph, m: Match, methods: Mapping[str, str]) -> InScan | None:
+def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | None:
     """The proof that `m`'s means of φ can be formed inside a scan (InScan), or None."""
-    if not isinstance(m.route, DotCore) or not isinstance(m, CoreMatch):
+    if not isinstance(m, DotCore):
         return None
     if any(w not in _PHI or how != "factorized" for w, how in methods.items()):
         return None  # norms, variance, clipping read the operands of every layer at once
@@ -3110,7 +3020,7 @@ class LeafPlan:
 
     leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
     shape: tuple[int, ...]
-    match: "Match"  # what the route proved; `match.route` computes the statistics from it
+    taken: Route  # the route taken, holding what its match proved; it computes the statistics
     methods: Mapping[str, str]
     cost: "Cost"
     refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
@@ -3119,11 +3029,11 @@ class LeafPlan:
 
     @property
     def route(self) -> str:  # the route taken: a name in ROUTES
-        return self.match.route.name
+        return self.taken.name
 
     @property
     def reason(self) -> str:  # what the route's match proved
-        return self.match.reason
+        return self.taken.reason
 
     @property
     def status(self) -> str:
@@ -3183,7 +3093,7 @@ def plan(
     plans = []
     for leaf in graph.leaves:
         refused: list[tuple[str, str]] = []
-        best: tuple[float, Match, dict[str, str], Cost] | None = None
+        best: tuple[float, Route, dict[str, str], Cost] | None = None
         for route in ROUTES:
             try:
                 m = route.match(graph, leaf)
@@ -3192,10 +3102,10 @@ def plan(
             if isinstance(m, Refusal):
                 refused.append((route.name, m.reason))
                 continue
-            methods = route.methods(graph, leaf, m, need)
-            if graph.weighted and "var" in methods and not isinstance(route, Empty):
+            methods = m.methods(need)
+            if graph.weighted and "var" in methods and not isinstance(m, Empty):
                 methods["var"] = "chunked"  # Chan merges of kept examples: no cancellation
-            cost = route.cost(graph, leaf, m, methods)
+            cost = m.cost(methods)
             if best is None or (choose == "cheapest" and cost.seconds < best[0]):
                 best = (cost.seconds, m, methods, cost)
         assert best is not None  # the fallback always matches
@@ -3236,12 +3146,11 @@ def _execute(
         """The ingredients `wanted` the leaves `ps` compute factorized ("clipped" by `weights`)."""
         out = {}
         for p in ps:
-            args, route = (graph, leaves[p.index], p.match, env), p.match.route
             whats = [w for w in wanted if p.methods[w] == "factorized"]
             if weights is not None:
-                out.update({(w, p.index): route.clipped(*args, weights) for w in whats})
+                out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
             elif whats:
-                found = route.compute_many(*args, whats)
+                found = p.taken.compute_many(env, whats)
                 out.update({(w, p.index): found[w] for w in whats})
         return out
 
@@ -3253,9 +3162,7 @@ def _execute(
 
     in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
     reads = [
-        _factor_vars(in_scan[p.index].match.post)
-        if p.index in in_scan
-        else p.match.route.reads(graph, p.match)
+        _factor_vars(in_scan[p.index].route.post) if p.index in in_scan else p.taken.reads()
         for p in plans
     ]
     losses, batched, unbatched, results, aux = _run_head(
@@ -3264,7 +3171,7 @@ def _execute(
     env = {**batched, **unbatched}
     for i, job in in_scan.items():  # their means exist in core coordinates: apply the post
         for w in job.means:
-            results[w, i] = _replay(job.match.post, results[w, i], env, _PHI[w])
+            results[w, i] = job.route.replay(results[w, i], env, _PHI[w])
 
     def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
         found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
@@ -3507,7 +3414,7 @@ def _scan_with_sums(
 
     summed = {i: job for i, job in jobs.items() if job.axis is None}
     totals = {
-        i: jnp.zeros(_shape(job.match.core.outvars[0]), graph.leaves[i].stat_dtype)
+        i: jnp.zeros(_shape(job.route.core.outvars[0]), job.route.dtype)
         for i, job in summed.items()
     }
 
@@ -3517,13 +3424,12 @@ def _scan_with_sums(
         n_out = ncar + len(stacked)
         operands, sums = iter(outs[n_out:]), {}
         for i, job in jobs.items():
-            m, env = job.match, {}
+            m, env = job.route, {}
             for var in m.core.invars[:2]:
                 value = jax.lax.all_gather(next(operands), _EXAMPLES)
                 value = value if keep is None else _where_units(keep, value)
                 env[var] = jnp.expand_dims(value, 1)  # the core's operand, one iteration
-            assert isinstance(m.route, DotCore)
-            found = m.route.core_sums(graph, m, env, graph.leaves[i].stat_dtype, job.means)
+            found = m.core_sums(env, m.dtype, job.means)
             if job.axis is None:  # the one iteration it contracts: its contribution
                 totals = {**totals, i: totals[i] + found["sum"]}
             else:
@@ -3570,10 +3476,8 @@ def _chunk_loop(
     if not chunked:
         return {}, None
     n_units = graph.n_units
-    matches = {i: plans[i].match for i in chunked}
-    keys = list(
-        dict.fromkeys(v for m in matches.values() for v in m.route.reads(graph, m) if v in batched)
-    )
+    routes = {i: plans[i].taken for i in chunked}
+    keys = list(dict.fromkeys(v for r in routes.values() for v in r.reads() if v in batched))
     with_norms = any("norms" in ws for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     shape = (graph.n_examples, graph.per_example)
@@ -3585,10 +3489,7 @@ def _chunk_loop(
 
         def one(value: list, example: Any, kept: Array) -> tuple[dict, Array]:
             env = {**unbatched, **dict(zip(keys, value, strict=True))}
-            grads = {
-                i: m.route.per_unit(graph, graph.leaves[i], m, env, example, params)
-                for i, m in matches.items()
-            }
+            grads = {i: r.per_unit(env, example, params) for i, r in routes.items()}
             if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
                 grads = {i: _where_units(kept, g) for i, g in grads.items()}
             norms = sum(
