@@ -38,7 +38,7 @@ independent of the cotangent make the map affine); else the leaf is computed per
 route whose proof cannot be completed refuses; it never raises.
 
 Sections (the definition first, then the machinery; "SPEC §N" is the repository's SPEC.md):
-  §1 public API      value_and_grad_stats, explain, Accumulator
+  §1 public API      value_and_grad_stats, explain (Accumulator: §9)
   §2 statistics      the ingredients per leaf, φ, how means become var / sq_norms / clipped mean
   §3 input checks    SPEC §6's clear errors, before any work; models, masks, auxiliary outputs
   §4 the references  vmap(grad) in chunks, two-pass variance; the untied per-token reference
@@ -49,6 +49,7 @@ Sections (the definition first, then the machinery; "SPEC §N" is the repository
   §7 planner         per leaf the cheapest route whose match proves it: explain's Plan of
                      LeafPlans (pure data)
   §8 executor        the batched head, each leaf's route, the fallback's chunk loop
+  §9 accumulation    Accumulator: k micro-batches' statistics merged into their union's
 
 Proof of equality (float64; every statistic × implementation × granularity × batch size against
 a naive per-example loop; one test per precondition, broken): tests/test_pegrad.py and
@@ -192,109 +193,6 @@ def explain(
     graph = Graph.build(loss, floats, batch, per_example, _means_only(stats))
     plans = plan(graph, stats, choose=choose)
     return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
-
-
-# -- Accumulation over micro-batches ----------------------------------------------------------
-
-_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
-
-
-class Accumulator(NamedTuple):
-    """The statistics of k micro-batches combined into those of their union (gradient
-    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
-
-        acc = Accumulator.init(params, ("mean", "var"))
-        for micro in batches:                       # or jax.lax.scan
-            acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
-        loss, stats = acc.finalize()
-
-    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
-    a clip factor depends on its own unit only) and the mean loss are count-weighted,
-    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
-    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) with M2_k = var_k·(N_k − 1)
-    (no cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may
-    differ in size or be masked (N_k = their "batch_size"; one with N_k = 0 changes nothing,
-    one with N_k = 1 contributes its mean and M2_k = 0). "sq_norms" (one entry per unit) is
-    not combined: it is refused.
-    """
-
-    count: Array  # N: units so far
-    loss: Array  # their mean loss
-    means: dict[str, PyTree]  # the averaged statistics so far
-    m2: PyTree  # Σ_u (g_u − ḡ)² so far when "var" is accumulated, else None
-
-    @staticmethod
-    def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
-        """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
-        stats = _stat_names(stats)
-        if "sq_norms" in stats:
-            raise ValueError(
-                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
-                "combined; collect it from each micro-batch's statistics instead"
-            )
-        if "var" in stats and "mean" not in stats:
-            raise ValueError(
-                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
-                "'var': accumulate 'mean' too"
-            )
-        zeros = jax.tree.map(
-            lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
-            params,
-        )
-        dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
-        if not dtypes:
-            raise ValueError("Accumulator.init: params has no floating array leaves")
-        dtype = _widest(dtypes)
-        return Accumulator(
-            count=jnp.zeros((), dtype),
-            loss=jnp.zeros((), dtype),
-            means={s: zeros for s in stats if s in _AVERAGED},
-            m2=zeros if "var" in stats else None,
-        )
-
-    def update(self, loss: Any, stats: Stats) -> "Accumulator":
-        """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
-        `value_and_grad_stats(...)(params, micro_batch)` returns them."""
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        missing = [
-            s for s in (*self.means, *(["var"] if self.m2 is not None else [])) if s not in stats
-        ]
-        if missing:
-            raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
-        n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
-        total = self.count + n_k
-        share = n_k / jnp.maximum(total, 1.0)
-
-        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
-            x = jnp.asarray(x).astype(m.dtype)
-            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
-
-        m2 = self.m2
-        if m2 is not None:
-
-            def chan(s: Array, mean: Array, mean_k: Array, var_k: Array) -> Array:
-                dtype = s.dtype
-                own = jnp.where(n_k > 1, var_k.astype(dtype) * (n_k - 1).astype(dtype), 0.0)
-                delta = mean_k.astype(dtype) - mean
-                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
-                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
-
-            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats["var"])
-        return Accumulator(
-            count=total,
-            loss=merge(self.loss, loss),
-            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
-            m2=m2,
-        )
-
-    def finalize(self) -> tuple[Array, Stats]:
-        """(mean loss, statistics) of all units added, with "batch_size" N (var needs N ≥ 2:
-        NaN otherwise)."""
-        out: Stats = dict(self.means)
-        if self.m2 is not None:
-            out["var"] = jax.tree.map(lambda s: s / (self.count - 1.0).astype(s.dtype), self.m2)
-        out["batch_size"] = self.count.astype(jnp.int32)
-        return self.loss, out
 
 
 # ============================================================================================
@@ -3532,3 +3430,107 @@ def _chunk_loop(
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
     out = {key: v[2] / (v[0] - 1) if key[0] == "var" else v for key, v in acc.items()}
     return out, (norms if with_norms and weights is None else None)
+
+
+# ============================================================================================
+# §9 Accumulation over micro-batches: the statistics of k micro-batches combined exactly.
+
+_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
+
+
+class Accumulator(NamedTuple):
+    """The statistics of k micro-batches combined into those of their union (gradient
+    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+
+        acc = Accumulator.init(params, ("mean", "var"))
+        for micro in batches:                       # or jax.lax.scan
+            acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
+        loss, stats = acc.finalize()
+
+    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
+    a clip factor depends on its own unit only) and the mean loss are count-weighted,
+    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
+    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) with M2_k = var_k·(N_k − 1)
+    (no cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may
+    differ in size or be masked (N_k = their "batch_size"; one with N_k = 0 changes nothing,
+    one with N_k = 1 contributes its mean and M2_k = 0). "sq_norms" (one entry per unit) is
+    not combined: it is refused.
+    """
+
+    count: Array  # N: units so far
+    loss: Array  # their mean loss
+    means: dict[str, PyTree]  # the averaged statistics so far
+    m2: PyTree  # Σ_u (g_u − ḡ)² so far when "var" is accumulated, else None
+
+    @staticmethod
+    def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
+        """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
+        stats = _stat_names(stats)
+        if "sq_norms" in stats:
+            raise ValueError(
+                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
+                "combined; collect it from each micro-batch's statistics instead"
+            )
+        if "var" in stats and "mean" not in stats:
+            raise ValueError(
+                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
+                "'var': accumulate 'mean' too"
+            )
+        zeros = jax.tree.map(
+            lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
+            params,
+        )
+        dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
+        if not dtypes:
+            raise ValueError("Accumulator.init: params has no floating array leaves")
+        dtype = _widest(dtypes)
+        return Accumulator(
+            count=jnp.zeros((), dtype),
+            loss=jnp.zeros((), dtype),
+            means={s: zeros for s in stats if s in _AVERAGED},
+            m2=zeros if "var" in stats else None,
+        )
+
+    def update(self, loss: Any, stats: Stats) -> "Accumulator":
+        """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
+        `value_and_grad_stats(...)(params, micro_batch)` returns them."""
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        missing = [
+            s for s in (*self.means, *(["var"] if self.m2 is not None else [])) if s not in stats
+        ]
+        if missing:
+            raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
+        n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
+        total = self.count + n_k
+        share = n_k / jnp.maximum(total, 1.0)
+
+        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
+            x = jnp.asarray(x).astype(m.dtype)
+            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
+
+        m2 = self.m2
+        if m2 is not None:
+
+            def chan(s: Array, mean: Array, mean_k: Array, var_k: Array) -> Array:
+                dtype = s.dtype
+                own = jnp.where(n_k > 1, var_k.astype(dtype) * (n_k - 1).astype(dtype), 0.0)
+                delta = mean_k.astype(dtype) - mean
+                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
+                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
+
+            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats["var"])
+        return Accumulator(
+            count=total,
+            loss=merge(self.loss, loss),
+            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
+            m2=m2,
+        )
+
+    def finalize(self) -> tuple[Array, Stats]:
+        """(mean loss, statistics) of all units added, with "batch_size" N (var needs N ≥ 2:
+        NaN otherwise)."""
+        out: Stats = dict(self.means)
+        if self.m2 is not None:
+            out["var"] = jax.tree.map(lambda s: s / (self.count - 1.0).astype(s.dtype), self.m2)
+        out["batch_size"] = self.count.astype(jnp.int32)
+        return self.loss, out
