@@ -91,6 +91,7 @@ def value_and_grad_stats(
     *,
     impl: Impl = "factorized",
     chunk_size: int | None = None,
+    memory_budget: int | None = None,
     granularity: Granularity = "example",
     clip_norm: float | None = None,
     choose: Choose = "cheapest",
@@ -107,6 +108,10 @@ def value_and_grad_stats(
         chunk_size: at most this many examples' per-example gradients exist at once. None: the
             reference materializes the whole batch; the rewrite bounds what it materializes by
             the parameters' or the activations' size, whichever is larger.
+        memory_budget: bytes: per-unit gradients formed at once (by the reference, the
+            rewrite's chunk loop, or a contraction's per-example φ) hold at most this many
+            bytes, or one example's if that is more. With chunk_size, the smaller chunk wins;
+            `explain` shows each leaf's chunk and its bytes.
         granularity: "example", or "token" (units are positions; batch leaves are [B, T, ...]).
         clip_norm: C for "clipped_mean".
         choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
@@ -135,7 +140,7 @@ def value_and_grad_stats(
     Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
     [N] with unit i·T + t at token granularity.
     """
-    stats = _check_options(stats, impl, granularity, chunk_size, clip_norm, choose)
+    stats = _check_options(stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget)
     if nonfinite not in ("propagate", "drop"):
         raise ValueError(f"nonfinite must be 'propagate' or 'drop', got {nonfinite!r}")
     drop = nonfinite == "drop"
@@ -150,17 +155,20 @@ def value_and_grad_stats(
         if keep is not None:
             batch = _substitute(batch, keep)
         if impl == "vmap":
-            out = _reference(
-                loss, stats, chunk_size, clip_norm, floats, batch, per_example, keep, drop
-            )
+            leaves = jax.tree.leaves(floats)
+            unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
+            n = jax.tree.leaves(batch)[0].shape[0]
+            chunk = _examples_per_chunk(n, unit, chunk_size, memory_budget, n)
+            out = _reference(loss, stats, chunk, clip_norm, floats, batch, per_example, keep, drop)
         else:
             wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
             graph = Graph.build(loss, floats, batch, per_example, _means_only(wanted))
+            weighted = keep is not None or drop
             graph = dataclasses.replace(
-                graph, weighted=keep is not None or drop, chunk_size=chunk_size
+                graph, weighted=weighted, chunk_size=chunk_size, memory_budget=memory_budget
             )
             plans = plan(graph, wanted, choose=choose)
-            out = _execute(graph, plans, stats, chunk_size, clip_norm, floats, batch, keep, drop)
+            out = _execute(graph, plans, stats, clip_norm, floats, batch, keep, drop)
         value, stats_out, aux = out
         return ((value, aux) if has_aux else value), stats_out
 
@@ -177,6 +185,8 @@ def explain(
     clip_norm: float | None = None,
     choose: Choose = "cheapest",
     has_aux: bool = False,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
 ) -> "Plan":
     """The plan impl="factorized" follows for these statistics (and `choose`): one `LeafPlan`
     per parameter leaf (route, what its match proved, per-ingredient method, cost estimate,
@@ -187,10 +197,13 @@ def explain(
     stats = _stat_names(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
-    stats = _check_options(stats, "factorized", granularity, None, clip_norm, choose)
+    stats = _check_options(
+        stats, "factorized", granularity, chunk_size, clip_norm, choose, memory_budget
+    )
     floats, loss = _as_parameters(params, loss_fn, has_aux)
     per_example = _check_inputs(loss, floats, batch, stats, granularity)
     graph = Graph.build(loss, floats, batch, per_example, _means_only(stats))
+    graph = dataclasses.replace(graph, chunk_size=chunk_size, memory_budget=memory_budget)
     plans = plan(graph, stats, choose=choose)
     return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
 
@@ -303,6 +316,7 @@ def _check_options(
     chunk_size: int | None,
     clip_norm: float | None,
     choose: str = "cheapest",
+    memory_budget: int | None = None,
 ) -> tuple[str, ...]:
     stats = _stat_names(stats)
     if impl not in ("vmap", "factorized"):
@@ -313,6 +327,12 @@ def _check_options(
         raise ValueError(f"choose must be 'cheapest' or 'first', got {choose!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if memory_budget is not None and (
+        not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget < 1
+    ):
+        raise ValueError(
+            f"memory_budget must be a positive int (bytes) or None, got {memory_budget!r}"
+        )
     if "clipped_mean" in stats:
         if clip_norm is None or not clip_norm > 0:
             raise ValueError(f"'clipped_mean' needs clip_norm > 0, got clip_norm={clip_norm!r}")
@@ -526,10 +546,21 @@ def _chunked(
     return acc, per_row
 
 
+def _examples_per_chunk(
+    n: int, unit_bytes: int, chunk_size: int | None, memory_budget: int | None, default: int
+) -> int:
+    """Examples whose per-unit gradients (`unit_bytes` per example) are formed at once: the
+    caller's `chunk_size` and as many as `memory_budget` bytes hold (at least one), the smaller,
+    or else `default`; at most the batch."""
+    fits = None if memory_budget is None else max(1, memory_budget // max(1, unit_bytes))
+    bounds = [b for b in (chunk_size, fits) if b is not None]
+    return max(1, min(n, *bounds) if bounds else min(n, default))
+
+
 def _reference(
     loss_fn: Callable,
     stats: tuple[str, ...],
-    chunk_size: int | None,
+    chunk: int,
     clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
@@ -583,9 +614,7 @@ def _reference(
             )
         return sums, (sq_norms, aux, kept)
 
-    sums, (sq_norms, aux, rows_kept) = _chunked(
-        first_pass, (batch, rows_kept), n_examples, chunk_size
-    )
+    sums, (sq_norms, aux, rows_kept) = _chunked(first_pass, (batch, rows_kept), n_examples, chunk)
     loss_sum = sums.pop("loss")
     kept_examples = jnp.sum(rows_kept) if weighted else n_examples
     n_units = kept_examples * per_example
@@ -599,7 +628,7 @@ def _reference(
             centred = jax.tree.map(lambda g, m: _where_units(units, g - m), grads, means["sum"])
             return jax.tree.map(lambda c: jnp.sum(c * c, 0), centred), None
 
-        centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk_size)
+        centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk)
         means["var"] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
     return loss, _publish(stats, means, sq_norms, n_units), aux
 
@@ -1139,6 +1168,7 @@ class Graph:
     aux_tree: Any = None  # the auxiliary outputs' structure (outputs after the gradients)
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
     chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
+    memory_budget: int | None = None  # the caller's bound on their bytes
 
     @property
     def token(self) -> bool:
@@ -2030,7 +2060,7 @@ class Contraction(DotCore):
         a, b = _operands(self.core, env, dtype, tie=False)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
         one = jax.eval_shape(dot, a[0], b[0])
-        c = min(n, self.graph.chunk_size or max(1, (a.size + b.size) // max(1, one.size)))
+        c = self.chunk(a.size + b.size, one.size)
         pad = -n % c
         a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
 
@@ -2042,6 +2072,15 @@ class Contraction(DotCore):
         zeros = [jnp.zeros(one.shape, dtype) for _ in formed]
         totals, _ = jax.lax.scan(chunk, zeros, (split(a), split(b)))
         return {w: t * (1.0 / n) for w, t in zip(formed, totals, strict=True)}
+
+    def chunk(self, operands: int, one: int) -> int:
+        """Examples whose gradients (`one` numbers each) core_sums forms at once: as many as
+        hold the `operands` numbers of the batch's operands, or the caller's bound."""
+        bound = max(1, operands // max(1, one))
+        graph, unit = self.graph, one * self.dtype.itemsize
+        return _examples_per_chunk(
+            graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound
+        )
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         total = super().cost(methods)
@@ -2913,7 +2952,9 @@ class LeafPlan:
     route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
     materialized a bounded chunk of examples at a time). `status` sums it up: "factorized" (no
     per-unit gradient exists), "chunked" (the route materializes some), or "fallback" (no route
-    proved its identities and per-unit gradients are materialized; exact, slowest).
+    proved its identities and per-unit gradients are materialized; exact, slowest). `formed`:
+    where per-unit gradients of this leaf exist, how many examples' at once and their bytes —
+    ("chunk loop", c, bytes), or ("head", c, bytes) for a contraction's per-example φ.
     """
 
     leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
@@ -2924,6 +2965,7 @@ class LeafPlan:
     refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
     index: int = dataclasses.field(repr=False, default=0)
     in_scan: InScan | None = dataclasses.field(repr=False, default=None)
+    formed: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def route(self) -> str:  # the route taken: a name in ROUTES
@@ -2932,6 +2974,16 @@ class LeafPlan:
     @property
     def reason(self) -> str:  # what the route's match proved
         return self.taken.reason
+
+    @property
+    def looped(self) -> bool:  # the chunk loop forms its per-unit gradients (clipping aside)
+        return any(how == "chunked" for w, how in self.methods.items() if w != "clipped")
+
+    @property
+    def reads(self) -> list[jcore.Var]:  # the head's values its route reads
+        if self.in_scan is not None:  # the operands are consumed inside the scan
+            return _factor_vars(self.in_scan.route.post)
+        return self.taken.reads()
 
     @property
     def status(self) -> str:
@@ -2947,6 +2999,8 @@ class LeafPlan:
         body = f"{self.reason} [{methods}]"
         if self.in_scan is not None:
             body += "; formed inside the scan, one iteration at a time"
+        for where, c, size in self.formed:
+            body += f"; per-unit gradients {c} examples at a time in the {where} ({size:,} B)"
         if self.route == "fallback":  # the pattern each route saw, where it was its own kind
             seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
             body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
@@ -3013,7 +3067,26 @@ def plan(
         plans.append(
             LeafPlan(leaf.path, leaf.shape, m, methods, cost, refusals, leaf.index, in_scan)
         )
-    return tuple(plans)
+    return tuple(_formed(graph, p, _loop_chunk(graph, plans)) for p in plans)
+
+
+def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
+    """`p` with where its per-unit gradients are formed, how many examples' at once."""
+    leaf = graph.leaves[p.index]
+    formed = []
+    if p.looped:
+        size = loop_chunk * graph.per_example * leaf.size * leaf.stat_dtype.itemsize
+        formed.append(("chunk loop", loop_chunk, size))
+    m = p.taken
+    if isinstance(m, Contraction) and any(p.methods.get(w) == "factorized" for w in ("sq", "sign")):
+        one = math.prod(_shape(m.core.outvars[0]))
+        operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
+        if p.in_scan is not None and p.in_scan.axis is not None:  # one iteration at a time
+            length = p.in_scan.scan.params["length"]
+            one, operands = one // length, operands // length
+        c = m.chunk(operands, one)
+        formed.append(("head", c, c * one * leaf.stat_dtype.itemsize))
+    return dataclasses.replace(p, formed=tuple(formed))
 
 
 # ============================================================================================
@@ -3024,7 +3097,6 @@ def _execute(
     graph: Graph,
     plans: tuple[LeafPlan, ...],
     stats: tuple[str, ...],
-    chunk_size: int | None,
     clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
@@ -3059,10 +3131,7 @@ def _execute(
         return results
 
     in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
-    reads = [
-        _factor_vars(in_scan[p.index].route.post) if p.index in in_scan else p.taken.reads()
-        for p in plans
-    ]
+    reads = [p.reads for p in plans]
     losses, batched, unbatched, results, aux = _run_head(
         graph, reads, params, batch, on_ready, in_scan, keep
     )
@@ -3075,7 +3144,7 @@ def _execute(
         found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
         return {i: ws for i, ws in found.items() if ws}
 
-    chunk = _chunk(graph, chunk_size, {**chunked_in(late), **chunked_in(early)}, batched)
+    chunk = _loop_chunk(graph, plans)
     loop = functools.partial(_chunk_loop, graph, plans, batched, unbatched, batch, params, chunk)
     found, loop_norms = loop(chunked_in(early), keep)
     results.update(found)
@@ -3194,7 +3263,9 @@ def _run_head(
         start = max(start, cut + 1)
         ready = [i for i, r in enumerate(ready_at) if r == cut]
         if ready:
-            read = {v for i in ready for v in reads[i] if batch_axis.get(v, 0)}
+            # in order (not a set of variables, whose order is their addresses'): every trace,
+            # every process, lowers to the same program
+            read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
             new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
             live = [v for v in values if last_use.get(v, -1) > cut]
             new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
@@ -3342,17 +3413,19 @@ def _scan_with_sums(
     return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 
 
-def _chunk(graph: Graph, chunk_size: int | None, chunked: Mapping[int, Any], batched: dict) -> int:
-    """Examples per chunk: the largest number whose materialized per-unit gradients hold no
-    more numbers than the parameters or the batched head values (activations and their
-    gradients), whichever is larger — memory the step needs anyway."""
-    n = graph.n_examples
-    if chunk_size is not None:
-        return min(chunk_size, n)
+def _loop_chunk(graph: Graph, plans: Sequence[LeafPlan]) -> int:
+    """Examples per chunk of the chunk loop: the largest number whose materialized per-unit
+    gradients hold no more numbers than the parameters or the batched head values the routes
+    read (activations and their gradients), whichever is larger — memory the step needs
+    anyway — or the caller's bound (chunk_size, memory_budget)."""
+    looped = [graph.leaves[p.index] for p in plans if p.looped]
     parameters = sum(leaf.size for leaf in graph.leaves)
-    activations = sum(math.prod(jnp.shape(x)) for x in batched.values())
-    materialized = graph.per_example * sum(graph.leaves[i].size for i in chunked) or 1
-    return max(1, min(n, max(parameters, activations) // materialized))
+    reads = dict.fromkeys(v for p in plans for v in p.reads)
+    activations = sum(graph.n_examples * math.prod(_shape(v)) for v in reads if graph.is_batched(v))
+    materialized = graph.per_example * sum(leaf.size for leaf in looped) or 1
+    unit = graph.per_example * sum(leaf.size * leaf.stat_dtype.itemsize for leaf in looped)
+    bound = max(parameters, activations) // materialized
+    return _examples_per_chunk(graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound)
 
 
 def _chunk_loop(

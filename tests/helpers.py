@@ -98,8 +98,10 @@ def check_every_implementation(
     clip_norm: float = 0.5,
     impls: Sequence[tuple[str, int | None, str]] = IMPLS,
     rtol: float = 1e-10,
+    **options: Any,
 ) -> None:
-    """Every statistic from every implementation equals the naive loop's."""
+    """Every statistic from every implementation (with `options` to value_and_grad_stats)
+    equals the naive loop's."""
     losses, unit_grads = expected
     n_units = jax.tree.leaves(unit_grads)[0].shape[0]
     stats = tuple(s for s in pegrad.STATISTICS if n_units > 1 or s != "var")
@@ -113,9 +115,10 @@ def check_every_implementation(
             granularity=cast(pegrad.Granularity, granularity),
             clip_norm=clip_norm,
             choose=cast(pegrad.Choose, choice),
+            **options,
         )
         loss_value, got = jax.jit(fn)(params, batch)
-        where = f"{what}/{granularity}/{impl}/chunk={chunk}/{choice}"
+        where = f"{what}/{granularity}/{impl}/chunk={chunk}/{choice}/{options}"
         np.testing.assert_allclose(loss_value, losses.mean(), rtol=1e-12, err_msg=where)
         assert int(got["batch_size"]) == n_units, where
         for name in stats:

@@ -5,7 +5,11 @@ layers, SPEC §3); taken
 only where its proof holds — each precondition is broken once below and the leaf then computes
 its statistics after the scan, as before."""
 
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -222,3 +226,38 @@ def test_stacked_residuals_are_not_copied_between_the_heads_segments(stats: tupl
     assert _large_transposes(ours, size, params, batch) <= _large_transposes(
         plain, size, params, batch
     )
+
+
+_LOWER = """
+import hashlib, sys
+import jax
+jax.config.update("jax_enable_x64", True)
+import pegrad, zoo
+model = next(m for m in zoo.MODELS if m.name == sys.argv[1])
+params, loss = model.build(jax.random.key(0))
+fn = pegrad.value_and_grad_stats(loss, ("mean", "sq_mean"))
+text = jax.jit(fn).lower(params, model.batch(jax.random.key(1), 3)).as_text()
+print(hashlib.sha256(text.encode()).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("name", ["eqx_gru_scan", "scanned_stack"])
+def test_every_process_lowers_a_scanned_model_to_the_same_program(name: str):
+    """The head once moved a scan's stacked outputs to their examples-first layout in the order
+    of a set of variables (their addresses): fresh interpreters lowered the same model to
+    different programs, so the processes of one multi-host run would compile different steps."""
+    tests = Path(__file__).parent
+    path = os.pathsep.join([str(tests.parent), str(tests)])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+    digests = set()
+    for _ in range(4):
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOWER, name],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        digests.add(proc.stdout.split()[-1])
+    assert len(digests) == 1
