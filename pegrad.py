@@ -1423,6 +1423,11 @@ def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
     return x
 
 
+def _replay_each(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
+    """_replay on each slice of x's leading axis (one unit's or one example's core)."""
+    return jax.vmap(lambda u: _replay(post, u, env, phi))(x)
+
+
 def _scale_sq(post: Sequence[Post], env: Mapping, dtype: Any) -> Array:
     """Π φ(m)² over the scalings after the core (all scalar: the caller checked)."""
     scale = jnp.ones((), dtype)
@@ -1750,9 +1755,7 @@ class CoreRoute(Route):
 
     def replay(self, x: Array, env: Env, phi: Phi = _PHI["sum"], units: bool = False) -> Array:
         """`post` applied to x in the core's coordinates (to each of its leading units)."""
-        if units:
-            return jax.vmap(lambda u: _replay(self.post, u, env, phi))(x)
-        return _replay(self.post, x, env, phi)
+        return (_replay_each if units else _replay)(self.post, x, env, phi)
 
 
 def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Array, Array]:
@@ -2587,7 +2590,7 @@ class DisjointParts(_Composite):
                 part = jnp.expand_dims(part, len(lead) + place.stacked)
             out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
         if lead:
-            return jax.vmap(lambda x: _replay(self.post, x, env, phi))(out)
+            return _replay_each(self.post, out, env, phi)
         return _replay(self.post, out, env, phi)
 
 
@@ -2711,7 +2714,7 @@ class HeadValue(Route):
         """[B, leaf size]: every example's gradient."""
         g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
         if self.post:
-            g = jax.vmap(lambda v: _replay(self.post, v, env, _PHI["sum"]))(g)
+            g = _replay_each(self.post, g, env, _PHI["sum"])
         return g.reshape(g.shape[0], -1)
 
     def compute(self, env: Env, what: str) -> Array:
@@ -3067,7 +3070,8 @@ def plan(
         plans.append(
             LeafPlan(leaf.path, leaf.shape, m, methods, cost, refusals, leaf.index, in_scan)
         )
-    return tuple(_formed(graph, p, _loop_chunk(graph, plans)) for p in plans)
+    loop_chunk = _loop_chunk(graph, plans)
+    return tuple(_formed(graph, p, loop_chunk) for p in plans)
 
 
 def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:

@@ -194,3 +194,10 @@ def check_token_statistics(
             np.testing.assert_allclose(value, reference_loss, rtol=1e-12, err_msg=where)
             for name in stats:
                 assert_tree_close(got[name], reference[name], f"{where}/{name}")
+
+
+def compiled_temp_bytes(fn: Callable, *args: Any) -> int:
+    """Temporary memory of `fn` compiled for `args` (XLA's buffer assignment; works on CPU)."""
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    assert analysis is not None, "this backend reports no compiled memory analysis"
+    return int(analysis.temp_size_in_bytes)

@@ -9,9 +9,8 @@ from typing import Any, cast
 import jax
 import numpy as np
 import pytest
-from helpers import check_every_implementation
+from helpers import check_every_implementation, compiled_temp_bytes
 from pieces import PIECES, Piece, piece_unit_grads
-from test_pegrad import _memory
 
 import pegrad
 
@@ -106,7 +105,7 @@ def test_a_small_budget_holds_less_in_the_compiled_program(name: str, impl: str,
         fn = pegrad.value_and_grad_stats(
             loss, stats, impl=cast(pegrad.Impl, impl), memory_budget=budget
         )
-        return _memory(fn, params, batch)
+        return compiled_temp_bytes(fn, params, batch)
 
     whole, one = temp_bytes(None), temp_bytes(1)
     assert one < whole, (one, whole)

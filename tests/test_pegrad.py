@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, check_every_implementation, naive_unit_grads
+from helpers import (
+    assert_tree_close,
+    check_every_implementation,
+    compiled_temp_bytes,
+    naive_unit_grads,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pieces import PIECES, Piece, T, piece_unit_grads
@@ -108,12 +113,6 @@ def test_explain_runs_nothing():
     ]
 
 
-def _memory(fn, *args) -> int:
-    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
-    assert analysis is not None, "this backend reports no compiled memory analysis"
-    return int(analysis.temp_size_in_bytes)
-
-
 def test_factorized_dense_layers_never_hold_a_batch_of_weight_gradients():
     width, batch_size = 128, 64
     keys = jax.random.split(jax.random.key(0), 4)
@@ -127,8 +126,8 @@ def test_factorized_dense_layers_never_hold_a_batch_of_weight_gradients():
     plans = pegrad.explain(mlp.loss, params, batch, stats)  # the cost model's own choice
     assert all(p.status == "factorized" for p in plans if p.leaf.endswith("['w']"))
     one_batch_of_weight_grads = batch_size * width * width * 8
-    factorized = _memory(pegrad.value_and_grad_stats(mlp.loss, stats), params, batch)
-    plain = _memory(
+    factorized = compiled_temp_bytes(pegrad.value_and_grad_stats(mlp.loss, stats), params, batch)
+    plain = compiled_temp_bytes(
         jax.grad(lambda p, b: jnp.mean(jax.vmap(mlp.loss, (None, 0))(p, b))), params, batch
     )
     assert factorized < one_batch_of_weight_grads / 8
