@@ -32,8 +32,9 @@ Sections:
   an MLP; transformers as a list of blocks, as stacked blocks in `lax.scan`, and with
   grouped-query attention + RoPE; a GPT written with flax.linen layers (Dense, LayerNorm,
   Embed, MultiHeadDotProductAttention) called on x[None], as a list of blocks and in nn.scan
-  (needs flax, from the test extra); a CNN (`eqx.nn.Conv2d`); a GRU (`eqx.nn.GRUCell` in
-  `lax.scan`); a top-1 mixture of experts reading its expert by a gather. Beside pegrad's
+  (needs flax, from the test extra); a CNN (`eqx.nn.Conv2d`) on 16×16 images (positions above
+  the channels) and on 8×8 (below); a GRU (`eqx.nn.GRUCell` in `lax.scan`); a top-1 mixture
+  of experts reading its expert by a gather. Beside pegrad's
   implementations, "micro_grad" is optax's `optax.microbatching.micro_grad` (per-example
   gradients one microbatch at a time, transformed to (g, g²) and averaged): the JAX peer.
 
@@ -85,6 +86,7 @@ FAMILIES = (
     "flax-gpt",
     "flax-gpt-scan",
     "cnn",
+    "cnn-8x8",
     "gru",
     "moe",
 )
@@ -460,11 +462,12 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
             f"mlp {d}x3", model, models.mlp_loss, classify(jax.random.normal(keys[1], (b, d)))
         )
 
-    def cnn() -> Workload:
-        images = jax.random.normal(keys[1], (b, 3, 16, 16))
+    def cnn(width: int, side: int) -> Workload:
+        """Positions (side²) above the channels, or below them."""
+        images = jax.random.normal(keys[1], (b, 3, side, side))
         return workload(
-            f"cnn 3-{d // 4}-{d // 4} 16x16",
-            _ConvNet(d // 4, key=keys[0]),
+            f"cnn 3-{width}-{width} {side}x{side}",
+            _ConvNet(width, key=keys[0]),
             lambda m, ex: _cross_entropy(m(ex[0]), ex[1]),
             classify(images),
         )
@@ -548,7 +551,8 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
         "gqa-rope": lambda: lm(f"transformer {shape}, GQA + RoPE", position="rotary", n_kv_heads=1),
         "flax-gpt": lambda: flax_gpt(scan=False),
         "flax-gpt-scan": lambda: flax_gpt(scan=True),
-        "cnn": cnn,
+        "cnn": lambda: cnn(d // 4, 16),
+        "cnn-8x8": lambda: cnn(d // 2, 8),
         "gru": gru,
         "moe": moe,
     }

@@ -1757,6 +1757,15 @@ class CoreRoute(Route):
         """`post` applied to x in the core's coordinates (to each of its leading units)."""
         return (_replay_each if units else _replay)(self.post, x, env, phi)
 
+    def chunk(self, operands: int, one: int) -> int:
+        """Examples whose gradients (`one` numbers each) core_sums forms at once: as many as
+        hold the `operands` numbers of the batch's operands, or the caller's bound."""
+        bound = max(1, operands // max(1, one))
+        graph, unit = self.graph, one * self.dtype.itemsize
+        return _examples_per_chunk(
+            graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound
+        )
+
 
 def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Array, Array]:
     """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
@@ -1770,6 +1779,40 @@ def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Ar
     if tie and a.size:
         b = b + a.reshape(-1)[0] * 0.0
     return a, b
+
+
+def _formed_sums(
+    route: CoreRoute,
+    form: Callable[[Array, Array, list[str]], list[Array]],
+    unit: int,
+    env: Env,
+    dtype: Any,
+    wanted: Sequence[str],
+) -> dict[str, Array]:
+    """(1/N) Σ_i φ(g_i) for φ in `wanted` ("sum", "sq", "sign"), and ‖g_i‖² ([B]) if "norms"
+    is wanted, from per-example gradients formed c examples at a time (one scan over chunks;
+    c examples' `unit` numbers formed at once hold at most as many numbers as the operands, or
+    the caller's bound). form(a, b, names) gives, for a chunk's operands, Σ_i φ(g_i) over its
+    examples for each name, then the chunk's norms. Padding examples have zero operands: the
+    core is bilinear, so g = 0, φ(0) = 0, and their norms are cut off."""
+    n = route.graph.n_examples
+    formed = [w for w in ("sum", "sq", "sign", "norms") if w in wanted]
+    means = formed[: len(formed) - ("norms" in formed)]
+    a, b = _operands(route.core, env, dtype, tie=False)
+    c = route.chunk(a.size + b.size, unit)
+    pad = -n % c
+    a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
+    shapes = jax.eval_shape(lambda x, y: form(x, y, formed), a[:c], b[:c])
+
+    def chunk(totals: list[Array], operands: tuple[Array, Array]) -> tuple[list, list]:
+        out = form(*operands, formed)
+        return [t + s for t, s in zip(totals, out, strict=False)], out[len(means) :]
+
+    split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
+    zeros = [jnp.zeros(s.shape, dtype) for s in shapes[: len(means)]]
+    totals, norms = jax.lax.scan(chunk, zeros, (split(a), split(b)))
+    out = {w: t * (1.0 / n) for w, t in zip(means, totals, strict=True)}
+    return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -1997,6 +2040,7 @@ class Contraction(DotCore):
     grad's do; the variance (and norms without the Gram form) in the chunk loop."""
 
     name = "contraction"
+    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign")  # per-example φ formed in the head
 
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Contraction | Refusal":
@@ -2050,40 +2094,22 @@ class Contraction(DotCore):
         return 2.0 * self.leaf.size * self._sizes()[0]
 
     def core_sums(self, env: Env, dtype: Any, wanted: Sequence[str]) -> dict[str, Array]:
-        """sq and sign from per-example gradients formed c examples at a time (one scan over
-        chunks; c per-example gradients hold at most as many numbers as the operands, or the
-        caller's chunk_size), which give the sum too. Padding examples have zero operands:
-        g = 0, φ(0) = 0."""
-        formed = [w for w in wanted if w in ("sq", "sign")]
-        if not formed:
+        """sq and sign from per-example gradients formed a bounded chunk at a time
+        (`_formed_sums`), which give the sum too."""
+        if not any(w in ("sq", "sign") for w in wanted):
             return super().core_sums(env, dtype, wanted)
-        formed += ["sum"] if "sum" in wanted else []
-        n = self.graph.n_examples
         lc, rc, lb, rb = _dot_dims(self.core)
-        a, b = _operands(self.core, env, dtype, tie=False)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
-        one = jax.eval_shape(dot, a[0], b[0])
-        c = self.chunk(a.size + b.size, one.size)
-        pad = -n % c
-        a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
 
-        def chunk(totals: list[Array], operands: tuple[Array, Array]) -> tuple[list, None]:
-            g = jax.vmap(dot)(*operands)
-            return [t + _sum0(_PHI[w](g)) for t, w in zip(totals, formed, strict=True)], None
+        def form(a: Array, b: Array, phis: list[str]) -> list[Array]:
+            g = jax.vmap(dot)(a, b)
+            return [_sum0(_PHI[w](g)) for w in phis]
 
-        split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
-        zeros = [jnp.zeros(one.shape, dtype) for _ in formed]
-        totals, _ = jax.lax.scan(chunk, zeros, (split(a), split(b)))
-        return {w: t * (1.0 / n) for w, t in zip(formed, totals, strict=True)}
+        return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
-    def chunk(self, operands: int, one: int) -> int:
-        """Examples whose gradients (`one` numbers each) core_sums forms at once: as many as
-        hold the `operands` numbers of the batch's operands, or the caller's bound."""
-        bound = max(1, operands // max(1, one))
-        graph, unit = self.graph, one * self.dtype.itemsize
-        return _examples_per_chunk(
-            graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound
-        )
+    def formed_unit(self) -> int:
+        """Numbers of one example's gradient core_sums forms at once."""
+        return math.prod(_shape(self.core.outvars[0]))
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         total = super().cost(methods)
@@ -2109,6 +2135,214 @@ class Contraction(DotCore):
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
         lc, rc, lb, rb = _dot_dims(self.core)
         return self.replay(jax.lax.dot_general(a, b, ((lc, rc), (lb, rb))), env)[None]
+
+
+_MAX_CONV_DOTS = 256  # output positions of a per-example convolution formed as one dot each
+
+
+def _conv_offsets(
+    lhs: Array,
+    rhs: Array,
+    params: Mapping[str, Any],
+    dtype: Any,
+    reduce: Callable,
+) -> list[Array]:
+    """conv_general_dilated(lhs_e, rhs_e, **params) for each example e of [E, ...] operands,
+    one output position k at a time (a scan), each position's [E, n, o] values passed through
+    `reduce` (to a list of [..., n, o] arrays) before the next is formed:
+
+        out[n, o, k] = Σ_{c, q} lhs_pd[n, c, k·s + q·r] · rhs[o, c, q]
+
+    with lhs_pd the input padded (and dilated) as `padding`/`lhs_dilation` say, s the window
+    strides and r the kernel dilation: position k reads a strided window of lhs_pd, and is one
+    dot_general batched over examples (and feature or batch groups). For a kernel's gradient k
+    runs over the kernel's offsets: few steps, each a batched matmul over the positions, and
+    one offset's per-example values live at a time (a batched convolution is a grouped one,
+    far slower on XLA:CPU, and forms all of them). Returns the reduced values stacked over
+    positions, [positions, ...] (`_conv_layout` puts [positions, ..., n, o] in place)."""
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    lhs = jnp.transpose(lhs, (0, *_shift(lhs_spec)))  # [E, N, C, *S]
+    rhs = jnp.transpose(rhs, (0, *_shift(rhs_spec)))  # [E, O, I, *W]
+    config = [(0, 0, 0)] * 3
+    pads = zip(params["padding"], params["lhs_dilation"], strict=True)
+    config += [(lo, hi, d - 1) for (lo, hi), d in pads]
+    lhs = jax.lax.pad(lhs, jnp.zeros((), lhs.dtype), config)
+    e, n, c, *size = lhs.shape
+    _, o, i, *window = rhs.shape
+    strides, dilation = params["window_strides"], params["rhs_dilation"]
+    reach = [(w - 1) * r + 1 for w, r in zip(window, dilation, strict=True)]
+    out = tuple((m - w) // s + 1 for m, w, s in zip(size, reach, strides, strict=True))
+    groups, batch_groups = params["feature_group_count"], params["batch_group_count"]
+    n_groups, per_group = groups * batch_groups, n // batch_groups  # at most one above 1
+    # lhs -> [E, groups, n', I, *S] and rhs -> [E, groups, o', I, *W]
+    lhs = lhs.reshape(e, batch_groups, per_group, groups, i, *size)
+    lhs = jnp.moveaxis(lhs, 3, 2).reshape(e, n_groups, per_group, i, *size)
+    rhs = rhs.reshape(e, n_groups, o // n_groups, i, *window)
+    contract = tuple(range(3, rhs.ndim))
+
+    def position(_: None, k: Array) -> tuple[None, list[Array]]:
+        at = jnp.unravel_index(k, out)
+        start = (0, 0, 0, 0, *(t * s for t, s in zip(at, strides, strict=True)))
+        part = jax.lax.dynamic_slice(lhs, start, (e, n_groups, per_group, i, *reach))
+        part = part[(slice(None),) * 4 + tuple(slice(None, None, r) for r in dilation)]
+        dn = ((contract, contract), ((0, 1), (0, 1)))
+        y = jax.lax.dot_general(part, rhs, dn, preferred_element_type=dtype)  # [E, G, n', o']
+        return None, reduce(jnp.moveaxis(y, 1, 2).reshape(e, per_group, o))
+
+    _, ys = jax.lax.scan(position, None, jnp.arange(math.prod(out)))
+    return list(ys)
+
+
+def _conv_layout(y: Array, params: Mapping[str, Any], out: Sequence[int]) -> Array:
+    """[positions, ..., n, o] from `_conv_offsets` -> [..., *output] in the convolution's
+    output layout (`out`: its spatial sizes)."""
+    lead = y.ndim - 3
+    y = y.reshape(*out, *y.shape[1:])
+    y = jnp.moveaxis(y, tuple(range(len(out))), tuple(range(-len(out), 0)))  # [..., n, o, *out]
+    _, _, out_spec = params["dimension_numbers"]
+    layout = tuple(lead + int(a) for a in np.argsort(out_spec))
+    return jnp.transpose(y, (*range(lead), *layout))
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Convolution(CoreRoute):
+    """A convolution's kernel (example granularity): the core is conv_general_dilated(x, δ) of
+    two example-dependent values, g_i = conv(x_i, δ_i) summing over the example's positions.
+    Linear ingredients contract the examples inside one convolution, as plain grad does:
+
+        Σ_i w_i conv(x_i, δ_i) = conv(x′, δ′)   (the examples folded into the contracted
+                                                 feature axis of both operands, per group)
+
+    Non-linear φ and norms have no such identity: each example's gradient is formed, a bounded
+    chunk of examples and one kernel offset at a time, right where the head has the operands
+    (`_conv_offsets`: a dot_general per offset), and reduced before the next offset is formed.
+    The variance in the chunk loop, from the same dots."""
+
+    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "norms")  # formed in the head
+
+    name = "convolution"
+
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Convolution | Refusal":
+        core, post = graph.core(leaf.grad if var is None else var)
+        if core is None or core.primitive.name != "conv_general_dilated":
+            return Refusal("the gradient's last operation is not a conv_general_dilated")
+        if graph.token:
+            return Refusal("per-token terms of a convolution are not split (positions share it)")
+        a, b = core.invars
+        if not (graph.is_batched(a) and graph.is_batched(b)):
+            return Refusal("an operand of the convolution does not depend on the example")
+        _, _, out_spec = core.params["dimension_numbers"]
+        positions = math.prod(_shape(core.outvars[0])[d] for d in out_spec[2:])
+        if positions > _MAX_CONV_DOTS:
+            return Refusal(f"its output has {positions} positions (> {_MAX_CONV_DOTS} dots)")
+        reason = f"convolution kernel: g_i = conv(x_i, δ_i), {positions} offsets, a dot each"
+        return cls(graph, leaf, reason, core=core, post=post)
+
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        factored = {"sum", "clipped", "sq", "sign"} | ({"norms"} if self.scalar else set())
+        methods = {w: "factorized" if w in factored else "chunked" for w in need}
+        if "sum" in methods and "chunked" in methods.values():
+            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
+        return methods
+
+    def factored_cost(self, what: str) -> Cost:
+        n, size = self.graph.n_examples, self.leaf.size
+        factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
+        convs = n * _flops(self.core)
+        if what in self.FORMED:  # per offset: a window of the padded input, its values
+            lhs = n * math.prod(_shape(self.core.invars[0]))
+            return Cost(convs + n * size, 4.0 * (factors + 2 * lhs + size))
+        return Cost(convs, 4.0 * (factors + size))
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        total = super().cost(methods)
+        formed = any(methods.get(w) == "factorized" for w in self.FORMED)
+        if methods.get("sum") == "factorized" and formed:  # the sum comes from them
+            total = total + Cost(-self.factored_cost("sum").flops, 0.0)
+        return total
+
+    def unit_flops(self) -> float:
+        return _flops(self.core)
+
+    def formed_unit(self) -> int:
+        """Numbers of one example's gradient core_sums forms at once: one offset's."""
+        _, _, out_spec = self.core.params["dimension_numbers"]
+        shape = _shape(self.core.outvars[0])
+        return math.prod(shape) // math.prod(shape[d] for d in out_spec[2:])
+
+    def folded(self, env: Env, weights: Array | None = None) -> Array:
+        """(1/N) Σ_i w_i conv(x_i, δ_i) as one convolution over the batch (w_i = 1 if None)."""
+        dtype, n = self.dtype, self.graph.n_units
+        x, d = _operands(self.core, env, dtype, tie=False)
+        if weights is not None:
+            x = x * weights.reshape(-1, *[1] * (x.ndim - 1)).astype(dtype)
+        params = self.core.params
+        lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+        groups = params["feature_group_count"]
+        # lhs feature axis C = groups·I (group-major) -> groups·(B·I); rhs's I -> B·I
+        x = jnp.moveaxis(x, 0, lhs_spec[1])
+        f = lhs_spec[1]
+        shape = x.shape
+        x = x.reshape(*shape[:f], shape[f], groups, shape[f + 1] // groups, *shape[f + 2 :])
+        x = jnp.swapaxes(x, f, f + 1)
+        x = x.reshape(*shape[:f], shape[f] * shape[f + 1], *shape[f + 2 :])
+        d = jnp.moveaxis(d, 0, rhs_spec[1])
+        g = rhs_spec[1]
+        d = d.reshape(*d.shape[:g], d.shape[g] * d.shape[g + 1], *d.shape[g + 2 :])
+        y = jax.lax.conv_general_dilated(
+            x * (1.0 / n),
+            d,
+            params["window_strides"],
+            params["padding"],
+            params["lhs_dilation"],
+            params["rhs_dilation"],
+            jax.lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec),
+            groups,
+            params["batch_group_count"],
+            params["precision"],
+            dtype,
+        )
+        return y
+
+    @property
+    def positions(self) -> tuple[int, ...]:  # the core's output positions (spatial sizes)
+        _, _, out_spec = self.core.params["dimension_numbers"]
+        return tuple(_shape(self.core.outvars[0])[d] for d in out_spec[2:])
+
+    def formed(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        """Means of φ in the core's coordinates and norms ([B]) from one pass over chunks of
+        examples and kernel offsets; the sum alone folded into one convolution."""
+        dtype, params = self.dtype, self.core.params
+        if not any(w in self.FORMED for w in wanted):
+            return {"sum": self.folded(env)} if "sum" in wanted else {}
+
+        def form(a: Array, b: Array, names: list[str]) -> list[Array]:
+            def reduce(y: Array) -> list[Array]:  # one offset's [E, n, o]
+                sums = [_sum0(_PHI[w](y)) for w in names if w != "norms"]
+                return sums + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
+
+            out = _conv_offsets(a, b, params, dtype, reduce)
+            k = len(out) - ("norms" in names)
+            return [_conv_layout(y, params, self.positions) for y in out[:k]] + [
+                jnp.sum(y, axis=0) for y in out[k:]
+            ]
+
+        return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        out = self.formed(env, [w for w in wanted if w in (*_PHI, "norms")])
+        if "norms" in out:
+            out["norms"] = out["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
+        return {w: g if w == "norms" else self.replay(g, env, _PHI[w]) for w, g in out.items()}
+
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return self.replay(self.folded(env, weights), env)
+
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        a, b = (_read(env, v).astype(self.dtype)[None] for v in self.core.invars[:2])
+        (g,) = _conv_offsets(a, b, self.core.params, self.dtype, lambda y: [y])
+        return self.replay(_conv_layout(g, self.core.params, self.positions)[0], env)[None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -2867,13 +3101,14 @@ def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
-_PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction)  # placed parts
+_PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution)  # parts
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
 ROUTES: tuple[type[Route], ...] = (
     Empty,
     Constant,
     OuterProduct,
     Contraction,
+    Convolution,
     UnitSum,
     RowScatter,
     SegmentRows,
@@ -3082,8 +3317,9 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
         size = loop_chunk * graph.per_example * leaf.size * leaf.stat_dtype.itemsize
         formed.append(("chunk loop", loop_chunk, size))
     m = p.taken
-    if isinstance(m, Contraction) and any(p.methods.get(w) == "factorized" for w in ("sq", "sign")):
-        one = math.prod(_shape(m.core.outvars[0]))
+    in_head = isinstance(m, (Contraction, Convolution))
+    if in_head and any(p.methods.get(w) == "factorized" for w in m.FORMED):
+        one = m.formed_unit()
         operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
         if p.in_scan is not None and p.in_scan.axis is not None:  # one iteration at a time
             length = p.in_scan.scan.params["length"]
