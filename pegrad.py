@@ -1783,35 +1783,52 @@ def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Ar
 
 def _formed_sums(
     route: CoreRoute,
-    form: Callable[[Array, Array, list[str]], list[Array]],
+    form: Callable[[Array, Array, list[str], Array], list[Any]],
     unit: int,
     env: Env,
     dtype: Any,
     wanted: Sequence[str],
 ) -> dict[str, Array]:
-    """(1/N) Σ_i φ(g_i) for φ in `wanted` ("sum", "sq", "sign"), and ‖g_i‖² ([B]) if "norms"
-    is wanted, from per-example gradients formed c examples at a time (one scan over chunks;
-    c examples' `unit` numbers formed at once hold at most as many numbers as the operands, or
-    the caller's bound). form(a, b, names) gives, for a chunk's operands, Σ_i φ(g_i) over its
-    examples for each name, then the chunk's norms. Padding examples have zero operands: the
-    core is bilinear, so g = 0, φ(0) = 0, and their norms are cut off."""
+    """Ingredients from per-example gradients formed c examples at a time (one scan over
+    chunks; c examples' `unit` numbers formed at once hold at most as many numbers as the
+    operands, or the caller's bound): (1/N) Σ_i φ(g_i) for "sum", "sq", "sign"; the variance
+    Σ_i (g_i − ḡ)²/(N − 1) for "var", each chunk's (mean, M2) merged by Chan's update (no
+    cancellation); ‖g_i‖² ([B]) for "norms". form(a, b, names, r) gives, for a chunk's operands
+    of which the first r are examples, per name in order: Σ φ(g_i) over the chunk, (mean, M2)
+    over its r examples, or its norms. Padding examples have zero operands: the core is
+    bilinear, so g = 0 and φ(0) = 0; form leaves them out of (mean, M2), norms are cut off."""
     n = route.graph.n_examples
-    formed = [w for w in ("sum", "sq", "sign", "norms") if w in wanted]
-    means = formed[: len(formed) - ("norms" in formed)]
+    names = [w for w in ("sum", "sq", "sign", "var", "norms") if w in wanted]
+    means = [w for w in names if w in _PHI]
     a, b = _operands(route.core, env, dtype, tie=False)
     c = route.chunk(a.size + b.size, unit)
     pad = -n % c
     a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
-    shapes = jax.eval_shape(lambda x, y: form(x, y, formed), a[:c], b[:c])
+    counts = jnp.minimum(c, n - c * jnp.arange((n + pad) // c)).astype(dtype)
+    one = jnp.ones((), dtype)
+    shapes = jax.eval_shape(lambda x, y: form(x, y, names, one), a[:c], b[:c])
+    k = len(means)
+    var = "var" in names
 
-    def chunk(totals: list[Array], operands: tuple[Array, Array]) -> tuple[list, list]:
-        out = form(*operands, formed)
-        return [t + s for t, s in zip(totals, out, strict=False)], out[len(means) :]
+    def chunk(carry: tuple, xs: tuple[Array, Array, Array]) -> tuple[tuple, list]:
+        sums, moments = carry
+        x, y, r = xs
+        out = form(x, y, names, r)
+        sums = [t + s for t, s in zip(sums, out[:k], strict=True)]
+        if var:
+            moments = _chan(moments, (r, *out[k]))
+        return (sums, moments), out[k + var :]
 
     split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
-    zeros = [jnp.zeros(s.shape, dtype) for s in shapes[: len(means)]]
-    totals, norms = jax.lax.scan(chunk, zeros, (split(a), split(b)))
-    out = {w: t * (1.0 / n) for w, t in zip(means, totals, strict=True)}
+    zero = lambda s: jnp.zeros(s.shape, dtype)  # noqa: E731
+    sums = [zero(s) for s in shapes[:k]]
+    moments: tuple[Array, ...] = ()
+    if var:
+        moments = (jnp.zeros((), dtype), zero(shapes[k][0]), zero(shapes[k][1]))
+    (sums, moments), norms = jax.lax.scan(chunk, (sums, moments), (split(a), split(b), counts))
+    out = {w: t * (1.0 / n) for w, t in zip(means, sums, strict=True)}
+    if var:
+        out["var"] = list(moments)[-1] * (1.0 / (n - 1))  # M2 / (N − 1)
     return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
 
 
@@ -2101,7 +2118,7 @@ class Contraction(DotCore):
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
-        def form(a: Array, b: Array, phis: list[str]) -> list[Array]:
+        def form(a: Array, b: Array, phis: list[str], _: Array) -> list[Array]:
             g = jax.vmap(dot)(a, b)
             return [_sum0(_PHI[w](g)) for w in phis]
 
@@ -2149,7 +2166,7 @@ def _conv_offsets(
 ) -> list[Array]:
     """conv_general_dilated(lhs_e, rhs_e, **params) for each example e of [E, ...] operands,
     one output position k at a time (a scan), each position's [E, n, o] values passed through
-    `reduce` (to a list of [..., n, o] arrays) before the next is formed:
+    `reduce` (to a list of arrays) before the next is formed:
 
         out[n, o, k] = Σ_{c, q} lhs_pd[n, c, k·s + q·r] · rhs[o, c, q]
 
@@ -2213,12 +2230,12 @@ class Convolution(CoreRoute):
         Σ_i w_i conv(x_i, δ_i) = conv(x′, δ′)   (the examples folded into the contracted
                                                  feature axis of both operands, per group)
 
-    Non-linear φ and norms have no such identity: each example's gradient is formed, a bounded
-    chunk of examples and one kernel offset at a time, right where the head has the operands
-    (`_conv_offsets`: a dot_general per offset), and reduced before the next offset is formed.
-    The variance in the chunk loop, from the same dots."""
+    Non-linear φ, norms and the variance have no such identity: each example's gradient is
+    formed, a bounded chunk of examples and one kernel offset at a time, right where the head
+    has the operands (`_conv_offsets`: a dot_general per offset), and reduced before the next
+    offset is formed — the variance two-pass within a chunk, chunks merged by Chan's update."""
 
-    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "norms")  # formed in the head
+    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var", "norms")  # formed in the head
 
     name = "convolution"
 
@@ -2240,7 +2257,7 @@ class Convolution(CoreRoute):
         return cls(graph, leaf, reason, core=core, post=post)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        factored = {"sum", "clipped", "sq", "sign"} | ({"norms"} if self.scalar else set())
+        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if self.scalar else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and "chunked" in methods.values():
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
@@ -2317,24 +2334,30 @@ class Convolution(CoreRoute):
         if not any(w in self.FORMED for w in wanted):
             return {"sum": self.folded(env)} if "sum" in wanted else {}
 
-        def form(a: Array, b: Array, names: list[str]) -> list[Array]:
-            def reduce(y: Array) -> list[Array]:  # one offset's [E, n, o]
-                sums = [_sum0(_PHI[w](y)) for w in names if w != "norms"]
-                return sums + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
+        def form(a: Array, b: Array, names: list[str], r: Array) -> list[Any]:
+            def reduce(y: Array) -> list[Array]:  # one offset's [E, n, o], E − r of it padding
+                out = [_sum0(_PHI[w](y)) for w in names if w in _PHI]
+                if "var" in names:
+                    mean = _sum0(y) / r
+                    centred = y - mean
+                    out += [mean, _sum0(centred * centred) - (y.shape[0] - r) * mean * mean]
+                return out + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
 
             out = _conv_offsets(a, b, params, dtype, reduce)
             k = len(out) - ("norms" in names)
-            return [_conv_layout(y, params, self.positions) for y in out[:k]] + [
-                jnp.sum(y, axis=0) for y in out[k:]
-            ]
+            placed = [_conv_layout(y, params, self.positions) for y in out[:k]]
+            if "var" in names:  # its (mean, M2) as one entry
+                placed = [*placed[:-2], (placed[-2], placed[-1])]
+            return placed + [jnp.sum(y, axis=0) for y in out[k:]]
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        out = self.formed(env, [w for w in wanted if w in (*_PHI, "norms")])
+        out = self.formed(env, [w for w in wanted if w in (*_PHI, "var", "norms")])
         if "norms" in out:
             out["norms"] = out["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        return {w: g if w == "norms" else self.replay(g, env, _PHI[w]) for w, g in out.items()}
+        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
+        return {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in out.items()}
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self.replay(self.folded(env, weights), env)
