@@ -1481,8 +1481,10 @@ def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
         (var,) = [v for v in add.invars if v is not carry_in] or [None]
     var, post = _walk_back(var, producer, _is_layout)
     dot = producer.get(var) if isinstance(var, jcore.Var) else None
-    if dot is None or dot.primitive.name != "dot_general":
+    if dot is None or dot.primitive.name not in ("dot_general", "conv_general_dilated"):
         return None
+    if accumulated and dot.primitive.name != "dot_general":
+        return None  # a kernel every iteration shares: Σ_t over a convolution is not built
     return _Hoist(dot, post, accumulated)
 
 
@@ -1549,7 +1551,11 @@ def _operand_source(scan: Any, var: Any) -> tuple[str, int]:
 
 def _hoist_pays(scan: Any, hoist: _Hoist, k: int) -> bool:
     """Hoisting adds the emitted operands; it removes a weight gradient per iteration (or, for
-    an accumulator, a weight-sized update per iteration)."""
+    an accumulator, a weight-sized update per iteration). A convolution kernel's gradient left
+    in the scan has no route but the fallback, which reruns the whole backward scan per
+    example: hoisting it always pays."""
+    if hoist.dot.primitive.name == "conv_general_dilated":
+        return True
     emitted = sum(
         math.prod(_shape(v)) for v in hoist.dot.invars[:2] if _operand_source(scan, v)[0] == "emit"
     )
@@ -2273,11 +2279,15 @@ class Convolution(CoreRoute):
         return Cost(convs, 4.0 * (factors + size))
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
-        total = super().cost(methods)
-        formed = any(methods.get(w) == "factorized" for w in self.FORMED)
-        if methods.get("sum") == "factorized" and formed:  # the sum comes from them
-            total = total + Cost(-self.factored_cost("sum").flops, 0.0)
-        return total
+        """The formed ingredients share one pass (the sum then comes with it); the others
+        (the folded sum, clipping, anything chunked) at their own cost."""
+        formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
+        if not formed:
+            return super().cost(methods)
+        rest = {w: how for w, how in methods.items() if w not in (*formed, "sum")}
+        once = self.factored_cost(formed[0])
+        more = self.graph.n_examples * self.leaf.size * (len(formed) - 1)
+        return super().cost(rest) + once + Cost(more, 4.0 * more / self.graph.n_examples)
 
     def unit_flops(self) -> float:
         return _flops(self.core)

@@ -169,6 +169,30 @@ def stacked_kernels(key: jax.Array) -> tuple[Any, Callable]:
     return params, loss
 
 
+def _scanned(shared: bool) -> Callable[[jax.Array], tuple[Any, Callable]]:
+    """Three conv layers run by lax.scan: stacked kernels (one per iteration: the backward
+    scan's kernel gradients are hoisted out of it, then each layer is a convolution), or one
+    kernel every iteration shares (accumulated in the scan's carry: not hoisted)."""
+
+    def build(key: jax.Array) -> tuple[Any, Callable]:
+        shape = (2, 2, 3, 3) if shared else (3, 2, 2, 3, 3)
+        params = {"w": 0.4 * jax.random.normal(key, shape, F64)}
+
+        def loss(p: Any, ex: Any) -> jax.Array:
+            def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+                return jnp.sin(jax.lax.conv(h[None], w, (1, 1), "SAME")[0]), None
+
+            if shared:  # a constant of the scan body
+                h, _ = jax.lax.scan(lambda h, _: layer(h, p["w"]), ex[0], None, length=3)
+            else:
+                h, _ = jax.lax.scan(layer, ex[0], p["w"])
+            return jnp.sum((jnp.tanh(jnp.mean(h, (1, 2))) - ex[1]) ** 2)
+
+        return params, loss
+
+    return build
+
+
 MODELS = {
     "strided_dilated_1d": strided_dilated_1d,
     "grouped_2d": grouped_2d,
@@ -177,6 +201,7 @@ MODELS = {
     "volume_3d": volume_3d,
     "linen_conv": linen_conv,
     "stacked_kernels": stacked_kernels,
+    "scanned_kernels": _scanned(shared=False),
 }
 
 
@@ -269,6 +294,14 @@ def test_a_broken_precondition_takes_the_exact_fallback(build: Callable, refusal
     (plan,) = pegrad.explain(loss, params, batch, ("mean", "sq_mean"), choose="first")
     assert plan.route != "convolution"
     assert ("convolution", refusal) in plan.refused
+    check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "")
+
+
+def test_a_kernel_every_scan_iteration_shares_takes_the_exact_fallback():
+    """Σ_t over iterations of a convolution is not hoisted out of the backward scan."""
+    params, loss = _scanned(shared=True)(jax.random.key(0))
+    batch = _batch(jax.random.key(1), 3)
+    assert _routes(loss, params, batch, ("mean", "sq_mean")) == ["fallback"]
     check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "")
 
 
