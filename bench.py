@@ -33,10 +33,11 @@ Sections:
   grouped-query attention + RoPE; a GPT written with flax.linen layers (Dense, LayerNorm,
   Embed, MultiHeadDotProductAttention) called on x[None], as a list of blocks and in nn.scan
   (needs flax, from the test extra); a CNN (`eqx.nn.Conv2d`) on 16×16 images (positions above
-  the channels) and on 8×8 (below); a GRU (`eqx.nn.GRUCell` in `lax.scan`); a top-1 mixture
-  of experts reading its expert by a gather. Beside pegrad's
-  implementations, "micro_grad" is optax's `optax.microbatching.micro_grad` (per-example
-  gradients one microbatch at a time, transformed to (g, g²) and averaged): the JAX peer.
+  the channels) and on 8×8 (below), and as stacked kernels run by `lax.scan`; a GRU
+  (`eqx.nn.GRUCell` in `lax.scan`); a top-1 mixture of experts reading its expert by a gather.
+  Beside pegrad's implementations, "micro_grad" is optax's
+  `optax.microbatching.micro_grad` (per-example gradients one microbatch at a time, transformed
+  to (g, g²) and averaged): the JAX peer.
 
 Programs whose compiled temporary memory exceeds `max_run_gib` are compiled (their memory is
 reported) but not timed; the table says so. A statistic set that `pegrad` refuses for a model
@@ -87,6 +88,7 @@ FAMILIES = (
     "flax-gpt-scan",
     "cnn",
     "cnn-8x8",
+    "cnn-scan",
     "gru",
     "moe",
 )
@@ -378,6 +380,28 @@ class _ConvNet(eqx.Module):
         return self.head(jnp.mean(h, axis=(1, 2)))
 
 
+class _ScannedConvs(eqx.Module):
+    """A stem convolution, then `depth` same-shape convolutions stacked and run by lax.scan."""
+
+    stem: eqx.nn.Conv2d
+    kernels: Array
+    head: eqx.nn.Linear
+
+    def __init__(self, width: int, depth: int, *, key: Any):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.stem = eqx.nn.Conv2d(3, width, 3, padding=1, key=k1)
+        scale = 1.0 / math.sqrt(9 * width)
+        self.kernels = scale * jax.random.normal(k2, (depth, width, width, 3, 3))
+        self.head = eqx.nn.Linear(width, 10, key=k3)
+
+    def __call__(self, image: Array) -> Array:
+        def layer(h: Array, kernel: Array) -> tuple[Array, None]:
+            return h + jax.nn.relu(jax.lax.conv(h[None], kernel, (1, 1), "SAME")[0]), None
+
+        h, _ = jax.lax.scan(layer, jax.nn.relu(self.stem(image)), self.kernels)
+        return self.head(jnp.mean(h, axis=(1, 2)))
+
+
 class _GRU(eqx.Module):
     cell: eqx.nn.GRUCell
     head: eqx.nn.Linear
@@ -472,6 +496,16 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
             classify(images),
         )
 
+    def cnn_scan() -> Workload:
+        images = jax.random.normal(keys[1], (b, 3, 16, 16))
+        width, depth = d // 8, config.family_layers
+        return workload(
+            f"cnn 3-{width}, {depth} convs in lax.scan, 16x16",
+            _ScannedConvs(width, depth, key=keys[0]),
+            lambda m, ex: _cross_entropy(m(ex[0]), ex[1]),
+            classify(images),
+        )
+
     def gru() -> Workload:
         xs = jax.random.normal(keys[1], (b, seq // 2, 32))
         loss = lambda m, ex: jnp.mean((m(ex[0]) - ex[1]) ** 2)  # noqa: E731
@@ -553,6 +587,7 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
         "flax-gpt-scan": lambda: flax_gpt(scan=True),
         "cnn": lambda: cnn(d // 4, 16),
         "cnn-8x8": lambda: cnn(d // 2, 8),
+        "cnn-scan": cnn_scan,
         "gru": gru,
         "moe": moe,
     }

@@ -162,7 +162,9 @@ def value_and_grad_stats(
             out = _reference(loss, stats, chunk, clip_norm, floats, batch, per_example, keep, drop)
         else:
             wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
-            graph = Graph.build(loss, floats, batch, per_example, _means_only(wanted))
+            graph = Graph.build(
+                loss, floats, batch, per_example, _means_only(wanted), memory_budget
+            )
             weighted = keep is not None or drop
             graph = dataclasses.replace(
                 graph, weighted=weighted, chunk_size=chunk_size, memory_budget=memory_budget
@@ -202,7 +204,7 @@ def explain(
     )
     floats, loss = _as_parameters(params, loss_fn, has_aux)
     per_example = _check_inputs(loss, floats, batch, stats, granularity)
-    graph = Graph.build(loss, floats, batch, per_example, _means_only(stats))
+    graph = Graph.build(loss, floats, batch, per_example, _means_only(stats), memory_budget)
     graph = dataclasses.replace(graph, chunk_size=chunk_size, memory_budget=memory_budget)
     plans = plan(graph, stats, choose=choose)
     return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
@@ -1180,11 +1182,17 @@ class Graph:
 
     @staticmethod
     def build(
-        loss_fn: Callable, params: PyTree, batch: PyTree, per_example: int, hoist: bool = False
+        loss_fn: Callable,
+        params: PyTree,
+        batch: PyTree,
+        per_example: int,
+        hoist: bool = False,
+        memory_budget: int | None = None,
     ) -> "Graph":
         """The graph; `hoist`: move every hoistable weight-gradient dot out of its scan (the
         statistics are means of φ, formed back inside it by InScan), else only where that
-        holds fewer numbers (_hoist_pays)."""
+        holds fewer numbers (_hoist_pays); a convolution's where its emitted operands for the
+        whole batch fit `memory_budget` (bytes; None: always)."""
         leaves, param_tree = jax.tree.flatten(params)
         paths = _paths(params)
         aux_tree = []
@@ -1202,7 +1210,10 @@ class Graph:
         x64 = jax.config.read("jax_enable_x64")
         seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
-        closed = _hoist_scans(closed, args, hoist)
+        n = jax.tree.leaves(batch)[0].shape[0]
+        closed = _hoist_scans(
+            closed, args, hoist, None if memory_budget is None else memory_budget // n
+        )
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         producer, users = _producers(jaxpr), _users(jaxpr)
@@ -1506,11 +1517,14 @@ def _is_literal_zero(var: Any, producer: Mapping) -> bool:
 
 
 def _hoist_scans(
-    closed: jcore.ClosedJaxpr, args: Sequence[Any], always: bool = False
+    closed: jcore.ClosedJaxpr,
+    args: Sequence[Any],
+    always: bool = False,
+    budget: int | None = None,
 ) -> jcore.ClosedJaxpr:
     """`closed` with the weight-gradient contractions of its scans moved after them: `always`,
     or where that holds fewer numbers per example than the stacked per-example weight
-    gradients."""
+    gradients; a convolution's where its emitted operands fit `budget` bytes per example."""
     jaxpr = closed.jaxpr
     producer = _producers(jaxpr)
     plans: dict[int, dict[int, _Hoist]] = {}
@@ -1522,7 +1536,11 @@ def _hoist_scans(
             continue
         k = scan.outvars.index(var)
         hoist = _hoistable(scan, k, producer)
-        if hoist is not None and (always or _hoist_pays(scan, hoist, k)):
+        if (
+            hoist is not None
+            and (always or _hoist_pays(scan, hoist, k))
+            and _fits(scan, hoist, budget)
+        ):
             plans.setdefault(id(scan), {})[k] = hoist
     if not plans:
         return closed
@@ -1552,14 +1570,28 @@ def _operand_source(scan: Any, var: Any) -> tuple[str, int]:
 def _hoist_pays(scan: Any, hoist: _Hoist, k: int) -> bool:
     """Hoisting adds the emitted operands; it removes a weight gradient per iteration (or, for
     an accumulator, a weight-sized update per iteration). A convolution kernel's gradient left
-    in the scan has no route but the fallback, which reruns the whole backward scan per
-    example: hoisting it always pays."""
+    in the scan is computed by vmap of the whole backward scan; hoisted, its statistics are
+    formed one kernel offset at a time — about half the time on XLA:CPU (results/bench/conv.md),
+    for the emitted operands' memory (which `memory_budget` bounds: `_fits`)."""
     if hoist.dot.primitive.name == "conv_general_dilated":
         return True
     emitted = sum(
         math.prod(_shape(v)) for v in hoist.dot.invars[:2] if _operand_source(scan, v)[0] == "emit"
     )
     return emitted < math.prod(_shape(hoist.dot.outvars[0])) or hoist.accumulated
+
+
+def _fits(scan: Any, hoist: _Hoist, budget: int | None) -> bool:
+    """A convolution's operands the scan must emit, for every iteration, within `budget` bytes
+    per example (dot_general cores: always; InScan or _hoist_pays decides for them)."""
+    if budget is None or hoist.dot.primitive.name != "conv_general_dilated":
+        return True
+    emitted = sum(
+        math.prod(_shape(v)) * _dtype(v).itemsize
+        for v in hoist.dot.invars[:2]
+        if _operand_source(scan, v)[0] == "emit"
+    )
+    return emitted * scan.params["length"] <= budget
 
 
 def _scan_like(scan: Any, step: Callable, init: Any, xs: Any) -> Any:

@@ -297,6 +297,20 @@ def test_a_broken_precondition_takes_the_exact_fallback(build: Callable, refusal
     check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "")
 
 
+def test_a_memory_budget_below_the_emitted_operands_keeps_scanned_kernels_in_their_scan():
+    """Hoisting emits each layer's operands from the scan; where they exceed the budget the
+    kernels' gradients stay inside the scan (computed batched, exact) — not a convolution."""
+    params, loss = _scanned(shared=False)(jax.random.key(0))
+    batch = _batch(jax.random.key(1), 3)
+    stats = ("mean", "sq_mean")
+    (unbounded,) = pegrad.explain(loss, params, batch, stats, choose="first")
+    (bounded,) = pegrad.explain(loss, params, batch, stats, choose="first", memory_budget=64)
+    assert unbounded.route == "convolution" and bounded.route != "convolution"
+    impls = [("factorized", None, "first")]
+    expected = naive_unit_grads(loss, params, batch)
+    check_every_implementation(loss, params, batch, expected, "", impls=impls, memory_budget=64)
+
+
 def test_a_kernel_every_scan_iteration_shares_takes_the_exact_fallback():
     """Σ_t over iterations of a convolution is not hoisted out of the backward scan."""
     params, loss = _scanned(shared=True)(jax.random.key(0))
