@@ -1536,11 +1536,7 @@ def _hoist_scans(
             continue
         k = scan.outvars.index(var)
         hoist = _hoistable(scan, k, producer)
-        if (
-            hoist is not None
-            and (always or _hoist_pays(scan, hoist, k))
-            and _fits(scan, hoist, budget)
-        ):
+        if hoist is not None and _hoist_pays(scan, hoist, always, budget):
             plans.setdefault(id(scan), {})[k] = hoist
     if not plans:
         return closed
@@ -1567,31 +1563,19 @@ def _operand_source(scan: Any, var: Any) -> tuple[str, int]:
     return "emit", -1
 
 
-def _hoist_pays(scan: Any, hoist: _Hoist, k: int) -> bool:
+def _hoist_pays(scan: Any, hoist: _Hoist, always: bool, budget: int | None) -> bool:
     """Hoisting adds the emitted operands; it removes a weight gradient per iteration (or, for
-    an accumulator, a weight-sized update per iteration). A convolution kernel's gradient left
-    in the scan is computed by vmap of the whole backward scan; hoisted, its statistics are
-    formed one kernel offset at a time — about half the time on XLA:CPU (results/bench/conv.md),
-    for the emitted operands' memory (which `memory_budget` bounds: `_fits`)."""
+    an accumulator, a weight-sized update per iteration); `always` where InScan consumes the
+    operands inside the scan. A convolution (no InScan) left in the scan is computed by vmap of
+    the whole backward scan; hoisted, its statistics are formed one kernel offset at a time —
+    about half the time on XLA:CPU (results/bench/conv.md) — so it is hoisted unless its
+    emitted operands, for every iteration, exceed `budget` bytes per example."""
+    emitted = [v for v in hoist.dot.invars[:2] if _operand_source(scan, v)[0] == "emit"]
     if hoist.dot.primitive.name == "conv_general_dilated":
-        return True
-    emitted = sum(
-        math.prod(_shape(v)) for v in hoist.dot.invars[:2] if _operand_source(scan, v)[0] == "emit"
-    )
-    return emitted < math.prod(_shape(hoist.dot.outvars[0])) or hoist.accumulated
-
-
-def _fits(scan: Any, hoist: _Hoist, budget: int | None) -> bool:
-    """A convolution's operands the scan must emit, for every iteration, within `budget` bytes
-    per example (dot_general cores: always; InScan or _hoist_pays decides for them)."""
-    if budget is None or hoist.dot.primitive.name != "conv_general_dilated":
-        return True
-    emitted = sum(
-        math.prod(_shape(v)) * _dtype(v).itemsize
-        for v in hoist.dot.invars[:2]
-        if _operand_source(scan, v)[0] == "emit"
-    )
-    return emitted * scan.params["length"] <= budget
+        size = sum(math.prod(_shape(v)) * _dtype(v).itemsize for v in emitted)
+        return budget is None or size * scan.params["length"] <= budget
+    numbers = sum(math.prod(_shape(v)) for v in emitted)
+    return always or numbers < math.prod(_shape(hoist.dot.outvars[0])) or hoist.accumulated
 
 
 def _scan_like(scan: Any, step: Callable, init: Any, xs: Any) -> Any:
@@ -2195,6 +2179,12 @@ class Contraction(DotCore):
 _MAX_CONV_DOTS = 256  # output positions of a per-example convolution formed as one dot each
 
 
+def _conv_positions(core: jcore.JaxprEqn) -> tuple[int, ...]:
+    """The spatial sizes of a convolution's output: its positions."""
+    _, _, out_spec = core.params["dimension_numbers"]
+    return tuple(_shape(core.outvars[0])[d] for d in out_spec[2:])
+
+
 def _conv_offsets(
     lhs: Array,
     rhs: Array,
@@ -2215,14 +2205,14 @@ def _conv_offsets(
     one offset's per-example values live at a time (a batched convolution is a grouped one,
     far slower on XLA:CPU, and forms all of them). Returns the reduced values stacked over
     positions, [positions, ...] (`_conv_layout` puts [positions, ..., n, o] in place)."""
-    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    lhs_spec, rhs_spec, _ = params["dimension_numbers"]
     lhs = jnp.transpose(lhs, (0, *_shift(lhs_spec)))  # [E, N, C, *S]
     rhs = jnp.transpose(rhs, (0, *_shift(rhs_spec)))  # [E, O, I, *W]
     config = [(0, 0, 0)] * 3
     pads = zip(params["padding"], params["lhs_dilation"], strict=True)
     config += [(lo, hi, d - 1) for (lo, hi), d in pads]
     lhs = jax.lax.pad(lhs, jnp.zeros((), lhs.dtype), config)
-    e, n, c, *size = lhs.shape
+    e, n, _, *size = lhs.shape
     _, o, i, *window = rhs.shape
     strides, dilation = params["window_strides"], params["rhs_dilation"]
     reach = [(w - 1) * r + 1 for w, r in zip(window, dilation, strict=True)]
@@ -2287,8 +2277,7 @@ class Convolution(CoreRoute):
         a, b = core.invars
         if not (graph.is_batched(a) and graph.is_batched(b)):
             return Refusal("an operand of the convolution does not depend on the example")
-        _, _, out_spec = core.params["dimension_numbers"]
-        positions = math.prod(_shape(core.outvars[0])[d] for d in out_spec[2:])
+        positions = math.prod(_conv_positions(core))
         if positions > _MAX_CONV_DOTS:
             return Refusal(f"its output has {positions} positions (> {_MAX_CONV_DOTS} dots)")
         reason = f"convolution kernel: g_i = conv(x_i, δ_i), {positions} offsets, a dot each"
@@ -2326,9 +2315,7 @@ class Convolution(CoreRoute):
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once: one offset's."""
-        _, _, out_spec = self.core.params["dimension_numbers"]
-        shape = _shape(self.core.outvars[0])
-        return math.prod(shape) // math.prod(shape[d] for d in out_spec[2:])
+        return math.prod(_shape(self.core.outvars[0])) // math.prod(self.positions)
 
     def folded(self, env: Env, weights: Array | None = None) -> Array:
         """(1/N) Σ_i w_i conv(x_i, δ_i) as one convolution over the batch (w_i = 1 if None)."""
@@ -2349,7 +2336,7 @@ class Convolution(CoreRoute):
         d = jnp.moveaxis(d, 0, rhs_spec[1])
         g = rhs_spec[1]
         d = d.reshape(*d.shape[:g], d.shape[g] * d.shape[g + 1], *d.shape[g + 2 :])
-        y = jax.lax.conv_general_dilated(
+        return jax.lax.conv_general_dilated(
             x * (1.0 / n),
             d,
             params["window_strides"],
@@ -2362,12 +2349,10 @@ class Convolution(CoreRoute):
             params["precision"],
             dtype,
         )
-        return y
 
     @property
-    def positions(self) -> tuple[int, ...]:  # the core's output positions (spatial sizes)
-        _, _, out_spec = self.core.params["dimension_numbers"]
-        return tuple(_shape(self.core.outvars[0])[d] for d in out_spec[2:])
+    def positions(self) -> tuple[int, ...]:
+        return _conv_positions(self.core)
 
     def formed(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         """Means of φ in the core's coordinates and norms ([B]) from one pass over chunks of
