@@ -8,6 +8,7 @@ computed on seeds its learning rates were not chosen on.
                                                             #   Adam the control
     python experiments.py clipping --out results/clipping   # MicroAdam and Adam, clipped
     python experiments.py batch-scaling --out results/bs    # best lr vs B, two β₂ arms
+    python experiments.py windows --out results/windows     # μ̂²/σ̂² of the LM vs its window
     python experiments.py overhead --out runs/overhead      # bench.py's cost table
     python experiments.py vectorize --out runs/vec          # runs/hour: vmap vs one by one
     python experiments.py sign --select-seeds 0,1,2 --seeds 3-7    # the protocol, explicitly
@@ -106,8 +107,17 @@ import plots
 import sweep
 import train
 
-EXPERIMENTS = ("sign", "precond", "msq", "clipping", "batch-scaling", "overhead", "vectorize")
-TRAINING = ("sign", "precond", "msq", "clipping", "batch-scaling")  # the seeded studies
+EXPERIMENTS = (
+    "sign",
+    "precond",
+    "msq",
+    "clipping",
+    "batch-scaling",
+    "windows",
+    "overhead",
+    "vectorize",
+)
+TRAINING = ("sign", "precond", "msq", "clipping", "batch-scaling", "windows")  # seeded studies
 TASK_NAMES = {"mlp": "MLP teacher-student", "lm": "byte-level LM"}  # in figure titles
 SIGN_METHODS = ("micro_sign_sgd", "sign_sgd", "sign_ema")
 PRECOND_METHODS = ("adam", "micro_adam", "micro_adam_var")
@@ -179,6 +189,9 @@ class Scale:
     batch_lrs: tuple[float, ...]  # absolute starting grid, the same at every B
     snr_batches: int
     snr_batch_size: int
+    windows: tuple[int, ...]  # LM window lengths whose μ̂²/σ̂² is measured at initialisation...
+    windows_trained: tuple[int, ...]  # ...and at the end of training with Adam at...
+    windows_lr: float  # ...this lr (precond's chosen Adam lr at the scale's own window)
     vectorize_runs: int  # runs of the timed group (lrs × seeds); the sequential side times...
     vectorize_sequential: int  # ...this many of them one by one with train.main
     bench: dict[str, Any]  # bench.Config overrides ("quick": True for bench's --quick)
@@ -211,7 +224,8 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2,),
         batch_task="mlp", batch_sizes=(4, 8), batch_base=8, batch_examples=32,
         batch_lrs=(1e-3, 1e-2),
-        snr_batches=1, snr_batch_size=8, vectorize_runs=4, vectorize_sequential=2,
+        snr_batches=1, snr_batch_size=8, windows=(4, 8), windows_trained=(8,), windows_lr=1e-2,
+        vectorize_runs=4, vectorize_sequential=2,
         bench=dict(quick=True, sections=("mlp",), stat_sets=("mean+sq_mean",), reps=1,
                    min_time_s=0.0, mlp_in=16, mlp_width=32, mlp_depth=2, mlp_batch=8,
                    mlp_batch_sizes=(8,)),
@@ -235,7 +249,8 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="mlp", batch_sizes=(4, 8, 16, 32, 64), batch_base=16,
         batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
-        snr_batches=8, snr_batch_size=128, vectorize_runs=9, vectorize_sequential=3,
+        snr_batches=8, snr_batch_size=128, windows=(32, 64, 128, 256), windows_trained=(32, 128),
+        windows_lr=3e-3, vectorize_runs=9, vectorize_sequential=3,
         bench=dict(quick=True),
     ),
     "small": Scale(  # an hour or more per study on a CPU
@@ -256,7 +271,8 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="lm", batch_sizes=(2, 4, 8, 16, 32, 64, 128, 256), batch_base=32,
         batch_examples=32 * 2000, batch_lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
-        snr_batches=16, snr_batch_size=128, vectorize_runs=12, vectorize_sequential=2,
+        snr_batches=16, snr_batch_size=128, windows=(64, 128, 256, 512),
+        windows_trained=(64, 256), windows_lr=1e-3, vectorize_runs=12, vectorize_sequential=2,
         bench=dict(),
     ),
     "paper": Scale(  # the paper's transformer shape (TransformerConfig.paper()): accelerators
@@ -275,7 +291,8 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64,
         batch_examples=64 * 5000, batch_lrs=(1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3),
-        snr_batches=16, snr_batch_size=32, vectorize_runs=8, vectorize_sequential=1,
+        snr_batches=16, snr_batch_size=32, windows=(128, 512, 1024), windows_trained=(512,),
+        windows_lr=3e-4, vectorize_runs=8, vectorize_sequential=1,
         bench=dict(),
     ),
 }
@@ -1869,6 +1886,119 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
 # 4. Overhead: bench.py's table.
 
 
+def window_config(scale: Scale, window: int) -> train.Config:
+    """The scale's LM on windows of `window` tokens (the context grown to hold them)."""
+    cfg = scale.lm
+    context = cfg.context_length or train.SIZES[cfg.size]().context_length
+    return dataclasses.replace(cfg, seq_len=window, context_length=max(window, context))
+
+
+def run_windows(ctx: Context) -> dict[str, Any]:
+    """Whether a longer window puts the LM where the per-example mean matters (median μ̂²/σ̂²
+    ≳ 1), the regime MicroAdamVar's instability claim is about: μ̂²/σ̂² (`measure_mu_sigma`)
+    per window length at initialisation, and at the end of an Adam run for `windows_trained`.
+    No lr is chosen here (one lr for every window, stated), so `--select-seeds` is unused: the
+    measurement is on the evaluation seeds."""
+    scale = ctx.scale
+    seeds = scored_seeds(ctx.proto)
+    trained = {
+        w: [
+            dataclasses.replace(
+                window_config(scale, w), optimizer="adam", lr=scale.windows_lr, seed=s
+            )
+            for s in seeds
+        ]
+        for w in scale.windows_trained
+    }
+    traces = dict(
+        zip(
+            [(w, c.seed) for w, cs in trained.items() for c in cs],
+            sweep.run([c for cs in trained.values() for c in cs], cache=ctx.cache, log=print),
+            strict=True,
+        )
+    )
+    records: list[dict[str, Any]] = []
+    for w in scale.windows:
+        cfg = window_config(scale, w)
+        points = [
+            (s, "init", train.build(dataclasses.replace(cfg, seed=s)).task.params) for s in seeds
+        ]
+        points += [
+            (s, "final Adam", t.params)
+            for s in seeds
+            if (t := traces.get((w, s))) is not None and t.status == "ok"
+        ]
+        measured = measure_mu_sigma(
+            cfg,
+            [(s, p) for s, _, p in points],
+            n_batches=scale.snr_batches,
+            batch_size=scale.snr_batch_size,
+        )
+        for (seed, point, _), (mu2, sigma2, n, names) in zip(points, measured, strict=True):
+            t = traces.get((w, seed)) if point != "init" else None
+            records.append(
+                {
+                    "window": w,
+                    "seed": seed,
+                    "point": point,
+                    "examples": n,
+                    "final_loss": None if t is None else float(t.eval_loss[-1]),
+                    **snr_ratio(mu2, sigma2, names),
+                }
+            )
+        print(f"  window {w}: measured {len(points)} points", flush=True)
+    runs = [
+        {
+            "method": "Adam",
+            "lr": scale.windows_lr,
+            "seed": c.seed,
+            "phase": "evaluate",
+            "window": w,
+            "status": traces[w, c.seed].status,
+        }
+        for w, cs in trained.items()
+        for c in cs
+    ]
+    lines = [
+        f"# μ̂²/σ̂² of the {TASK_NAMES['lm']} against its window length (seeds {seeds_text(seeds)})",
+        "",
+        *provenance_lines(ctx.prov)[:2],
+        f"Protocol: a measurement, no lr chosen and no verdict; seeds {seeds_text(seeds)}.",
+        "",
+        "Per coordinate μ̂²/σ̂² from "
+        f"{scale.snr_batches * scale.snr_batch_size} fresh examples per seed (experiments.py's "
+        "docstring); median over coordinates, then median and range over the seeds. "
+        f"Trained: Adam at lr {fmt_lr(scale.windows_lr)} for {scale.lm.steps} steps of batch "
+        f"{scale.lm.batch_size} (one lr for every window: not tuned per window).",
+        "",
+        "| window | point | median μ̂²/σ̂² (seed range) | fraction μ̂² > σ̂² | largest leaf median "
+        "| held-out loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in scale.windows:
+        for point in dict.fromkeys(r["point"] for r in records if r["window"] == w):
+            rs = [r for r in records if r["window"] == w and r["point"] == point]
+            med = [r["median_mu2_over_sigma2"] for r in rs]
+            leaf = max(max(r["per_leaf_median"].values()) for r in rs)
+            losses = [r["final_loss"] for r in rs if r["final_loss"] is not None]
+            loss = f"{np.mean(losses):.3f}" if losses else "–"
+            lines.append(
+                f"| {w} | {point} | {np.median(med):.3g} ({min(med):.3g}–{max(med):.3g}) | "
+                f"{np.median([r['frac_mu2_gt_sigma2'] for r in rs]):.3f} | {leaf:.3g} | {loss} |"
+            )
+    summary = {
+        "experiment": "windows",
+        **ctx.prov,
+        "runs": runs,
+        "mu2_over_sigma2": records,
+        "configs": {str(w): dataclasses.asdict(window_config(scale, w)) for w in scale.windows},
+    }
+    (ctx.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (ctx.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-2 - 2 * len(scale.windows) :]), flush=True)
+    return summary
+
+
 def run_overhead(ctx: Context) -> dict[str, Any]:
     import bench
 
@@ -2024,6 +2154,7 @@ RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "msq": run_msq,
     "clipping": run_clipping,
     "batch-scaling": run_batch_scaling,
+    "windows": run_windows,
     "overhead": run_overhead,
     "vectorize": run_vectorize,
 }

@@ -607,3 +607,24 @@ def test_only_keeps_the_named_variants(tmp_path: Path):
     ]
     with pytest.raises(ValueError, match="not among"):
         smoke("sign", tmp_path / "t", only=("Adam",))
+
+
+def test_windows_measures_the_mean_to_noise_ratio_per_window_length(tmp_path: Path):
+    scale = experiments.SCALES["smoke"]
+    smoke("windows", tmp_path / "w")
+    data = json.loads((tmp_path / "w" / "summary.json").read_text())
+    points = {(r["window"], r["point"], r["seed"]) for r in data["mu2_over_sigma2"]}
+    expected = {(w, "init", s) for w in scale.windows for s in EVALUATE}
+    expected |= {(w, "final Adam", s) for w in scale.windows_trained for s in EVALUATE}
+    assert points == expected
+    for r in data["mu2_over_sigma2"]:
+        assert r["median_mu2_over_sigma2"] >= 0 and 0 <= r["frac_mu2_gt_sigma2"] <= 1
+        assert (r["final_loss"] is None) == (r["point"] == "init")
+    for w in scale.windows:  # the context grows to hold the window
+        cfg = data["configs"][str(w)]
+        assert cfg["seq_len"] == w and cfg["context_length"] >= w
+    assert {(r["window"], r["seed"]) for r in data["runs"]} == {
+        (w, s) for w in scale.windows_trained for s in EVALUATE
+    }
+    assert data["command"].startswith("python experiments.py windows")
+    assert "| window | point |" in (tmp_path / "w" / "summary.md").read_text()
