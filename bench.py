@@ -14,6 +14,10 @@ row with
 * memory_ratio: temporary memory of the compiled program over the baseline's, read from
   `jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes` (XLA's buffer
   assignment: intermediates only, not arguments or outputs; it works on CPU).
+* peak_ratio: XLA's peak of live buffers (`memory_analysis().peak_memory_in_bytes`:
+  arguments, outputs and intermediates, from its heap simulation; not bounded by the temp size)
+  over the baseline's: what the device holds at once. The arguments are the same for every
+  program; the outputs are not (two statistics are two parameter-sized trees).
 
 Implementations: "plain" (the baseline, mean only), "vmap" (pegrad's exact reference: all B
 per-example gradients), "vmap-chunked" (the same, `chunk_size` examples at a time),
@@ -682,9 +686,11 @@ def measure(workload: Workload, config: Config) -> list[Record]:
             "chunk_size": program.chunk_size,
             "time_ratio": None,
             "memory_ratio": None,
+            "peak_ratio": None,
             "compile_s": None,
             "time_s": None,
             "temp_bytes": None,
+            "peak_bytes": None,
             "paths": "",
             "note": "",
         }
@@ -698,6 +704,7 @@ def measure(workload: Workload, config: Config) -> list[Record]:
         record["compile_s"] = time.perf_counter() - start
         memory = exe.memory_analysis()
         record["temp_bytes"] = temp = None if memory is None else int(memory.temp_size_in_bytes)
+        record["peak_bytes"] = None if memory is None else int(memory.peak_memory_in_bytes)
         if program.impl == "factorized":
             record["paths"] = explain_paths(workload, program, config.clip_norm)
         print(f"  {_label(program):45s} compiled in {record['compile_s']:5.1f} s", file=sys.stderr)
@@ -708,10 +715,12 @@ def measure(workload: Workload, config: Config) -> list[Record]:
         else:
             executables[program] = exe
 
-    base_temp = records[baseline]["temp_bytes"]
+    base_temp, base_peak = records[baseline]["temp_bytes"], records[baseline]["peak_bytes"]
     for record in records.values():
         if record["temp_bytes"] is not None and base_temp:
             record["memory_ratio"] = record["temp_bytes"] / base_temp
+        if record["peak_bytes"] and base_peak:
+            record["peak_ratio"] = record["peak_bytes"] / base_peak
     if baseline not in executables:
         return list(records.values())
     print(f"  timing {len(executables)} programs", file=sys.stderr)
@@ -751,8 +760,10 @@ COLUMNS = (
     "granularity",
     "time ratio",
     "memory ratio",
+    "peak ratio",
     "time ms",
     "temp MiB",
+    "peak MiB",
     "compile s",
     "factorized paths / note",
 )
@@ -769,6 +780,7 @@ def markdown_table(records: Sequence[Record]) -> str:
         notes = "; ".join(s for s in (r["paths"], r["note"]) if s)
         time_ms = None if r["time_s"] is None else 1e3 * r["time_s"]
         temp = None if r["temp_bytes"] is None else r["temp_bytes"] / 2**20
+        peak = None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**20
         cells = (
             r["model"],
             str(r["batch_size"]),
@@ -777,8 +789,10 @@ def markdown_table(records: Sequence[Record]) -> str:
             r["granularity"],
             _fmt(r["time_ratio"], ".2f"),
             _fmt(r["memory_ratio"], ".2f"),
+            _fmt(r.get("peak_ratio"), ".2f"),
             _fmt(time_ms, ".1f"),
             _fmt(temp, ".1f"),
+            _fmt(peak, ".1f"),
             _fmt(r["compile_s"], ".1f"),
             notes,
         )

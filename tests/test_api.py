@@ -332,3 +332,21 @@ def test_explain_opens_with_a_summary_and_keeps_lines_short(name: str):
     routes = {p.route for p in plans}
     assert all(r in text[0] for r in routes)
     assert all(len(line) <= 100 for line in text), max(text, key=len)
+
+
+def test_every_function_of_pegrad_is_annotated_so_pytest_checks_it_at_run_time():
+    """jaxtyping's pytest plugin checks a function's arguments only where they are annotated:
+    an unannotated parameter (a route method's, say) is a hole in the runtime check."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(pegrad))
+    holes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            args += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            bare = [a.arg for a in args if a.annotation is None and a.arg not in ("self", "cls")]
+            if bare or node.returns is None:
+                holes.append(f"line {node.lineno} {node.name}: {bare or 'return'}")
+    assert not holes, "unannotated: " + "; ".join(holes)
