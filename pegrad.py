@@ -59,6 +59,7 @@ Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
 
 import dataclasses
 import functools
+import itertools
 import math
 import textwrap
 from collections.abc import Callable, Container, Mapping, Sequence
@@ -2954,6 +2955,131 @@ def _placed_part(
     return Refusal("a part no route proves")
 
 
+_MAX_PLACES = 64  # places a routed part may take (one contraction each)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class RoutedPart(Route):
+    """Example granularity: the gradient is one part written into a zero table at a place the
+    example chooses (`core`, a dynamic_update_slice whose starts depend on the example), then
+    `post`: a mixture of experts reading one expert's matrix per example, experts[choice] @ x.
+    The part is a dense weight's outer product, p_i = δ_i ⊗ x_i (`part`). Every entry of g_i is
+    p_i's or 0, so with s_i example i's place (clamped as XLA clamps it) and S the places it
+    can take (`places`):
+
+        Σ_i φ(g_i) = Σ_s place_s(Σ_{i: s_i = s} φ(p_i))   (per place, (1_s∘φ(Δ))ᵀφ(X))
+        Σ_i c_i g_i = Σ_s place_s(Σ_{i: s_i = s} c_i p_i)      ‖g_i‖² = ‖p_i‖²
+
+    S contractions of the batch (S ≤ _MAX_PLACES); the variance is formed per example."""
+
+    name = "routed-part"
+    part: OuterProduct
+    core: jcore.JaxprEqn
+    post: tuple[Post, ...]
+    places: tuple[tuple[int, ...], ...]  # each place's starts, every axis
+
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "RoutedPart | Refusal":
+        if graph.token:
+            return Refusal("token granularity: a unit is a position, not an example")
+        core, post = graph.core(leaf.grad if var is None else var)
+        if core is None or core.primitive.name != "dynamic_update_slice":
+            return Refusal("not one part written into the leaf")
+        table, update, *starts = core.invars
+        if not graph.is_zero(table):
+            return Refusal("a slice written into a table not proven zero")
+        shape, size = _shape(core.outvars[0]), _shape(update)
+        ranges = [
+            [int(np.clip(graph.static_value(v), 0, n - k))]
+            if graph.is_static(v)
+            else list(range(n - k + 1))
+            for v, n, k in zip(starts, shape, size, strict=True)
+        ]
+        if all(graph.is_static(v) for v in starts):
+            return Refusal("the place does not depend on the example")
+        n_places = math.prod(len(r) for r in ranges)
+        if n_places > _MAX_PLACES:
+            return Refusal(f"the part may take {n_places} places (> {_MAX_PLACES})")
+        part = OuterProduct.match(graph, leaf, update)
+        if isinstance(part, Refusal):
+            return Refusal(f"the part: {part.reason}")
+        places = tuple(itertools.product(*ranges))
+        reason = f"one outer product per example at one of {n_places} places the example picks"
+        return cls(graph, leaf, reason, part=part, core=core, post=post, places=places)
+
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        chunked = {"var"} | (set() if all(s.scalar for s in self.post) else {"norms"})
+        return {w: "chunked" if w in chunked else "factorized" for w in need}
+
+    def reads(self) -> list[jcore.Var]:
+        starts = [v for v in self.core.invars[2:] if isinstance(v, jcore.Var)]
+        return list(dict.fromkeys([*self.part.reads(), *starts, *_factor_vars(self.post)]))
+
+    def factored_cost(self, what: str) -> Cost:
+        if what == "norms":
+            return self.part.factored_cost(what)
+        graph, part = self.graph, math.prod(_shape(self.core.invars[1]))
+        factors = graph.n_examples * sum(math.prod(_shape(v)) for v in self.part.core.invars)
+        flops = 2.0 * graph.n_units * part * len(self.places) + factors
+        return Cost(flops, 4.0 * (factors + self.leaf.size))
+
+    def unit_flops(self) -> float:
+        return self.part.unit_flops()
+
+    def _at(self, env: Env) -> Array:
+        """[B, S]: 1 where example i's part sits at place s."""
+        n = self.graph.n_examples
+        shape, size = _shape(self.core.outvars[0]), _shape(self.core.invars[1])
+        starts = [
+            jnp.clip(jnp.broadcast_to(jnp.asarray(_read(env, v)), (n,)), 0, d - k)
+            for v, d, k in zip(self.core.invars[2:], shape, size, strict=True)
+        ]
+        stacked = jnp.stack([x.astype(jnp.int32) for x in starts], axis=1)
+        at = stacked[:, None, :] == jnp.asarray(self.places, jnp.int32)[None]
+        return jnp.all(at, axis=2).astype(self.dtype)
+
+    def _placed(self, per_place: Sequence[Array], env: Env, phi: Phi) -> Array:
+        """Each place's sum in its window (windows of a wide part may overlap: added)."""
+        out = jnp.zeros(_shape(self.core.outvars[0]), per_place[0].dtype)
+        size = _shape(self.core.invars[1])
+        for starts, x in zip(self.places, per_place, strict=True):
+            x = x.reshape(size) + jax.lax.dynamic_slice(out, starts, size)
+            out = jax.lax.dynamic_update_slice(out, x, starts)
+        return _replay(self.post, out, env, phi)
+
+    def _sums(self, env: Env, what: str, weights: Array | None = None) -> Array:
+        at = self._at(env)
+        weights = at if weights is None else at * weights.astype(self.dtype)
+        phi = _PHI["sum" if what == "clipped" else what]
+        core = "sum" if what == "clipped" else what
+        sums = [
+            self.part.replay(
+                self.part.core_sum(env, self.dtype, core, weights[:, s, None]), env, phi
+            )
+            for s in range(len(self.places))
+        ]
+        return self._placed(sums, env, phi)
+
+    def compute(self, env: Env, what: str) -> Array:
+        if what == "norms":
+            return self.part.compute(env, "norms") * _scale_sq(self.post, env, self.dtype)
+        return self._sums(env, what)
+
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return self._sums(env, "clipped", weights.reshape(weights.shape[0], 1))
+
+    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+        p = self.part.per_unit(env, example, params)  # [1, *part]
+        shape, size = _shape(self.core.outvars[0]), _shape(self.core.invars[1])
+        starts = [
+            jnp.clip(jnp.asarray(_read(env, v)).reshape(()), 0, d - k).astype(jnp.int32)
+            for v, d, k in zip(self.core.invars[2:], shape, size, strict=True)
+        ]
+        zero = jnp.zeros((1, *shape), p.dtype)
+        placed = jax.lax.dynamic_update_slice(zero, p.reshape(1, *size), (jnp.int32(0), *starts))
+        return _replay_each(self.post, placed, env, _PHI["sum"])
+
+
 _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 
@@ -3164,6 +3290,7 @@ ROUTES: tuple[type[Route], ...] = (
     SegmentRows,
     Terms,
     DisjointParts,
+    RoutedPart,
     HeadValue,
     Fallback,
 )
