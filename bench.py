@@ -14,7 +14,7 @@ row with
 * memory_ratio: temporary memory of the compiled program over the baseline's, read from
   `jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes` (XLA's buffer
   assignment: intermediates only, not arguments or outputs; it works on CPU).
-* peak_ratio: the program's footprint — its arguments, outputs and temporary allocation
+* footprint_ratio: the program's footprint — its arguments, outputs and temporary allocation
   (argument + output + temp − alias bytes of the same analysis; XLA:CPU's own
   `peak_memory_in_bytes` leaves the temporaries out) — over the baseline's: what the device
   holds while it runs. The arguments are the same for every program; the outputs are not (two
@@ -687,11 +687,11 @@ def measure(workload: Workload, config: Config) -> list[Record]:
             "chunk_size": program.chunk_size,
             "time_ratio": None,
             "memory_ratio": None,
-            "peak_ratio": None,
+            "footprint_ratio": None,
             "compile_s": None,
             "time_s": None,
             "temp_bytes": None,
-            "peak_bytes": None,
+            "footprint_bytes": None,
             "paths": "",
             "note": "",
         }
@@ -705,7 +705,7 @@ def measure(workload: Workload, config: Config) -> list[Record]:
         record["compile_s"] = time.perf_counter() - start
         memory = exe.memory_analysis()
         record["temp_bytes"] = temp = None if memory is None else int(memory.temp_size_in_bytes)
-        record["peak_bytes"] = None if memory is None else _footprint(memory)
+        record["footprint_bytes"] = None if memory is None else _footprint(memory)
         if program.impl == "factorized":
             record["paths"] = explain_paths(workload, program, config.clip_norm)
         print(f"  {_label(program):45s} compiled in {record['compile_s']:5.1f} s", file=sys.stderr)
@@ -716,12 +716,13 @@ def measure(workload: Workload, config: Config) -> list[Record]:
         else:
             executables[program] = exe
 
-    base_temp, base_peak = records[baseline]["temp_bytes"], records[baseline]["peak_bytes"]
+    base_temp = records[baseline]["temp_bytes"]
+    base_footprint = records[baseline]["footprint_bytes"]
     for record in records.values():
         if record["temp_bytes"] is not None and base_temp:
             record["memory_ratio"] = record["temp_bytes"] / base_temp
-        if record["peak_bytes"] and base_peak:
-            record["peak_ratio"] = record["peak_bytes"] / base_peak
+        if record["footprint_bytes"] and base_footprint:
+            record["footprint_ratio"] = record["footprint_bytes"] / base_footprint
     if baseline not in executables:
         return list(records.values())
     print(f"  timing {len(executables)} programs", file=sys.stderr)
@@ -767,10 +768,10 @@ COLUMNS = (
     "granularity",
     "time ratio",
     "memory ratio",
-    "peak ratio",
+    "footprint ratio",
     "time ms",
     "temp MiB",
-    "peak MiB",
+    "footprint MiB",
     "compile s",
     "factorized paths / note",
 )
@@ -787,7 +788,8 @@ def markdown_table(records: Sequence[Record]) -> str:
         notes = "; ".join(s for s in (r["paths"], r["note"]) if s)
         time_ms = None if r["time_s"] is None else 1e3 * r["time_s"]
         temp = None if r["temp_bytes"] is None else r["temp_bytes"] / 2**20
-        peak = None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**20
+        footprint = r.get("footprint_bytes")
+        footprint = None if footprint is None else footprint / 2**20
         cells = (
             r["model"],
             str(r["batch_size"]),
@@ -796,10 +798,10 @@ def markdown_table(records: Sequence[Record]) -> str:
             r["granularity"],
             _fmt(r["time_ratio"], ".2f"),
             _fmt(r["memory_ratio"], ".2f"),
-            _fmt(r.get("peak_ratio"), ".2f"),
+            _fmt(r.get("footprint_ratio"), ".2f"),
             _fmt(time_ms, ".1f"),
             _fmt(temp, ".1f"),
-            _fmt(peak, ".1f"),
+            _fmt(footprint, ".1f"),
             _fmt(r["compile_s"], ".1f"),
             notes,
         )

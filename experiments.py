@@ -1197,6 +1197,23 @@ def measure_mu_sigma(
     return results
 
 
+def mu_sigma_records(
+    cfg: train.Config, points: Sequence[tuple[int, str, Any]], scale: Scale
+) -> list[dict[str, Any]]:
+    """For each (seed, point name, parameters): its seed, point, number of examples and
+    `snr_ratio`, measured on the scale's `snr_batches` × `snr_batch_size` fresh examples."""
+    measured = measure_mu_sigma(
+        cfg,
+        [(s, p) for s, _, p in points],
+        n_batches=scale.snr_batches,
+        batch_size=scale.snr_batch_size,
+    )
+    return [
+        {"seed": seed, "point": point, "examples": n, **snr_ratio(mu2, sigma2, names)}
+        for (seed, point, _), (mu2, sigma2, n, names) in zip(points, measured, strict=True)
+    ]
+
+
 def snr_ratio(mu2: np.ndarray, sigma2: np.ndarray, names: Sequence[tuple[str, int]]):
     """Median over coordinates of μ̂²/σ̂² (coordinates with σ̂² = 0 left out), overall and per
     leaf, and the fraction of coordinates with μ̂² > σ̂² (where the mean dominates one
@@ -1394,22 +1411,7 @@ def run_precond(ctx: Context) -> dict[str, Any]:
             {f: t for f, t in study.held_traces.items() if f.endswith(f"[{regime}]")},
         )
         named = measured_points(cfg, mine, scored_seeds(ctx.proto))
-        measured = measure_mu_sigma(
-            cfg,
-            [(s, p) for s, _, p in named],
-            n_batches=scale.snr_batches,
-            batch_size=scale.snr_batch_size,
-        )
-        for (seed, point, _), (mu2, sigma2, n, names) in zip(named, measured, strict=True):
-            ratios.append(
-                {
-                    "regime": regime,
-                    "seed": seed,
-                    "point": point,
-                    "examples": n,
-                    **snr_ratio(mu2, sigma2, names),
-                }
-            )
+        ratios += [{"regime": regime, **r} for r in mu_sigma_records(cfg, named, scale)]
     table = [
         "μ̂²/σ̂² per coordinate (median over coordinates; then median over the scored "
         "seeds), per regime, at init and at each variant's final parameters; per-leaf "
@@ -1928,24 +1930,10 @@ def run_windows(ctx: Context) -> dict[str, Any]:
             for s in seeds
             if (t := traces.get((w, s))) is not None and t.status == "ok"
         ]
-        measured = measure_mu_sigma(
-            cfg,
-            [(s, p) for s, _, p in points],
-            n_batches=scale.snr_batches,
-            batch_size=scale.snr_batch_size,
-        )
-        for (seed, point, _), (mu2, sigma2, n, names) in zip(points, measured, strict=True):
-            t = traces.get((w, seed)) if point != "init" else None
-            records.append(
-                {
-                    "window": w,
-                    "seed": seed,
-                    "point": point,
-                    "examples": n,
-                    "final_loss": None if t is None else float(t.eval_loss[-1]),
-                    **snr_ratio(mu2, sigma2, names),
-                }
-            )
+        for r in mu_sigma_records(cfg, points, scale):
+            t = traces.get((w, r["seed"])) if r["point"] != "init" else None
+            loss = None if t is None else float(t.eval_loss[-1])
+            records.append({"window": w, **r, "final_loss": loss})
         print(f"  window {w}: measured {len(points)} points", flush=True)
     runs = [
         {

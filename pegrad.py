@@ -2988,6 +2988,8 @@ class RoutedPart(Route):
         table, update, *starts = core.invars
         if not graph.is_zero(table):
             return Refusal("a slice written into a table not proven zero")
+        if all(graph.is_static(v) for v in starts):
+            return Refusal("the place does not depend on the example")
         shape, size = _shape(core.outvars[0]), _shape(update)
         ranges = [
             [int(np.clip(graph.static_value(v), 0, n - k))]
@@ -2995,8 +2997,6 @@ class RoutedPart(Route):
             else list(range(n - k + 1))
             for v, n, k in zip(starts, shape, size, strict=True)
         ]
-        if all(graph.is_static(v) for v in starts):
-            return Refusal("the place does not depend on the example")
         n_places = math.prod(len(r) for r in ranges)
         if n_places > _MAX_PLACES:
             return Refusal(f"the part may take {n_places} places (> {_MAX_PLACES})")
@@ -3026,16 +3026,20 @@ class RoutedPart(Route):
     def unit_flops(self) -> float:
         return self.part.unit_flops()
 
+    def _starts(self, env: Env) -> list[Array]:
+        """The place of the part on each axis, clamped as dynamic_update_slice clamps it
+        ([B] under the batched head, a scalar per example in the chunk loop)."""
+        shape, size = _shape(self.core.outvars[0]), _shape(self.core.invars[1])
+        return [
+            jnp.clip(jnp.asarray(_read(env, v)), 0, d - k).astype(jnp.int32)
+            for v, d, k in zip(self.core.invars[2:], shape, size, strict=True)
+        ]
+
     def _at(self, env: Env) -> Array:
         """[B, S]: 1 where example i's part sits at place s."""
         n = self.graph.n_examples
-        shape, size = _shape(self.core.outvars[0]), _shape(self.core.invars[1])
-        starts = [
-            jnp.clip(jnp.broadcast_to(jnp.asarray(_read(env, v)), (n,)), 0, d - k)
-            for v, d, k in zip(self.core.invars[2:], shape, size, strict=True)
-        ]
-        stacked = jnp.stack([x.astype(jnp.int32) for x in starts], axis=1)
-        at = stacked[:, None, :] == jnp.asarray(self.places, jnp.int32)[None]
+        starts = jnp.stack([jnp.broadcast_to(x, (n,)) for x in self._starts(env)], axis=1)
+        at = starts[:, None, :] == jnp.asarray(self.places, jnp.int32)[None]
         return jnp.all(at, axis=2).astype(self.dtype)
 
     def _placed(self, per_place: Sequence[Array], env: Env, phi: Phi) -> Array:
@@ -3043,22 +3047,21 @@ class RoutedPart(Route):
         out = jnp.zeros(_shape(self.core.outvars[0]), per_place[0].dtype)
         size = _shape(self.core.invars[1])
         for starts, x in zip(self.places, per_place, strict=True):
-            x = x.reshape(size) + jax.lax.dynamic_slice(out, starts, size)
-            out = jax.lax.dynamic_update_slice(out, x, starts)
+            window = tuple(slice(s, s + k) for s, k in zip(starts, size, strict=True))
+            out = out.at[window].add(x.reshape(size))
         return _replay(self.post, out, env, phi)
 
     def _sums(self, env: Env, what: str, weights: Array | None = None) -> Array:
         at = self._at(env)
         weights = at if weights is None else at * weights.astype(self.dtype)
-        phi = _PHI["sum" if what == "clipped" else what]
-        core = "sum" if what == "clipped" else what
+        what = "sum" if what == "clipped" else what  # weighted by the clip factors
         sums = [
             self.part.replay(
-                self.part.core_sum(env, self.dtype, core, weights[:, s, None]), env, phi
+                self.part.core_sum(env, self.dtype, what, weights[:, s, None]), env, _PHI[what]
             )
             for s in range(len(self.places))
         ]
-        return self._placed(sums, env, phi)
+        return self._placed(sums, env, _PHI[what])
 
     def compute(self, env: Env, what: str) -> Array:
         if what == "norms":
@@ -3071,10 +3074,7 @@ class RoutedPart(Route):
     def per_unit(self, env: Env, example: Any, params: Any) -> Array:
         p = self.part.per_unit(env, example, params)  # [1, *part]
         shape, size = _shape(self.core.outvars[0]), _shape(self.core.invars[1])
-        starts = [
-            jnp.clip(jnp.asarray(_read(env, v)).reshape(()), 0, d - k).astype(jnp.int32)
-            for v, d, k in zip(self.core.invars[2:], shape, size, strict=True)
-        ]
+        starts = [x.reshape(()) for x in self._starts(env)]
         zero = jnp.zeros((1, *shape), p.dtype)
         placed = jax.lax.dynamic_update_slice(zero, p.reshape(1, *size), (jnp.int32(0), *starts))
         return _replay_each(self.post, placed, env, _PHI["sum"])

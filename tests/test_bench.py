@@ -31,7 +31,7 @@ TINY = bench.Config(
 )
 
 REQUIRED = {"model", "stats", "impl", "granularity", "batch_size", "time_ratio", "memory_ratio"}
-REQUIRED |= {"compile_s", "time_s", "temp_bytes", "peak_bytes", "peak_ratio"}
+REQUIRED |= {"compile_s", "time_s", "temp_bytes", "footprint_bytes", "footprint_ratio"}
 
 
 def test_bench_records(tmp_path):
@@ -46,7 +46,7 @@ def test_bench_records(tmp_path):
 
     for r in records:
         assert r["temp_bytes"] is not None and r["temp_bytes"] >= 0, r
-        assert r["peak_bytes"] is not None and r["peak_bytes"] > r["temp_bytes"], r
+        assert r["footprint_bytes"] is not None and r["footprint_bytes"] > r["temp_bytes"], r
         assert r["compile_s"] is not None and r["compile_s"] > 0, r
         if r["section"] == "paper":
             assert r["time_ratio"] is None and r["note"] == "compiled only", r
@@ -54,7 +54,9 @@ def test_bench_records(tmp_path):
             assert math.isfinite(r["time_ratio"]) and r["time_ratio"] > 0, r
             assert math.isfinite(r["time_s"]) and r["time_s"] > 0, r
         if r["impl"] == bench.PLAIN:
-            assert r["time_ratio"] in (1.0, None) and r["memory_ratio"] == r["peak_ratio"] == 1.0
+            assert (
+                r["time_ratio"] in (1.0, None) and r["memory_ratio"] == r["footprint_ratio"] == 1.0
+            )
         elif r["memory_ratio"] is not None:
             assert math.isfinite(r["memory_ratio"]) and r["memory_ratio"] >= 0, r
 
