@@ -338,15 +338,23 @@ def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     rows, data = check_files(tmp_path / "msq", "msq")
     msq = [r for r in rows if r["optimizer"] == "micro_adam_msq"]
     # ε outside the root (the paper's √ReLU(v̂) + ε) and inside it (√(ReLU(v̂) + ε)), same grid.
-    outside = {float(r["eps"]) for r in msq if r["eps_root"] == ""}  # None: no ε_root
-    inside = {float(r["eps_root"]) for r in msq if float(r["eps"]) == 0.0}
+    # ...and v̂ averaged over the leaf or a row before the ReLU, ε outside.
+    unblocked = [r for r in msq if r["msq_block"] == "none"]
+    outside = {float(r["eps"]) for r in unblocked if r["eps_root"] == ""}  # None: no ε_root
+    inside = {float(r["eps_root"]) for r in unblocked if float(r["eps"]) == 0.0}
     assert outside == inside == set(scale.msq_eps)
+    for block in ("tensor", "row"):
+        blocked = [r for r in msq if r["msq_block"] == block]
+        assert {float(r["eps"]) for r in blocked} == set(scale.msq_eps)
+        assert all(r["eps_root"] == "" for r in blocked)
+    arms = ("outside", "inside", "tensor", "row")
     assert [(p["placement"], p["eps"]) for p in data["per_eps"]] == [
-        (where, e) for where in ("outside", "inside") for e in scale.msq_eps
+        (arm, e) for arm in arms for e in scale.msq_eps
     ]
+    outside_family, *others = (family for _, _, family, _ in experiments.MSQ_PLACEMENTS)
     assert [(v["a"], v["b"]) for v in data["verdicts"]] == [
-        (family, "Adam") for _, _, family, _ in experiments.MSQ_PLACEMENTS
-    ] + [tuple(family for _, _, family, _ in reversed(experiments.MSQ_PLACEMENTS))]
+        (family, "Adam") for family in (outside_family, *others)
+    ] + [(family, outside_family) for family in others]
     assert all(0 <= f <= 1 for f in data["frac_mu2_nonpositive_at_step_1"])
     smoke("clipping", tmp_path / "clipping")
     rows, data = check_files(tmp_path / "clipping", "clipping")
