@@ -413,11 +413,16 @@ def test_bad_names(tmp_path: Path):
 # --------------------------------------------------------------------------------------------
 # The committed results: each regenerates from the command and commit recorded beside it.
 
-COMMITTED = sorted((ROOT / "results").glob("*/summary.json"))
+COMMITTED = sorted((ROOT / "results").rglob("summary.json"))  # re-checks (results/recheck) too
 
 
-@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.parent.name)
-def test_a_committed_summary_records_what_regenerates_it(path: Path):
+@pytest.mark.parametrize(
+    "path", COMMITTED, ids=lambda p: str(p.parent.relative_to(ROOT / "results"))
+)
+def test_a_committed_summary_records_what_regenerates_it(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(ROOT)  # a command's paths (--lrs-from) are relative to the repository
     data = json.loads(path.read_text())
     if "command" not in data:  # bench's and overhead's tables, not seeded studies
         assert data["experiment"] not in experiments.TRAINING

@@ -1,0 +1,125 @@
+"""Do the committed verdicts survive seeds nobody has seen? (issue 18)
+
+Each committed study chose its lrs on seeds 0-2 and computed its verdicts on seeds 3-7. The
+re-checks below train the same variants at the same (committed) lrs on seeds 20-24, without any
+selection (`--lrs-from`); batch-scaling, whose result is a fitted exponent, is re-run whole with
+its lrs chosen on seeds 20-22. This script puts each committed verdict beside its re-check and
+beside the verdict over all ten evaluation seeds pooled (3-7 and 20-24: neither set chose an lr):
+
+    python experiments.py sign --task mlp --lrs-from results/sign-mlp/summary.json \
+        --seeds 20-24 --out results/recheck/sign-mlp --cache runs/cache-tiny      # and so on
+    python results/recheck/pool.py > results/recheck/summary.md
+
+(the exact command of each re-check is in its own summary.md)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import experiments  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1]
+STUDIES = ("sign-mlp", "precond-mlp", "msq-mlp", "clipping-mlp", "sign", "precond-lm")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def short(v: dict) -> str:
+    """A verdict in a table cell: its strength, the mean difference A − B, its 95 % CI, the seeds
+    agreeing with the sign of the mean."""
+    if "mean_diff" not in v:
+        return v["verdict"]
+    kind = v["verdict"].split(":")[0]
+    lo, hi = v["ci95"]
+    return f"{kind} {v['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] {v['seeds_agreeing']}/{v['seeds']}"
+
+
+def kind(v: dict) -> tuple[str, int]:
+    """(strength, sign of the mean difference); no difference has no sign."""
+    strength = v["verdict"].split(":")[0]
+    if strength == "no difference" or "mean_diff" not in v:
+        return strength, 0
+    return strength, 1 if v["mean_diff"] > 0 else -1
+
+
+def agreement(committed: dict, recheck: dict) -> str:
+    """How the re-check relates to the committed verdict."""
+    (s0, d0), (s1, d1) = kind(committed), kind(recheck)
+    if (s0, d0) == (s1, d1):
+        return "same"
+    if d0 and d1 and d0 != d1:
+        return "**reversed**"
+    if "consistent" in (s0, s1):
+        return "**not confirmed**" if s0 == "consistent" else "stronger"
+    return "undecided both"
+
+
+def pooled(study: str, a: str, b: str, committed: dict, recheck: dict) -> dict | None:
+    """The verdict over both sets of evaluation seeds, each variant at its committed lr."""
+    held, again = committed["held_out"], recheck["held_out"]
+    if not all(x in held and x in again for x in (a, b)):
+        return None  # a derived comparison (e.g. a difference of differences)
+    merged = {
+        x: {"per_seed": {**held[x]["per_seed"], **again[x]["per_seed"]}, "lr": held[x]["lr"]}
+        for x in (a, b)
+    }
+    return experiments.compare(merged[a], merged[b], a, b)
+
+
+def main() -> None:
+    print("# Re-check of every committed verdict on unseen seeds (20-24)\n")
+    print((__doc__ or "").split("\n\n")[1].replace("\n", " ") + "\n")
+    print(
+        "Cells: verdict, mean difference A − B of final held-out loss, its 95 % t-interval, "
+        "seeds agreeing. *same*: same strength and direction; *not confirmed*: a consistent "
+        "verdict that the re-check calls weak or no difference; *stronger*: the reverse; "
+        "*reversed*: opposite directions; *undecided both*: neither is consistent.\n"
+    )
+    tally: dict[str, int] = {}
+    for study in STUDIES:
+        committed = load(RESULTS / study / "summary.json")
+        recheck = load(RESULTS / "recheck" / study / "summary.json")
+        print(f"## {study}\n")
+        print(f"Committed: `{committed['command']}` at {committed['git_commit'][:7]}  ")
+        print(f"Re-check: `{recheck['command']}` at {recheck['git_commit'][:7]}\n")
+        columns = ("A vs B", "seeds 3-7 (committed)", "seeds 20-24 (re-check)", "agreement")
+        print("| " + " | ".join((*columns, "pooled, 10 seeds")) + " |")
+        print("|---|---|---|---|---|")
+        again = {(v["a"], v["b"]): v for v in recheck["verdicts"]}
+        for v in committed["verdicts"]:
+            w = again[(v["a"], v["b"])]
+            p = pooled(study, v["a"], v["b"], committed, recheck)
+            cell = "–" if p is None else short(p)
+            agrees = agreement(v, w)
+            tally[agrees] = tally.get(agrees, 0) + 1
+            row = (f"{v['a']} vs {v['b']}", short(v), short(w), agrees, cell)
+            print("| " + " | ".join(row) + " |")
+        print()
+    counts = ", ".join(f"{k.strip('*')} {n}" for k, n in sorted(tally.items(), key=lambda x: -x[1]))
+    print(f"Of {sum(tally.values())} committed verdicts: {counts}.\n")
+    committed = load(RESULTS / "batch-scaling-mlp" / "summary.json")
+    recheck = load(RESULTS / "recheck" / "batch-scaling-mlp" / "summary.json")
+    print("## batch-scaling-mlp (lrs chosen again, on seeds 20-22)\n")
+    print(f"Committed: `{committed['command']}` at {committed['git_commit'][:7]}  ")
+    print(f"Re-check: `{recheck['command']}` at {recheck['git_commit'][:7]}\n")
+    print("| method, arm | committed: exponent [95 % interval] (B fitted) | re-check | predicted |")
+    print("|---|---|---|---|")
+    again = {(f["method"], f["arm"]): f for f in recheck["fits"]}
+    for f in committed["fits"]:
+        g = again[(f["method"], f["arm"])]
+        cells = [
+            "–"
+            if x["exponent"] is None
+            else f"{x['exponent']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}] "
+            f"(B {', '.join(map(str, x['batch_sizes_fitted']))})"
+            for x in (f, g)
+        ]
+        print(f"| {f['method']}, {f['arm']} | {cells[0]} | {cells[1]} | {f['predicted']:g} |")
+
+
+if __name__ == "__main__":
+    main()
