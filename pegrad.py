@@ -554,10 +554,12 @@ def _examples_per_chunk(
 ) -> int:
     """Examples whose per-unit gradients (`unit_bytes` per example) are formed at once: the
     caller's `chunk_size` and as many as `memory_budget` bytes hold (at least one), the smaller,
-    or else `default`; at most the batch."""
+    or else `default`; at most the batch. Then evened out over the chunks that bound needs
+    (32 at ≤ 10 a chunk: 4 chunks of 8, not 10 + 10 + 10 + 2 or 2 padding examples' work)."""
     fits = None if memory_budget is None else max(1, memory_budget // max(1, unit_bytes))
     bounds = [b for b in (chunk_size, fits) if b is not None]
-    return max(1, min(n, *bounds) if bounds else min(n, default))
+    bound = max(1, min(n, *bounds) if bounds else min(n, default))
+    return -(-n // -(-n // bound))
 
 
 def _reference(

@@ -66,6 +66,24 @@ def test_statistics_under_a_memory_budget_equal_the_naive_loop(
     )
 
 
+def _evened(n: int, bound: int) -> int:
+    """As many chunks as `bound` examples a chunk needs, the n examples spread evenly on them."""
+    chunks = -(-n // bound)
+    return -(-n // chunks)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 31, 32, 33, 100])
+@pytest.mark.parametrize("bound", [1, 3, 8, 10, 16, 32, 200])
+def test_chunks_are_as_few_as_the_bound_allows_and_evened_out(n: int, bound: int):
+    """32 examples at most 10 at a time: 4 chunks of 8 (not 10, 10, 10 and 2, or padding)."""
+    c = pegrad._examples_per_chunk(n, 1, bound, None, n)
+    chunks = -(-n // c)
+    assert 1 <= c <= min(n, bound)
+    assert chunks == -(-n // min(n, bound))  # no more chunks than the bound needs
+    assert chunks * c - n < chunks  # less than one example of padding per chunk
+    assert pegrad._examples_per_chunk(n, 4, None, 4 * bound, n) == c  # the budget alike
+
+
 @pytest.mark.parametrize("stats", [("mean", "sq_mean"), ("var",)], ids="+".join)
 @pytest.mark.parametrize("examples", [1, 2, 3])
 @pytest.mark.parametrize("name", ["attention", "conv_scan", "tied_embedding_head"])
@@ -88,7 +106,7 @@ def test_explain_shows_each_leaf_formed_within_the_budget(name: str, examples: i
                 assert c == min(examples, 5), (p.leaf, c)
                 in_loop += size
             else:
-                assert c == max(1, min(5, budget // units[p.leaf, where])), (p.leaf, c)
+                assert c == _evened(5, max(1, min(5, budget // units[p.leaf, where]))), (p.leaf, c)
                 assert size <= max(budget, units[p.leaf, where])
     assert in_loop <= budget
     assert " ".join(str(plans).split()).count("examples at a time") == len(units)
