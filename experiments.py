@@ -1461,37 +1461,44 @@ def frac_mu2_nonpositive(cfg: train.Config, seeds: Sequence[int]) -> list[float]
     return out
 
 
-# MicroAdamMSQ's arms: the two placements of ε, and v̂ averaged over blocks before the ReLU (the
-# paper's open question; ε outside, as the paper places it). (arm, label prefix, family, config
-# fields for a given ε); the first arm is the one the others are compared with.
-MSQ_PLACEMENTS: tuple[tuple[str, str, str, Callable[[float], dict[str, Any]]], ...] = (
-    ("outside", "MicroAdamMSQ ε=", "MicroAdamMSQ √ReLU(v̂)+ε (ε and lr chosen)",
-     lambda e: {"eps": e}),
-    ("inside", "MicroAdamMSQ ε_root=", "MicroAdamMSQ √(ReLU(v̂)+ε) (ε and lr chosen)",
-     lambda e: {"eps": 0.0, "eps_root": e}),
-    ("tensor", "MicroAdamMSQ ⟨v̂⟩tensor ε=", "MicroAdamMSQ √ReLU(⟨v̂⟩tensor)+ε (ε and lr chosen)",
-     lambda e: {"eps": e, "msq_block": "tensor"}),
-    ("row", "MicroAdamMSQ ⟨v̂⟩row ε=", "MicroAdamMSQ √ReLU(⟨v̂⟩row)+ε (ε and lr chosen)",
-     lambda e: {"eps": e, "msq_block": "row"}),
+@dataclasses.dataclass(frozen=True)
+class MsqArm:
+    """One arm of the msq study: MicroAdamMSQ with each ε of the scale's grid put in `eps_field`,
+    the other config fields `extra`."""
+
+    name: str  # "placement" in summary.json
+    prefix: str  # of each member's label, before its ε
+    family: str
+    root: str  # the preconditioner, in the summary's table
+    eps_field: str  # "eps" (outside the root) or "eps_root" (inside it)
+    extra: dict[str, Any]
+
+
+# The two placements of ε, and v̂ averaged over blocks before the ReLU (the paper's open
+# question; ε outside, as the paper places it). The first arm is the one the others are
+# compared with.
+MSQ_ARMS = (
+    MsqArm("outside", "MicroAdamMSQ ε=", "MicroAdamMSQ √ReLU(v̂)+ε (ε and lr chosen)",
+           "√ReLU(v̂) + ε", "eps", {}),
+    MsqArm("inside", "MicroAdamMSQ ε_root=", "MicroAdamMSQ √(ReLU(v̂)+ε) (ε and lr chosen)",
+           "√(ReLU(v̂) + ε)", "eps_root", {"eps": 0.0}),
+    MsqArm("tensor", "MicroAdamMSQ ⟨v̂⟩tensor ε=",
+           "MicroAdamMSQ √ReLU(⟨v̂⟩tensor)+ε (ε and lr chosen)", "√ReLU(⟨v̂⟩ over the leaf) + ε",
+           "eps", {"msq_block": "tensor"}),
+    MsqArm("row", "MicroAdamMSQ ⟨v̂⟩row ε=", "MicroAdamMSQ √ReLU(⟨v̂⟩row)+ε (ε and lr chosen)",
+           "√ReLU(⟨v̂⟩ over a row) + ε", "eps", {"msq_block": "row"}),
 )  # fmt: skip
-MSQ_ROOTS = {
-    "outside": "√ReLU(v̂) + ε",
-    "inside": "√(ReLU(v̂) + ε)",
-    "tensor": "√ReLU(⟨v̂⟩ over the leaf) + ε",
-    "row": "√ReLU(⟨v̂⟩ over a row) + ε",
-}
 
 
 def run_msq(ctx: Context) -> dict[str, Any]:
     scale = ctx.scale
     base = task_config(scale)
     arms: dict[str, list[Variant]] = {}
-    for _, prefix, family, fields in MSQ_PLACEMENTS:
-        arms[family] = [
+    for arm in MSQ_ARMS:
+        msq = dataclasses.replace(base, optimizer="micro_adam_msq", **arm.extra)
+        arms[arm.family] = [
             Variant(
-                f"{prefix}{e:g}",
-                dataclasses.replace(base, optimizer="micro_adam_msq", **fields(e)),
-                scale.msq_lrs,
+                f"{arm.prefix}{e:g}", dataclasses.replace(msq, **{arm.eps_field: e}), scale.msq_lrs
             )
             for e in scale.msq_eps
         ]
@@ -1501,14 +1508,14 @@ def run_msq(ctx: Context) -> dict[str, Any]:
     study = tune_and_score(
         "msq", variants, families, ctx.proto, ctx.cache, scale.msq_max_extensions
     )
-    outside, *others = (family for _, _, family, _ in MSQ_PLACEMENTS)
+    outside, *others = (arm.family for arm in MSQ_ARMS)
     pairs = [(f, "Adam") for f in (outside, *others)] + [(f, outside) for f in others]
     verdicts = verdicts_of(study, pairs)
     say(verdicts)
     fracs = frac_mu2_nonpositive(base, scored_seeds(ctx.proto))
     per_eps = []
     kept = {v.label for v in variants}
-    for (placement, _, family, _), vs in zip(MSQ_PLACEMENTS, arms.values(), strict=True):
+    for arm, vs in zip(MSQ_ARMS, arms.values(), strict=True):
         for v in vs:
             if v.label not in kept:
                 continue
@@ -1516,9 +1523,9 @@ def run_msq(ctx: Context) -> dict[str, Any]:
             mine = [r for r in study.runs.rows if r["method"] == v.label]
             per_eps.append(
                 {
-                    "placement": placement,
-                    "family": family,
-                    "eps": v.cfg.eps_root if placement == "inside" else v.cfg.eps,
+                    "placement": arm.name,
+                    "family": arm.family,
+                    "eps": getattr(v.cfg, arm.eps_field),
                     "runs": len(mine),
                     "unstable": sum(r["final_loss"] is None for r in mine),
                     "grid": rec["grid"],
@@ -1528,6 +1535,7 @@ def run_msq(ctx: Context) -> dict[str, Any]:
                     "edge": rec["edge"],
                 }
             )
+    roots = {arm.name: arm.root for arm in MSQ_ARMS}
     table = (
         [
             f"At initialisation, on the first training batch (B = {base.batch_size}), μ̂² ≤ 0 on a "
@@ -1543,7 +1551,7 @@ def run_msq(ctx: Context) -> dict[str, Any]:
             "|---|---|---|---|---|---|---|",
         ]
         + [
-            f"| {MSQ_ROOTS[p['placement']]} | {p['eps']:g} | {p['runs']} | {p['unstable']} | "
+            f"| {roots[p['placement']]} | {p['eps']:g} | {p['runs']} | {p['unstable']} | "
             f"{', '.join(fmt_lr(x) for x in p['grid'])} | {fmt_lr(p['chosen_lr'])}"
             f"{' (' + EDGE + ')' if p['edge'] and p['chosen_lr'] else ''} | "
             f"{'–' if p['selection_mean'] is None else format(p['selection_mean'], '.4f')} |"

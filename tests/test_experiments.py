@@ -351,7 +351,7 @@ def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     assert [(p["placement"], p["eps"]) for p in data["per_eps"]] == [
         (arm, e) for arm in arms for e in scale.msq_eps
     ]
-    outside_family, *others = (family for _, _, family, _ in experiments.MSQ_PLACEMENTS)
+    outside_family, *others = (arm.family for arm in experiments.MSQ_ARMS)
     assert [(v["a"], v["b"]) for v in data["verdicts"]] == [
         (family, "Adam") for family in (outside_family, *others)
     ] + [(family, outside_family) for family in others]

@@ -58,7 +58,7 @@ def agreement(committed: dict, recheck: dict) -> str:
     return "undecided both"
 
 
-def pooled(study: str, a: str, b: str, committed: dict, recheck: dict) -> dict | None:
+def pooled(a: str, b: str, committed: dict, recheck: dict) -> dict | None:
     """The verdict over both sets of evaluation seeds, each variant at its committed lr."""
     held, again = committed["held_out"], recheck["held_out"]
     if not all(x in held and x in again for x in (a, b)):
@@ -92,7 +92,7 @@ def main() -> None:
         again = {(v["a"], v["b"]): v for v in recheck["verdicts"]}
         for v in committed["verdicts"]:
             w = again[(v["a"], v["b"])]
-            p = pooled(study, v["a"], v["b"], committed, recheck)
+            p = pooled(v["a"], v["b"], committed, recheck)
             cell = "–" if p is None else short(p)
             agrees = agreement(v, w)
             tally[agrees] = tally.get(agrees, 0) + 1
