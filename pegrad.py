@@ -28,6 +28,8 @@ Two implementations, equal by contract:
   A leaf no route proves takes the exact fallback: its own gradient computation per example,
   in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
   the other routes refused — without running anything; the executor reads the same plan.
+  The mean alone is plain grad of the mean loss ("mean-loss"): backpropagation already sums
+  over examples, and no rewrite of that sum is cheaper.
 
 §1 also holds the conventions a JAX user brings: one statistic name, `has_aux`, a bool [B]
 `mask`, `nonfinite="drop"`, a model as `params` (eqx.Module, flax nnx), and `Accumulator`
@@ -155,7 +157,10 @@ def value_and_grad_stats(
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
         if keep is not None:
             batch = _substitute(batch, keep)
-        if impl == "vmap":
+        dtypes = [x.dtype for x in jax.tree.leaves(floats)]
+        if impl == "factorized" and not drop and _plain_mean(stats, choose, granularity, dtypes):
+            out = _gradient_of_mean_loss(loss, floats, batch, keep)
+        elif impl == "vmap":
             leaves = jax.tree.leaves(floats)
             unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
             n = jax.tree.leaves(batch)[0].shape[0]
@@ -234,6 +239,23 @@ _INGREDIENTS = {
 def _means_only(stats: Sequence[str]) -> bool:
     """Whether every ingredient of `stats` is a mean of φ (what InScan forms inside a scan)."""
     return set(_ingredients(stats)) <= set(_PHI)
+
+
+def _plain_mean(
+    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[Any]
+) -> bool:
+    """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
+    loss: (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i, by linearity of the gradient, with no
+    precondition. Backpropagation already sums over examples where each gradient is formed; a
+    rewrite forms the same sums in vmap's layout, at best as fast. Not with choose="first"
+    (which runs the routes), per-token units (whose split the rewrite proves) or parameters
+    narrower than their statistics (plain grad would sum them in their own precision)."""
+    return (
+        _ingredients(stats) == ("sum",)
+        and choose == "cheapest"
+        and granularity == "example"
+        and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
+    )
 
 
 def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
@@ -3278,6 +3300,19 @@ def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
     )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MeanLoss(Route):
+    """The mean alone, every leaf at once (`_plain_mean` decides, before any leaf's route):
+    backpropagation of the mean loss, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i — plain grad's own
+    program (`_gradient_of_mean_loss`), no extra cost. Not in ROUTES: it is no leaf's proof."""
+
+    name = "mean-loss"
+    proof: ClassVar[str] = (
+        "the mean alone is the gradient of the mean loss (linearity of the gradient): plain "
+        "backpropagation, which sums over examples as it forms each gradient"
+    )
+
+
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
 _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution)  # parts
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
@@ -3385,7 +3420,7 @@ class LeafPlan:
     formed: tuple[tuple[str, int, int], ...] = ()
 
     @property
-    def route(self) -> str:  # the route taken: a name in ROUTES
+    def route(self) -> str:  # the route taken: a name in ROUTES, or "mean-loss"
         return self.taken.name
 
     @property
@@ -3459,6 +3494,20 @@ def plan(
     """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or
     with choose="first" the first that matches in precedence order."""
     need = _ingredients(stats)
+    granularity = "token" if graph.token else "example"
+    if _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves]):
+        return tuple(
+            LeafPlan(
+                leaf.path,
+                leaf.shape,
+                MeanLoss(graph, leaf, MeanLoss.proof),
+                dict.fromkeys(need, "factorized"),
+                Cost(),
+                (),
+                leaf.index,
+            )
+            for leaf in graph.leaves
+        )
     plans = []
     for leaf in graph.leaves:
         refused: list[tuple[str, str]] = []
@@ -3612,6 +3661,28 @@ def _execute(
                 means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
     loss = loss.astype(stat_dtype(losses.dtype))
     return loss, _publish(stats, means, sq_norms, n_units), aux
+
+
+def _gradient_of_mean_loss(
+    loss: Callable, params: PyTree, batch: PyTree, keep: Array | None
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The mean alone (every leaf "mean-loss"): plain grad of the mean loss over the kept
+    examples. With a mask the sum is divided by the kept count afterwards, as the routes do
+    (no kept example: NaN), and a masked example, whose inputs are a kept one's, contributes 0."""
+
+    def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
+        losses, aux = jax.vmap(loss, in_axes=(None, 0))(p, batch)
+        if keep is None:
+            return jnp.mean(losses), (losses, aux)
+        return jnp.sum(jnp.where(keep, losses, jnp.zeros((), losses.dtype))), (losses, aux)
+
+    (value, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    n_units: Any = losses.shape[0]
+    if keep is not None:
+        n_units = jnp.sum(keep)
+        value, grads = _over(value, n_units), jax.tree.map(lambda g: _over(g, n_units), grads)
+    value = value.astype(stat_dtype(losses.dtype))
+    return value, _publish(("mean",), {"sum": grads}, None, n_units), aux
 
 
 def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]) -> dict:

@@ -134,6 +134,65 @@ def test_factorized_dense_layers_never_hold_a_batch_of_weight_gradients():
     assert factorized <= 3 * plain + 1_000_000
 
 
+# -- the mean alone: plain grad of the mean loss ----------------------------------------------
+
+KEPT = {1: [True], 2: [True, False], 5: [True, False, True, True, False]}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+@pytest.mark.parametrize("piece", PIECES, ids=str)
+def test_the_mean_alone_is_plain_grad_of_the_mean_loss(piece: Piece, batch_size: int, masked: bool):
+    """Every leaf "mean-loss", the naive loop's mean over the kept examples, and (unmasked)
+    plain grad's own program: the same compiled temporary memory."""
+    params = piece.init(jax.random.key(batch_size))
+    batch = piece.example(jax.random.key(10 + batch_size), batch_size)
+    keep = np.array(KEPT[batch_size] if masked else [True] * batch_size)
+    loss = lambda p, ex: piece.loss(p, ex, False)  # noqa: E731
+    assert {p.route for p in pegrad.explain(loss, params, batch, "mean")} == {"mean-loss"}
+    losses, grads = naive_unit_grads(loss, params, jax.tree.map(lambda x: x[keep], batch))
+    fn = pegrad.value_and_grad_stats(loss, "mean")
+    value, got = jax.jit(fn)(params, batch, jnp.asarray(keep) if masked else None)
+    np.testing.assert_allclose(value, np.mean(losses), rtol=1e-12)
+    assert_tree_close(got["mean"], jax.tree.map(lambda g: g.mean(0), grads), f"{piece}/mean")
+    assert int(got["batch_size"]) == keep.sum()
+    if not masked:
+        plain = jax.value_and_grad(lambda p, b: jnp.mean(jax.vmap(loss, (None, 0))(p, b)))
+        assert compiled_temp_bytes(fn, params, batch) == compiled_temp_bytes(plain, params, batch)
+
+
+PLAIN_MEAN_BROKEN = {  # what the mean alone is not, or must not be computed as plain grad
+    "another statistic": dict(stats=("mean", "sq_mean")),
+    "the routes asked for": dict(choose="first"),
+    "per-token units": dict(granularity="token"),
+    "half-precision parameters": dict(dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(PLAIN_MEAN_BROKEN))
+def test_the_mean_takes_the_routes_where_plain_grad_is_not_its_definition(broken: str):
+    options = dict(PLAIN_MEAN_BROKEN[broken])
+    stats, dtype = options.pop("stats", "mean"), options.pop("dtype", None)
+    piece = _piece("dense_over_sequence")
+    params, batch = piece.init(jax.random.key(0)), piece.example(jax.random.key(1), 3)
+    if dtype is not None:
+        params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
+    plans = pegrad.explain(lambda p, ex: piece.loss(p, ex, False), params, batch, stats, **options)
+    assert "mean-loss" not in {p.route for p in plans}, str(plans)
+
+
+def test_dropping_nonfinite_examples_does_not_take_plain_grad():
+    """With nonfinite="drop" an example whose gradient alone is not finite must not reach the
+    mean: plain grad of the mean loss would carry its NaN."""
+    params = {"w": jnp.ones(3)}
+    batch = jnp.array([[1.0, 2.0, 3.0], [0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    loss = lambda p, x: jnp.sum(jnp.sqrt(jnp.abs(p["w"] * x)))  # noqa: E731  (∞ slope at 0)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, "mean", nonfinite="drop"))(params, batch)
+    kept = jax.grad(loss)(params, batch[0])
+    assert_tree_close(got["mean"], kept, "mean over the finite example")
+    assert int(got["batch_size"]) == 1
+
+
 # -- each precondition, broken: the leaf goes elsewhere and the numbers stay exact -----------
 
 
