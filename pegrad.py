@@ -3492,7 +3492,8 @@ def plan(
     graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
 ) -> tuple[LeafPlan, ...]:
     """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or
-    with choose="first" the first that matches in precedence order."""
+    with choose="first" the first that matches in precedence order; the mean alone, where
+    `_plain_mean` takes it, is every leaf's "mean-loss"."""
     need = _ingredients(stats)
     granularity = "token" if graph.token else "example"
     if _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves]):
