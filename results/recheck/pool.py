@@ -21,7 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import experiments  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1]
-STUDIES = ("sign-mlp", "precond-mlp", "msq-mlp", "clipping-mlp", "sign", "precond-lm")
+STUDIES = (
+    "sign-mlp",
+    "precond-mlp",
+    "msq-mlp",
+    "clipping-mlp",
+    "sign",
+    "precond-lm",
+    "msq-lm",
+    "clipping-lm",
+)
 
 
 def load(path: Path) -> dict:
