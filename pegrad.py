@@ -3668,22 +3668,31 @@ def _gradient_of_mean_loss(
     loss: Callable, params: PyTree, batch: PyTree, keep: Array | None
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
     """The mean alone (every leaf "mean-loss"): plain grad of the mean loss over the kept
-    examples. With a mask the sum is divided by the kept count afterwards, as the routes do
-    (no kept example: NaN), and a masked example, whose inputs are a kept one's, contributes 0."""
+    examples. Where 1/N would be rounded in the loss's dtype (a loss narrower than float32) or
+    a mask weighs the examples, the summed loss is differentiated and the gradient divided by
+    the count in its own dtype, as the routes do (no kept example: NaN); a masked example,
+    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss."""
+    summed = [keep is not None]  # set once the loss's dtype is known, inside the trace
 
     def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
         losses, aux = jax.vmap(loss, in_axes=(None, 0))(p, batch)
-        if keep is None:
+        summed[0] = summed[0] or jnp.dtype(losses.dtype) != stat_dtype(losses.dtype)
+        if not summed[0]:
             return jnp.mean(losses), (losses, aux)
-        return jnp.sum(jnp.where(keep, losses, jnp.zeros((), losses.dtype))), (losses, aux)
+        kept = losses if keep is None else jnp.where(keep, losses, jnp.zeros((), losses.dtype))
+        return jnp.sum(kept), (losses, aux)
 
-    (value, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    n_units: Any = losses.shape[0]
-    if keep is not None:
-        n_units = jnp.sum(keep)
-        value, grads = _over(value, n_units), jax.tree.map(lambda g: _over(g, n_units), grads)
-    value = value.astype(stat_dtype(losses.dtype))
-    return value, _publish(("mean",), {"sum": grads}, None, n_units), aux
+    (_, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    n_units: Any = losses.shape[0] if keep is None else jnp.sum(keep)
+    if summed[0]:
+        grads = jax.tree.map(lambda g: _over(g, n_units), grads)
+    kept = losses if keep is None else jnp.where(keep, losses, 0.0)
+    value = losses.mean() if keep is None else _over(jnp.sum(kept), n_units)
+    return (
+        value.astype(stat_dtype(losses.dtype)),
+        _publish(("mean",), {"sum": grads}, None, n_units),
+        aux,
+    )
 
 
 def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]) -> dict:

@@ -161,6 +161,22 @@ def test_the_mean_alone_is_plain_grad_of_the_mean_loss(piece: Piece, batch_size:
         assert compiled_temp_bytes(fn, params, batch) == compiled_temp_bytes(plain, params, batch)
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 5])
+def test_the_mean_of_a_half_precision_loss_is_not_rounded_by_one_over_b(batch_size: int):
+    """float32 parameters, a bfloat16 loss: plain grad of jnp.mean would scale every example's
+    cotangent by 1/B rounded to bfloat16 (0.2 % off at B 3); the mean is exact to float32."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3)}
+    batch = jnp.arange(3.0 * batch_size, dtype=jnp.float32).reshape(batch_size, 3) / 7.0
+    loss = lambda p, x: jnp.sum(jnp.tanh(p["w"] @ x)).astype(jnp.bfloat16)  # noqa: E731
+    plans = pegrad.explain(loss, params, batch, "mean")
+    assert {p.route for p in plans} == {"mean-loss"}
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, "mean"))(params, batch)
+    each = [jax.grad(lambda p, x: loss(p, x).astype(jnp.float32))(params, x) for x in batch]
+    want = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *each)
+    np.testing.assert_allclose(got["mean"]["w"], want["w"], rtol=1e-6)
+    assert got["mean"]["w"].dtype == jnp.float32
+
+
 PLAIN_MEAN_BROKEN = {  # what the mean alone is not, or must not be computed as plain grad
     "another statistic": dict(stats=("mean", "sq_mean")),
     "the routes asked for": dict(choose="first"),
