@@ -157,11 +157,11 @@ def value_and_grad_stats(
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
         if keep is not None:
             batch = _substitute(batch, keep)
-        dtypes = [x.dtype for x in jax.tree.leaves(floats)]
+        leaves = jax.tree.leaves(floats)
+        dtypes = [x.dtype for x in leaves]
         if impl == "factorized" and not drop and _plain_mean(stats, choose, granularity, dtypes):
             out = _gradient_of_mean_loss(loss, floats, batch, keep)
         elif impl == "vmap":
-            leaves = jax.tree.leaves(floats)
             unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
             n = jax.tree.leaves(batch)[0].shape[0]
             chunk = _examples_per_chunk(n, unit, chunk_size, memory_budget, n)
@@ -3682,12 +3682,11 @@ def _gradient_of_mean_loss(
         kept = losses if keep is None else jnp.where(keep, losses, jnp.zeros((), losses.dtype))
         return jnp.sum(kept), (losses, aux)
 
-    (_, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    (total, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
     n_units: Any = losses.shape[0] if keep is None else jnp.sum(keep)
     if summed[0]:
         grads = jax.tree.map(lambda g: _over(g, n_units), grads)
-    kept = losses if keep is None else jnp.where(keep, losses, 0.0)
-    value = losses.mean() if keep is None else _over(jnp.sum(kept), n_units)
+    value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
     return (
         value.astype(stat_dtype(losses.dtype)),
         _publish(("mean",), {"sum": grads}, None, n_units),
