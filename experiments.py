@@ -187,6 +187,9 @@ class Scale:
     batch_base: int  # B_ref: β₂(B) = β₂_ref^(B/B_ref) in the half-life arm
     batch_examples: int  # examples seen by every run: steps = examples // B
     batch_lrs: tuple[float, ...]  # absolute starting grid, the same at every B
+    # A method whose lr grows like B moves its best lr 2× per doubling of B: the grid's far
+    # corner needs more extensions than max_extensions before it is bracketed.
+    batch_max_extensions: int
     snr_batches: int
     snr_batch_size: int
     windows: tuple[int, ...]  # LM window lengths whose μ̂²/σ̂² is measured at initialisation...
@@ -223,7 +226,7 @@ SCALES: dict[str, Scale] = {
         msq_eps=(1e-8, 1e-2), msq_lrs=(1e-3, 1e-2), msq_max_extensions=1,
         clip_thresholds=(1e-2,),
         batch_task="mlp", batch_sizes=(4, 8), batch_base=8, batch_examples=32,
-        batch_lrs=(1e-3, 1e-2),
+        batch_lrs=(1e-3, 1e-2), batch_max_extensions=1,
         snr_batches=1, snr_batch_size=8, windows=(4, 8), windows_trained=(8,), windows_lr=1e-2,
         vectorize_runs=4, vectorize_sequential=2,
         bench=dict(quick=True, sections=("mlp",), stat_sets=("mean+sq_mean",), reps=1,
@@ -249,6 +252,7 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="mlp", batch_sizes=(4, 8, 16, 32, 64), batch_base=16,
         batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
+        batch_max_extensions=6,
         snr_batches=8, snr_batch_size=128, windows=(32, 64, 128, 256), windows_trained=(32, 128),
         windows_lr=3e-3, vectorize_runs=9, vectorize_sequential=3,
         bench=dict(quick=True),
@@ -271,6 +275,7 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="lm", batch_sizes=(2, 4, 8, 16, 32, 64, 128, 256), batch_base=32,
         batch_examples=32 * 2000, batch_lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+        batch_max_extensions=6,
         snr_batches=16, snr_batch_size=128, windows=(64, 128, 256, 512),
         windows_trained=(64, 256), windows_lr=1e-3, vectorize_runs=12, vectorize_sequential=2,
         bench=dict(),
@@ -291,6 +296,7 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2, 1e-1, 1.0, 10.0),
         batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64,
         batch_examples=64 * 5000, batch_lrs=(1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3),
+        batch_max_extensions=6,
         snr_batches=16, snr_batch_size=32, windows=(128, 512, 1024), windows_trained=(512,),
         windows_lr=3e-4, vectorize_runs=8, vectorize_sequential=1,
         bench=dict(),
@@ -1742,7 +1748,7 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         for (m, arm, b), lb in labels.items()
     ]
     runs = Runs("batch-scaling", ctx.cache)
-    record = select_lrs(runs, variants, seeds, scale.max_extensions)
+    record = select_lrs(runs, variants, seeds, scale.batch_max_extensions)
     rng = np.random.default_rng(0)
     resamples = [rng.choice(seeds, size=len(seeds)) for _ in range(BOOTSTRAP)]
     fits, table = [], []
@@ -1865,7 +1871,8 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         f"per run, seeds {seeds_text(seeds)})\n",
         *provenance_lines(ctx.prov),
         f"Absolute lr grid {', '.join(fmt_lr(x) for x in scale.batch_lrs)} at every B (extended "
-        f"at an edge); β₂ = {cfg0.b2:g} (fixed arm) or {cfg0.b2:g}^(B/{scale.batch_base}) "
+        f"at an edge, up to {scale.batch_max_extensions} points); β₂ = {cfg0.b2:g} (fixed arm) "
+        f"or {cfg0.b2:g}^(B/{scale.batch_base}) "
         "(half-life arm).",
         "",
         "| method | arm | B | β₂ | best lr (per seed) | final loss: mean ± sd |",
