@@ -189,12 +189,15 @@ Record = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class Program:
     stats: str  # statistic names joined by "+"; the plain baseline computes "mean"
-    impl: str  # "plain" | "vmap" | "vmap-chunked" | "factorized"
+    impl: str  # "plain" | "vmap" | "vmap-chunked" | "factorized" | "hand-written"
     granularity: str = "example"
     chunk_size: int | None = None
+    written: Callable | None = None  # "hand-written": the program itself
 
     def build(self, loss_fn: Callable, clip_norm: float) -> Callable:
         """`fn(params, batch) -> (loss, gradient or statistics)`."""
+        if self.written is not None:
+            return self.written
         if self.impl == PLAIN:
             return plain_value_and_grad(loss_fn)
         names = tuple(self.stats.split("+"))
@@ -219,6 +222,48 @@ def plain_value_and_grad(
         return jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0))(params, batch))
 
     return jax.value_and_grad(mean_loss)
+
+
+def hand_written_mlp(static: PyTree) -> Callable:
+    """The floor of mean + sq_mean on `models.MLP` with `models.mlp_loss`: the backward pass
+    written out by hand, each layer's (1/B) Σ_i δ_i² ⊗ x_i² formed beside its gradient
+    (1/B) Σ_i δ_i ⊗ x_i from the same δ and x — the one extra matmul per weight the statistic
+    costs, and nothing else. Returns (loss, {"mean", "sq_mean"}) as pegrad does; tests/test_bench
+    proves its numbers equal to pegrad's."""
+
+    def fn(params: PyTree, batch: PyTree) -> tuple[Float[Array, ""], dict[str, PyTree]]:
+        model = eqx.combine(params, static)
+        x, labels = batch
+        n = x.shape[0]
+        inputs, pullbacks = [], []
+        for layer in model.layers[:-1]:
+            inputs.append(x)
+            x, pullback = jax.vjp(model.activation, x @ layer.weight.T + layer.bias)
+            pullbacks.append(pullback)
+        inputs.append(x)
+        logits = x @ model.layers[-1].weight.T + model.layers[-1].bias
+        loss = jnp.mean(
+            jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], 1)[:, 0]
+        )
+        delta = jax.nn.softmax(logits) - jax.nn.one_hot(
+            labels, logits.shape[-1], dtype=logits.dtype
+        )
+        mean, sq = [], []  # per layer, last first: (weight, bias)
+        for k in reversed(range(len(model.layers))):
+            h, d2 = inputs[k], delta * delta
+            mean.append(((delta.T @ h) / n, jnp.sum(delta, 0) / n))
+            sq.append(((d2.T @ (h * h)) / n, jnp.sum(d2, 0) / n))
+            if k:
+                (delta,) = pullbacks[k - 1](delta @ model.layers[k].weight)
+
+        def tree(values: list) -> PyTree:
+            leaves = [leaf for pair in reversed(values) for leaf in pair]
+            where = lambda m: [x for layer in m.layers for x in (layer.weight, layer.bias)]  # noqa: E731
+            return eqx.tree_at(where, params, leaves)
+
+        return loss, {"mean": tree(mean), "sq_mean": tree(sq)}
+
+    return fn
 
 
 def optax_micro_grad(loss_fn: Callable, names: tuple[str, ...]) -> Callable:
@@ -304,13 +349,16 @@ def mlp_workload(
         f"mlp {config.mlp_in}-{config.mlp_width}x{config.mlp_depth}-{config.mlp_classes}"
         f" ({n / 1e6:.1f}M)"
     )
+    programs = programs_for(stat_sets, batch_size, config, token=False)
+    if "mean+sq_mean" in stat_sets:
+        programs.append(Program("mean+sq_mean", "hand-written", written=hand_written_mlp(static)))
     return Workload(
         section,
         name,
         models.make_loss_fn(static, models.mlp_loss),
         params,
         (x, labels),
-        tuple(programs_for(stat_sets, batch_size, config, token=False)),
+        tuple(programs),
         run=True,
     )
 
@@ -891,7 +939,7 @@ def run(config: Config) -> list[Record]:
         del workload
         gc.collect()
     if "mlp-scaling" in config.sections:
-        impls = (PLAIN, "vmap", "vmap-chunked", "factorized")
+        impls = (PLAIN, "vmap", "vmap-chunked", "factorized", "hand-written")
         scaling = [
             r
             for r in records

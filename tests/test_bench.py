@@ -8,7 +8,14 @@ import dataclasses
 import json
 import math
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_tree_close, naive_stats, naive_unit_grads
+
 import bench
+import models
 
 TINY = bench.Config(
     stat_sets=("mean+sq_mean",),
@@ -80,3 +87,23 @@ def test_command_line():
     )
     quick = bench.parse_config(["--quick", "--reps", "2"])
     assert quick.reps == 2 and quick.mlp_width == bench.QUICK["mlp_width"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_the_hand_written_mlp_floor_computes_the_mean_and_the_mean_square(batch_size, activation):
+    # The floor bench.py times beside pegrad is a floor for the same numbers: the naive loop's.
+    key_model, key_x, key_y = jax.random.split(jax.random.key(0), 3)
+    model = models.MLP(6, 3, 5, 2, activation=activation, dtype="float64", key=key_model)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x = jax.random.normal(key_x, (batch_size, 6), jnp.float64)
+    batch = (x, jax.random.randint(key_y, (batch_size,), 0, 3, jnp.int32))
+    loss_fn = models.make_loss_fn(static, models.mlp_loss)
+    losses, grads = naive_unit_grads(loss_fn, params, batch)
+    expected = naive_stats(grads, clip_norm=1.0)
+
+    loss, stats = jax.jit(bench.hand_written_mlp(static))(params, batch)
+
+    assert float(loss) == pytest.approx(float(losses.mean()), rel=1e-12)
+    for name in ("mean", "sq_mean"):
+        assert_tree_close(stats[name], expected[name], name)
