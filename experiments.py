@@ -190,6 +190,8 @@ class Scale:
     # A method whose lr grows like B moves its best lr 2× per doubling of B: the grid's far
     # corner needs more extensions than max_extensions before it is bracketed.
     batch_max_extensions: int
+    # batch-scaling's settings (the batch_* fields above) when --task names the other task
+    batch_other_task: dict[str, Any]
     snr_batches: int
     snr_batch_size: int
     windows: tuple[int, ...]  # LM window lengths whose μ̂²/σ̂² is measured at initialisation...
@@ -227,6 +229,8 @@ SCALES: dict[str, Scale] = {
         clip_thresholds=(1e-2,),
         batch_task="mlp", batch_sizes=(4, 8), batch_base=8, batch_examples=32,
         batch_lrs=(1e-3, 1e-2), batch_max_extensions=1,
+        batch_other_task=dict(batch_task="lm", batch_sizes=(4, 8), batch_base=8,
+                              batch_examples=32, batch_lrs=(1e-3, 1e-2)),
         snr_batches=1, snr_batch_size=8, windows=(4, 8), windows_trained=(8,), windows_lr=1e-2,
         vectorize_runs=4, vectorize_sequential=2,
         bench=dict(quick=True, sections=("mlp",), stat_sets=("mean+sq_mean",), reps=1,
@@ -253,6 +257,9 @@ SCALES: dict[str, Scale] = {
         batch_task="mlp", batch_sizes=(4, 8, 16, 32, 64), batch_base=16,
         batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
         batch_max_extensions=6,
+        # The LM: 8000 windows (500 steps at B 16, half precond's budget, to fit a CPU).
+        batch_other_task=dict(batch_task="lm", batch_sizes=(8, 16, 32, 64), batch_base=16,
+                              batch_examples=8000, batch_lrs=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)),
         snr_batches=8, snr_batch_size=128, windows=(32, 64, 128, 256), windows_trained=(32, 128),
         windows_lr=3e-3, vectorize_runs=9, vectorize_sequential=3,
         bench=dict(quick=True),
@@ -276,6 +283,7 @@ SCALES: dict[str, Scale] = {
         batch_task="lm", batch_sizes=(2, 4, 8, 16, 32, 64, 128, 256), batch_base=32,
         batch_examples=32 * 2000, batch_lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
         batch_max_extensions=6,
+        batch_other_task={},
         snr_batches=16, snr_batch_size=128, windows=(64, 128, 256, 512),
         windows_trained=(64, 256), windows_lr=1e-3, vectorize_runs=12, vectorize_sequential=2,
         bench=dict(),
@@ -297,6 +305,7 @@ SCALES: dict[str, Scale] = {
         batch_task="lm", batch_sizes=(8, 16, 32, 64, 128, 256), batch_base=64,
         batch_examples=64 * 5000, batch_lrs=(1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3),
         batch_max_extensions=6,
+        batch_other_task={},
         snr_batches=16, snr_batch_size=32, windows=(128, 512, 1024), windows_trained=(512,),
         windows_lr=3e-4, vectorize_runs=8, vectorize_sequential=1,
         bench=dict(),
@@ -2193,7 +2202,8 @@ def run(
     into `out`. Seeds (module docstring): `select_seeds` and `seeds` disjoint (held-out),
     `seeds` alone (leave-one-seed-out), `lrs_from` a summary.json and `seeds` (fixed); None
     everywhere: the scale's held-out defaults. `task` ("lm" or "mlp") replaces the scale's task
-    of sign, precond, msq and clipping; `only` keeps these families (variants) of the study.
+    of sign, precond, msq and clipping (and batch-scaling's, with its settings for that task);
+    `only` keeps these families (variants) of the study.
     Returns its summary (for "all": a dict)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
@@ -2214,6 +2224,10 @@ def run(
     if task not in (None, "lm", "mlp"):
         raise ValueError(f"unknown task {task!r}; choose lm or mlp")
     the_scale = SCALES[scale] if task is None else dataclasses.replace(SCALES[scale], task=task)
+    if name == "batch-scaling" and task not in (None, the_scale.batch_task):
+        if not the_scale.batch_other_task:
+            raise ValueError(f"scale {scale!r} has no batch-scaling settings for task {task!r}")
+        the_scale = dataclasses.replace(the_scale, **the_scale.batch_other_task)
     proto = make_protocol(seeds, select_seeds, lrs_from, the_scale)
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
@@ -2261,7 +2275,7 @@ def cli() -> argparse.ArgumentParser:
         "--task",
         choices=("lm", "mlp"),
         default=None,
-        help="the task of sign, msq and clipping (default: the scale's)",
+        help="the task of sign, precond, msq, clipping and batch-scaling (default: the scale's)",
     )
     parser.add_argument(
         "--only",

@@ -385,6 +385,20 @@ def test_batch_scaling_arms_and_its_cache(tmp_path: Path, monkeypatch: pytest.Mo
     assert again["best_lr_per_batch"] == summary["best_lr_per_batch"]
 
 
+def test_batch_scaling_runs_on_the_task_asked_for(tmp_path: Path):
+    # --task lm: the LM with the scale's LM settings, and the summary names the task.
+    summary = smoke("batch-scaling", tmp_path / "bs-lm", task="lm")
+    rows, data = check_files(tmp_path / "bs-lm", "batch-scaling")
+    lm = experiments.SCALES["smoke"].batch_other_task
+    assert data["task"] == "lm" and "--task lm" in summary["command"]
+    assert {r["task"] for r in rows} == {"lm"}
+    assert {int(r["batch_size"]) for r in rows} == set(lm["batch_sizes"])
+    # A scale without settings for the other task refuses before it trains or writes anything.
+    with pytest.raises(ValueError, match="no batch-scaling settings for task 'mlp'"):
+        experiments.run("batch-scaling", scale="small", out=str(tmp_path / "x"), task="mlp")
+    assert not (tmp_path / "x").exists()
+
+
 def test_vectorize(tmp_path: Path):
     summary = smoke("vectorize", tmp_path / "v")
     scale = experiments.SCALES["smoke"]
