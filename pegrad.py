@@ -1997,6 +1997,17 @@ class Constant(Route):
         return self._g(env) * (jnp.sum(weights) / self.graph.n_units).astype(self.dtype)
 
 
+def _gauge(a: Array, b: Array) -> tuple[Array, Array]:
+    """Rank-one factors [N, nb, f] rescaled, a_u s_u and b_u / s_u (the same outer products),
+    so that every nonzero b_u has unit norm and a sign aligned with the b_u of largest norm:
+    units whose outer products nearly agree get factors that nearly agree."""
+    norm = jnp.sqrt(jnp.sum(b * b, -1, keepdims=True))  # [N, nb, 1]
+    largest = jnp.take_along_axis(b, jnp.argmax(norm, 0, keepdims=True), 0)  # [1, nb, f]
+    sign = jnp.where(jnp.sum(b * largest, -1, keepdims=True) < 0, -1.0, 1.0).astype(b.dtype)
+    nonzero = norm > 0
+    return a * jnp.where(nonzero, sign * norm, 0.0), b * jnp.where(nonzero, sign / norm, 0.0)
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class OuterProduct(DotCore):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
@@ -2010,6 +2021,12 @@ class OuterProduct(DotCore):
         Σ_u (a_u ⊗ b_u − ḡ)² from centred factors A = ā + Ã, B = b̄ + B̃ (no cancellation),
             with K = ÃᵀB̃ (so ḡ = ā⊗b̄ + K/N) and P = Ã∘(Ã + 2ā) = A² − ā², Q likewise:
             ā²⊗ΣB̃² + ΣÃ²⊗b̄² + PᵀQ − 2(ā⊗b̄)∘K − K²/N       (two contractions over units)
+
+    A rank-one factorization is unique up to a scalar per unit (a_u s_u ⊗ b_u / s_u): before
+    centring, each b_u is scaled to unit norm and its sign aligned with the largest b_u, and
+    a_u takes the scalar back. Nearly equal gradients then have nearly equal factors, so the
+    centred factors are small where the variance is (a scale-invariant use of a weight, W x
+    and c·x giving the same gradient, would otherwise cancel O(1) terms to an O(ε²) result).
     """
 
     name = "outer-product"
@@ -2058,7 +2075,7 @@ class OuterProduct(DotCore):
         if what == "norms":
             norms = jnp.sum(jnp.sum(A * A, -1) * jnp.sum(B * B, -1), -1)  # [B, U]
             return norms * _scale_sq(self.post, env, dtype)
-        A, B = _merge01(A), _merge01(B)  # [N, nb, f]
+        A, B = _gauge(_merge01(A), _merge01(B))  # [N, nb, f]
         abar, bbar = jnp.mean(A, 0), jnp.mean(B, 0)
         Ac, Bc = A - abar, B - bbar
 
@@ -2098,7 +2115,9 @@ class Contraction(DotCore):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
-    ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)).
+    ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)); its
+    rounding error is ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel
+    (SPEC §3).
     Non-linear φ (sq, sign) has no such identity: per-example gradients are formed a bounded
     chunk at a time right where the head has the operands, so that they die where plain
     grad's do; the variance (and norms without the Gram form) in the chunk loop."""
@@ -2391,8 +2410,12 @@ class Convolution(CoreRoute):
                 out = [_sum0(_PHI[w](y)) for w in names if w in _PHI]
                 if "var" in names:
                     mean = _sum0(y) / r
-                    centred = y - mean
-                    out += [mean, _sum0(centred * centred) - (y.shape[0] - r) * mean * mean]
+                    # The padding rows are left out, not subtracted: −(E − r)·mean² cancels.
+                    real = (jnp.arange(y.shape[0], dtype=r.dtype) < r).reshape(
+                        -1, *[1] * (y.ndim - 1)
+                    )
+                    centred = jnp.where(real, y - mean, 0.0)
+                    out += [mean, _sum0(centred * centred)]
                 return out + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
 
             out = _conv_offsets(a, b, params, dtype, reduce)

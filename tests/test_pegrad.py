@@ -612,6 +612,75 @@ def test_float32_variance_stays_accurate_at_high_signal_to_noise(impl: pegrad.Im
         assert err < 1e-3, f"{name}: relative error {err:.1e} at SNR {ratio:.0e}"
 
 
+@pytest.mark.parametrize("granularity", ["example", "token"])
+@pytest.mark.parametrize("spread", [1e-4, 1e-6])
+def test_the_variance_of_equal_outer_products_with_unequal_factors_does_not_cancel(
+    spread: float, granularity: pegrad.Granularity
+):
+    """A scale-invariant use of a weight: loss −½ log((w·x)²) has the gradient −x/(w·x), the
+    same for x and c·x (c of either sign). With x_u = c_u x₀ + spread·noise the gradients nearly
+    agree while the factors δ_u = −1/(w·x_u) and x_u do not: the rank-one factors must be
+    rescaled before centring, or the variance (O(spread²)) is a difference of O(1) terms
+    (relative error 3e-4 at spread 1e-6 before the rescaling)."""
+    rng = np.random.default_rng(0)
+    x0, w = np.array([1.0, 2.0, 0.5]), jnp.asarray(rng.normal(size=3))
+    scales = np.array([0.5, -1.0, 2.0, -3.0, 4.0])
+    x = scales[:, None] * x0 + spread * rng.normal(size=(5, 3))
+
+    def loss(p, example):
+        return -0.5 * jnp.log(jnp.dot(example, p["w"]) ** 2)
+
+    if granularity == "token":  # the units are the positions of one example's sequence
+        batch, per_example = (
+            jnp.asarray(x)[None],
+            lambda p, ex: jnp.sum(jax.vmap(loss, (None, 0))(p, ex)),
+        )
+        units = jax.vmap(jax.grad(loss), (None, 0))({"w": w}, batch[0])["w"]
+    else:
+        batch, per_example = jnp.asarray(x), loss
+        units = jax.vmap(jax.grad(loss), (None, 0))({"w": w}, batch)["w"]
+    want = np.var(np.asarray(units), axis=0, ddof=1)
+    assert np.max(np.asarray(units).mean(0) ** 2 / want) > 1e6  # the regime named above
+    fn = pegrad.value_and_grad_stats(
+        per_example, ("mean", "var"), granularity=granularity, choose="first"
+    )
+    assert [
+        p.route
+        for p in pegrad.explain(per_example, {"w": w}, batch, ("var",), granularity=granularity)
+    ] == ["outer-product"]
+    got = np.asarray(jax.jit(fn)({"w": w}, batch)[1]["var"]["w"])
+    assert np.max(np.abs(got - want) / want) < 1e-8
+
+
+@pytest.mark.parametrize("spread", [1e-2, 1e-6])
+def test_gram_norms_of_cancelling_terms_are_exact_to_the_stated_bound(spread: float):
+    """SPEC §3: a positive pair through one weight, h = X Wᵀ on X = [x₁; x₂] with x₂ = x₁ +
+    spread·d. g = Σ_k a_k ⊗ b_k with a_k = ±2(h₀ − h₁), b_k = x_k: the Gram form's error is
+    within ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², which exceeds 1e-10 of ‖g‖² as spread → 0 (it is stated,
+    not hidden)."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(0.4 * rng.normal(size=(6, 8)))
+    x1, d = rng.normal(size=(3, 8)), rng.normal(size=(3, 8))
+    batch = jnp.asarray(np.stack([x1, x1 + spread * d], axis=1))  # [B, K = 2, 8]
+
+    def loss(p, example):
+        h = example @ p["w"].T
+        return jnp.sum((h[0] - h[1]) ** 2)
+
+    (plan,) = pegrad.explain(loss, {"w": w}, batch, ("sq_norms",), choose="first")
+    assert plan.route == "contraction" and plan.methods["norms"] == "factorized"  # the Gram form
+    _, grads = naive_unit_grads(loss, {"w": w}, batch)
+    want = np.sum(grads["w"].reshape(3, -1) ** 2, axis=1)
+    h = np.einsum("bkf,of->bko", np.asarray(batch), np.asarray(w))
+    a = 2 * np.linalg.norm(h[:, 0] - h[:, 1], axis=-1)  # ‖a_k‖, both k
+    bound = (a * np.linalg.norm(np.asarray(batch), axis=-1).sum(-1)) ** 2
+    fn = pegrad.value_and_grad_stats(loss, ("sq_norms",), choose="first")
+    got = np.asarray(jax.jit(fn)({"w": w}, batch)[1]["sq_norms"])
+    assert np.all(np.abs(got - want) <= 2 * 2 * np.finfo(np.float64).eps * bound)
+    if spread == 1e-2:  # no near-cancellation: exact to ~1e-10 of itself, like every statistic
+        assert np.max(np.abs(got - want) / want) < 1e-10
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_statistics_are_no_worse_than_the_reference(dtype):
     """At B = 2048 the backward pass is never seeded with 1/B (which pushes float16 cotangents
