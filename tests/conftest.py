@@ -35,6 +35,7 @@ SLOW = (
     "tests/test_experiments.py::test_sign_and_its_recheck_on_unseen_seeds",
     "tests/test_experiments.py::test_msq_sweeps_eps_and_clipping_has_an_adam_control",
     "tests/test_experiments.py::test_vectorize",
+    "tests/test_experiments.py::test_the_accelerator_scales_are_ready_to_run",
     "tests/test_experiments.py::test_vectorized_sweep_equals_runs_one_by_one",
     "tests/test_install.py::test_installed_modules_are_not_shadowed_by_a_users_own",
     "tests/test_models.py::test_causality",

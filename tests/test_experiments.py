@@ -43,9 +43,11 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 Table = Callable[[train.Config], float | None]  # a run's config -> its final loss (None: NaN)
 
 
-def fake_sweep(monkeypatch: pytest.MonkeyPatch, table: Table) -> list[train.Config]:
-    """sweep.run returns traces whose final held-out loss is table(config) (None: diverged);
-    returns the list of every config it was asked to train."""
+def fake_sweep(
+    monkeypatch: pytest.MonkeyPatch, table: Table, max_steps: int | None = None
+) -> list[train.Config]:
+    """sweep.run returns traces whose final held-out loss is table(config) (None: diverged),
+    at most `max_steps` long; returns the list of every config it was asked to train."""
     asked: list[train.Config] = []
 
     def run(configs: Sequence[train.Config], **_: Any) -> list[sweep.Trace]:
@@ -53,12 +55,13 @@ def fake_sweep(monkeypatch: pytest.MonkeyPatch, table: Table) -> list[train.Conf
         out = []
         for c in configs:
             final = table(c)
-            steps = np.full(c.steps, 1.0 if final is None else final)
+            length = c.steps if max_steps is None else min(c.steps, max_steps)
+            steps = np.full(length, 1.0 if final is None else final)
             out.append(
                 sweep.Trace(
                     cfg=c,
                     loss=steps,
-                    diagnostics={k: np.zeros(c.steps) for k in sweep.DIAGNOSTICS},
+                    diagnostics={k: np.zeros(length) for k in sweep.DIAGNOSTICS},
                     eval_steps=np.array([0, c.steps]),
                     eval_loss=np.array([10.0, np.nan if final is None else final]),
                     diverged_step=0 if final is None else None,
@@ -655,3 +658,55 @@ def test_windows_measures_the_mean_to_noise_ratio_per_window_length(tmp_path: Pa
     }
     assert data["command"].startswith("python experiments.py windows")
     assert "| window | point |" in (tmp_path / "w" / "summary.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# The scales no CPU runs: every config a study would train there is valid, and its step traces.
+
+READY_STUDIES = ("sign", "precond", "msq", "clipping", "batch-scaling")
+
+
+def abstract_step(cfg: train.Config) -> Any:
+    """The shapes of one training step of `cfg`: the model built, the optimizer initialised and
+    the step traced (pegrad's plan included), nothing computed."""
+
+    def step() -> Any:
+        run = train.build(cfg)
+        batch = run.task.sample(run.task.train_data, key=run.train_key)
+        return run.step(run.task.params, run.opt.init(run.task.params), batch)
+
+    return jax.eval_shape(step)
+
+
+@pytest.mark.parametrize("scale", ["small", "paper"])
+def test_the_accelerator_scales_are_ready_to_run(
+    scale: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    # Each study at this scale runs end to end with training and the μ/σ measurements replaced
+    # (both need an accelerator); every config it asks for passes train.check, and each model
+    # shape it would train traces one full step.
+    asked = fake_sweep(monkeypatch, lambda c: bowl(3e-3)(c.lr, c.seed), max_steps=64)
+    monkeypatch.setattr(experiments.plots, "draw", lambda *_, **__: None)
+    monkeypatch.setattr(
+        experiments,
+        "measure_mu_sigma",
+        lambda cfg, points, **_: [(np.ones(2), np.full(2, 2.0), 8, [("w", 2)]) for _ in points],
+    )
+    monkeypatch.setattr(
+        experiments, "measured_points", lambda cfg, study, seeds: [(s, "init", None) for s in seeds]
+    )
+    monkeypatch.setattr(experiments, "frac_mu2_nonpositive", lambda cfg, seeds: [0.5] * len(seeds))
+    for name in READY_STUDIES:
+        summary = experiments.run(name, scale=scale, out=str(tmp_path / name))
+        assert summary["scale"] == scale and (tmp_path / name / "summary.md").exists()
+    the_scale = experiments.SCALES[scale]
+    assert {c.batch_size for c in asked} >= set(the_scale.batch_sizes)
+    for c in asked:
+        train.check(dataclasses.replace(c, out=None))
+    # One step per model shape (task, window), at the study's base batch size: the step's
+    # structure does not depend on B, the lr or the seed.
+    shapes = {(c.model, c.size, c.seq_len, c.context_length): c for c in asked}
+    assert shapes
+    for c in shapes.values():
+        _, _, loss, diagnostics = abstract_step(c)  # (params, state, loss, diagnostics)
+        assert loss.shape == () and diagnostics["grad_norm"].shape == ()
