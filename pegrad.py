@@ -2411,10 +2411,7 @@ class Convolution(CoreRoute):
                 if "var" in names:
                     mean = _sum0(y) / r
                     # The padding rows are left out, not subtracted: −(E − r)·mean² cancels.
-                    real = (jnp.arange(y.shape[0], dtype=r.dtype) < r).reshape(
-                        -1, *[1] * (y.ndim - 1)
-                    )
-                    centred = jnp.where(real, y - mean, 0.0)
+                    centred = _where_units(jnp.arange(y.shape[0], dtype=r.dtype) < r, y - mean)
                     out += [mean, _sum0(centred * centred)]
                 return out + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
 

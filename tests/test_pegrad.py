@@ -630,17 +630,16 @@ def test_the_variance_of_equal_outer_products_with_unequal_factors_does_not_canc
     def loss(p, example):
         return -0.5 * jnp.log(jnp.dot(example, p["w"]) ** 2)
 
-    if granularity == "token":  # the units are the positions of one example's sequence
-        batch, per_example = (
-            jnp.asarray(x)[None],
-            lambda p, ex: jnp.sum(jax.vmap(loss, (None, 0))(p, ex)),
-        )
-        units = jax.vmap(jax.grad(loss), (None, 0))({"w": w}, batch[0])["w"]
+    # The same five units either way: five examples, or five positions of one example whose
+    # loss is the sum of the positions' (a position's gradient is then loss's at that x_u).
+    _, units = naive_unit_grads(loss, {"w": w}, jnp.asarray(x))
+    if granularity == "token":
+        batch = jnp.asarray(x)[None]
+        per_example = lambda p, ex: jnp.sum(jax.vmap(loss, (None, 0))(p, ex))  # noqa: E731
     else:
         batch, per_example = jnp.asarray(x), loss
-        units = jax.vmap(jax.grad(loss), (None, 0))({"w": w}, batch)["w"]
-    want = np.var(np.asarray(units), axis=0, ddof=1)
-    assert np.max(np.asarray(units).mean(0) ** 2 / want) > 1e6  # the regime named above
+    want = np.var(units["w"], axis=0, ddof=1)
+    assert np.max(units["w"].mean(0) ** 2 / want) > 1e6  # the regime named above
     fn = pegrad.value_and_grad_stats(
         per_example, ("mean", "var"), granularity=granularity, choose="first"
     )
