@@ -159,7 +159,10 @@ def value_and_grad_stats(
             batch = _substitute(batch, keep)
         leaves = jax.tree.leaves(floats)
         dtypes = [x.dtype for x in leaves]
-        if impl == "factorized" and not drop and _plain_mean(stats, choose, granularity, dtypes):
+        plain = (
+            impl == "factorized" and not drop and _plain_mean(stats, choose, granularity, dtypes)
+        )
+        if plain and not _user_backward(loss, floats, batch):
             out = _gradient_of_mean_loss(loss, floats, batch, keep)
         elif impl == "vmap":
             unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
@@ -249,13 +252,47 @@ def _plain_mean(
     precondition. Backpropagation already sums over examples where each gradient is formed; a
     rewrite forms the same sums in vmap's layout, at best as fast. Not with choose="first"
     (which runs the routes), per-token units (whose split the rewrite proves) or parameters
-    narrower than their statistics (plain grad would sum them in their own precision)."""
+    narrower than their statistics (plain grad would sum them in their own precision); and
+    only where the loss has no backward rule of the user's (`_user_backward`)."""
     return (
         _ingredients(stats) == ("sum",)
         and choose == "cheapest"
         and granularity == "example"
         and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
     )
+
+
+# Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
+# jax.custom_transpose). JAX's own transposes are linear in the cotangent; these need not be.
+_USER_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_transpose_call"})
+
+
+def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
+    """Why plain grad of the mean loss is not proven to be the mean of the per-example
+    gradients, or "". Backpropagation through JAX's own operations is linear in the cotangent,
+    so ∇ Σ_i ℓ_i = Σ_i g_i whatever the seed's scale and wherever the examples' cotangents are
+    summed. A backward rule the user wrote is a function of its cotangent that need not be
+    linear (the gradient clipping of JAX's custom_vjp tutorial): plain grad of the mean loss
+    applies it to c_i/B, and once to Σ_i c_i where its inputs do not depend on the example,
+    where each g_i applies it to c_i; clip(Σ_i c_i) ≠ Σ_i clip(c_i). `loss_fn` returns
+    (loss, aux); its one-example jaxpr is searched, sub-jaxprs included."""
+    closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
+    todo = [closed.jaxpr]
+    while todo:
+        for eqn in todo.pop().eqns:
+            if eqn.primitive.name in _USER_RULES:
+                return (
+                    f"the loss calls a {eqn.primitive.name} ({eqn.params.get('name', '?')}), a "
+                    "backward rule not proven linear in the cotangent: plain grad of the mean "
+                    "loss may differ from the mean of per-example gradients"
+                )
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(inner, jcore.ClosedJaxpr):
+                        todo.append(inner.jaxpr)
+                    elif isinstance(inner, jcore.Jaxpr):
+                        todo.append(inner)
+    return ""
 
 
 def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
@@ -1196,6 +1233,7 @@ class Graph:
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
     chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
     memory_budget: int | None = None  # the caller's bound on their bytes
+    user_backward: str = ""  # why the mean alone is not plain grad (_user_backward), or ""
 
     @property
     def token(self) -> bool:
@@ -1273,6 +1311,7 @@ class Graph:
             untie=untie,
             param_tree=param_tree,
             aux_tree=aux_tree[0],
+            user_backward=_user_backward(loss_fn, params, batch),
         )
 
     # -- queries --------------------------------------------------------------------------
@@ -3513,10 +3552,12 @@ def plan(
 ) -> tuple[LeafPlan, ...]:
     """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or
     with choose="first" the first that matches in precedence order; the mean alone, where
-    `_plain_mean` takes it, is every leaf's "mean-loss"."""
+    `_plain_mean` takes it and the loss has no backward rule of the user's, is every leaf's
+    "mean-loss"."""
     need = _ingredients(stats)
     granularity = "token" if graph.token else "example"
-    if _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves]):
+    plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
+    if plain and not graph.user_backward:
         return tuple(
             LeafPlan(
                 leaf.path,
@@ -3531,7 +3572,7 @@ def plan(
         )
     plans = []
     for leaf in graph.leaves:
-        refused: list[tuple[str, str]] = []
+        refused: list[tuple[str, str]] = [(MeanLoss.name, graph.user_backward)] if plain else []
         best: tuple[float, Route, dict[str, str], Cost] | None = None
         for route in ROUTES:
             try:

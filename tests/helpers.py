@@ -101,7 +101,7 @@ def check_every_implementation(
     **options: Any,
 ) -> None:
     """Every statistic from every implementation (with `options` to value_and_grad_stats)
-    equals the naive loop's."""
+    equals the naive loop's; so does the mean asked for alone (plain grad where proven)."""
     losses, unit_grads = expected
     n_units = jax.tree.leaves(unit_grads)[0].shape[0]
     stats = tuple(s for s in pegrad.STATISTICS if n_units > 1 or s != "var")
@@ -127,6 +127,12 @@ def check_every_implementation(
                 got[name] = jax.tree.map(lambda x, m: np.where(m, x, 0.0), got[name], mask)
                 want[name] = jax.tree.map(lambda x, m: np.where(m, x, 0.0), want[name], mask)
             assert_tree_close(got[name], want[name], f"{where}/{name}", rtol)
+    if granularity == "example":  # the mean alone, as most callers ask: "mean-loss" if proven
+        fn = pegrad.value_and_grad_stats(loss, "mean", **options)
+        loss_value, got = jax.jit(fn)(params, batch)
+        where = f"{what}/mean alone/{options}"
+        np.testing.assert_allclose(loss_value, losses.mean(), rtol=1e-12, err_msg=where)
+        assert_tree_close(got["mean"], want["mean"], where, rtol)
 
 
 def _well_posed_signs(g: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from helpers import (
     assert_tree_close,
     check_every_implementation,
     compiled_temp_bytes,
+    naive_stats,
     naive_unit_grads,
 )
 from hypothesis import given, settings
@@ -195,6 +196,64 @@ def test_the_mean_takes_the_routes_where_plain_grad_is_not_its_definition(broken
         params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
     plans = pegrad.explain(lambda p, ex: piece.loss(p, ex, False), params, batch, stats, **options)
     assert "mean-loss" not in {p.route for p in plans}, str(plans)
+
+
+@jax.custom_vjp
+def _clip_cotangent(x):
+    return x
+
+
+_clip_cotangent.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.05, 0.05),))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+@pytest.mark.parametrize("applied_to", ["activation", "parameter"])
+def test_the_mean_alone_is_not_plain_grad_where_the_loss_has_its_own_backward_rule(
+    applied_to: str, masked: bool
+):
+    """Gradient clipping as JAX's custom_vjp tutorial writes it: plain grad of the mean loss
+    would clip c_i/B (an activation's cotangent) or Σ_i c_i once (a parameter's), where each
+    g_i clips c_i. The routes run instead, `explain` says why, and the mean is the naive one."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "v": jnp.linspace(0.5, 2.0, 3)}
+
+    def loss(p, x):
+        w = _clip_cotangent(p["w"]) if applied_to == "parameter" else p["w"]
+        h = jnp.tanh(w @ x)
+        h = _clip_cotangent(h) if applied_to == "activation" else h
+        return jnp.sum(p["v"] * h) ** 2
+
+    batch = jax.random.normal(jax.random.key(0), (5, 4), jnp.float64)
+    keep = np.array([True, False, True, True, False] if masked else [True] * 5)
+    plans = pegrad.explain(loss, params, batch, "mean")
+    assert "mean-loss" not in {p.route for p in plans}, str(plans)
+    for p in plans:
+        assert dict(p.refused)["mean-loss"].startswith("the loss calls a custom_vjp"), p.refused
+    losses, grads = naive_unit_grads(loss, params, batch[keep])
+    fn = pegrad.value_and_grad_stats(loss, "mean")
+    value, got = jax.jit(fn)(params, batch, jnp.asarray(keep) if masked else None)
+    np.testing.assert_allclose(value, np.mean(losses), rtol=1e-12)
+    assert_tree_close(got["mean"], jax.tree.map(lambda g: g.mean(0), grads), "mean alone")
+    plain = jax.grad(lambda p: jnp.mean(jax.vmap(loss, (None, 0))(p, batch[keep])))(params)
+    differs = jax.tree.map(lambda a, g: np.max(np.abs(a - g.mean(0))), plain, grads)
+    assert max(jax.tree.leaves(differs)) > 1e-3  # the hazard is real: plain grad is wrong here
+
+
+@pytest.mark.parametrize("stat", ["mean", "sq_mean", "var", "sq_norms"])
+def test_a_gradient_computed_in_float32_agrees_to_float32_rounding(stat: str):
+    """A float64 weight cast through float32 on its way to a dense layer: the naive loop's
+    g_i are rounded to float32 one by one, outer-product's statistic is formed in float64 and
+    rounded once (SPEC section 3): they agree to float32's rounding, and no worse."""
+    params = {"w": jax.random.normal(jax.random.key(0), (4, 3), jnp.float64)}
+    batch = jax.random.normal(jax.random.key(1), (5, 4), jnp.float64)
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"].astype(jnp.float32).astype(jnp.float64)))
+
+    (plan,) = pegrad.explain(loss, params, batch, stat, choose="first")
+    assert plan.route == "outer-product", plan
+    _, grads = naive_unit_grads(loss, params, batch)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stat, choose="first"))(params, batch)
+    assert_tree_close(got[stat], naive_stats(grads, 1.0)[stat], stat, rtol=1e-6)
 
 
 def test_dropping_nonfinite_examples_does_not_take_plain_grad():
