@@ -29,7 +29,8 @@ Two implementations, equal by contract:
   in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
   the other routes refused — without running anything; the executor reads the same plan.
   The mean alone is plain grad of the mean loss ("mean-loss"): backpropagation already sums
-  over examples, and no rewrite of that sum is cheaper.
+  over examples, and no rewrite of that sum is cheaper (not where the loss calls a
+  jax.custom_vjp, whose backward rule need not be linear in the cotangent).
 
 §1 also holds the conventions a JAX user brings: one statistic name, `has_aux`, a bool [B]
 `mask`, `nonfinite="drop"`, a model as `params` (eqx.Module, flax nnx), and `Accumulator`
@@ -3361,14 +3362,16 @@ def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MeanLoss(Route):
-    """The mean alone, every leaf at once (`_plain_mean` decides, before any leaf's route):
-    backpropagation of the mean loss, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i — plain grad's own
-    program (`_gradient_of_mean_loss`), no extra cost. Not in ROUTES: it is no leaf's proof."""
+    """The mean alone, every leaf at once (`_plain_mean` decides, before any leaf's route, and
+    `_user_backward` finds no custom_vjp): backpropagation of the mean loss,
+    (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i — plain grad's own program (`_gradient_of_mean_loss`), no
+    extra cost. Not in ROUTES: it is no leaf's proof."""
 
     name = "mean-loss"
     proof: ClassVar[str] = (
-        "the mean alone is the gradient of the mean loss (linearity of the gradient): plain "
-        "backpropagation, which sums over examples as it forms each gradient"
+        "the mean alone is the gradient of the mean loss (its backward pass is JAX's own, "
+        "linear in the cotangent): plain backpropagation, which sums over examples as it "
+        "forms each gradient"
     )
 
 
