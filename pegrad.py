@@ -163,7 +163,8 @@ def value_and_grad_stats(
         plain = (
             impl == "factorized" and not drop and _plain_mean(stats, choose, granularity, dtypes)
         )
-        if plain and not _user_backward(loss, floats, batch):
+        backward = _user_backward(loss, floats, batch) if plain else None
+        if plain and not backward:
             out = _gradient_of_mean_loss(loss, floats, batch, keep)
         elif impl == "vmap":
             unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
@@ -177,7 +178,11 @@ def value_and_grad_stats(
             )
             weighted = keep is not None or drop
             graph = dataclasses.replace(
-                graph, weighted=weighted, chunk_size=chunk_size, memory_budget=memory_budget
+                graph,
+                weighted=weighted,
+                chunk_size=chunk_size,
+                memory_budget=memory_budget,
+                user_backward=backward,
             )
             plans = plan(graph, wanted, choose=choose)
             out = _execute(graph, plans, stats, clip_norm, floats, batch, keep, drop)
@@ -215,7 +220,12 @@ def explain(
     floats, loss = _as_parameters(params, loss_fn, has_aux)
     per_example = _check_inputs(loss, floats, batch, stats, granularity)
     graph = Graph.build(loss, floats, batch, per_example, _means_only(stats), memory_budget)
-    graph = dataclasses.replace(graph, chunk_size=chunk_size, memory_budget=memory_budget)
+    dtypes = [leaf.dtype for leaf in graph.leaves]
+    plain = _plain_mean(stats, choose, granularity, dtypes)
+    backward = _user_backward(loss, floats, batch) if plain else None
+    graph = dataclasses.replace(
+        graph, chunk_size=chunk_size, memory_budget=memory_budget, user_backward=backward
+    )
     plans = plan(graph, stats, choose=choose)
     return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
 
@@ -278,7 +288,7 @@ def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
     where each g_i applies it to c_i; clip(Σ_i c_i) ≠ Σ_i clip(c_i). `loss_fn` returns
     (loss, aux); its one-example jaxpr is searched, sub-jaxprs included."""
     closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
-    todo = [closed.jaxpr]
+    todo = [closed.jaxpr]  # jax.extend.core.jaxprs_in_params would do: not in JAX 0.7.2
     while todo:
         for eqn in todo.pop().eqns:
             if eqn.primitive.name in _USER_RULES:
@@ -1234,7 +1244,9 @@ class Graph:
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
     chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
     memory_budget: int | None = None  # the caller's bound on their bytes
-    user_backward: str = ""  # why the mean alone is not plain grad (_user_backward), or ""
+    # Set by the caller where the statistics are the mean alone (_user_backward): why plain
+    # grad of the mean loss is not proven theirs, "" where it is; None: not searched.
+    user_backward: str | None = None
 
     @property
     def token(self) -> bool:
@@ -1312,7 +1324,6 @@ class Graph:
             untie=untie,
             param_tree=param_tree,
             aux_tree=aux_tree[0],
-            user_backward=_user_backward(loss_fn, params, batch),
         )
 
     # -- queries --------------------------------------------------------------------------
@@ -3360,6 +3371,9 @@ def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
     )
 
 
+_NOT_SEARCHED = "the loss was not searched for a backward rule of the user's (_user_backward)"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MeanLoss(Route):
     """The mean alone, every leaf at once (`_plain_mean` decides, before any leaf's route, and
@@ -3560,7 +3574,7 @@ def plan(
     need = _ingredients(stats)
     granularity = "token" if graph.token else "example"
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
-    if plain and not graph.user_backward:
+    if plain and graph.user_backward == "":
         return tuple(
             LeafPlan(
                 leaf.path,
@@ -3575,7 +3589,7 @@ def plan(
         )
     plans = []
     for leaf in graph.leaves:
-        refused: list[tuple[str, str]] = [(MeanLoss.name, graph.user_backward)] if plain else []
+        refused = [(MeanLoss.name, graph.user_backward or _NOT_SEARCHED)] if plain else []
         best: tuple[float, Route, dict[str, str], Cost] | None = None
         for route in ROUTES:
             try:
