@@ -5,7 +5,8 @@ The wheel holds one package, `pegrad`, and nothing else in site-packages: pegrad
 train.py are its modules (`from pegrad import models, optimizers, train`; `python -m
 pegrad.train`), so that a user's own models.py or train.py beside their script never stands in
 for them. An editable install gets none of these copies, which would go stale: it puts the
-checkout itself on sys.path (`dev-mode-dirs`), the flat modules the tests import.
+checkout itself on sys.path (`dev-mode-dirs`), the flat modules the tests import, and the same
+`from pegrad import optimizers` loads the file beside pegrad.py (pegrad's module `__getattr__`).
 tests/test_install.py builds the wheel and checks both.
 """
 

@@ -54,9 +54,9 @@ def test_micro_batches_of_any_sizes_combine_into_the_big_batch(name, impl, sizes
     params = piece.init(jax.random.key(0))
     batch = piece.example(jax.random.key(1), sum(sizes))
     want_loss, want, n = _expected(piece, params, batch)
-    fn = jax.jit(_fn(piece, impl))
-    per_var = tuple(s for s in STATS if s != "var")  # a micro-batch of 1 has no variance
-    fn_one = jax.jit(_fn(piece, impl, per_var))
+    fn = pegrad.Accumulator.value_and_grad_stats(  # a micro-batch of 1 has M2 0, no variance
+        lambda p, ex: piece.loss(p, ex, False), STATS, impl=impl, clip_norm=CLIP
+    )
 
     @jax.jit
     def accumulate(params, batch):
@@ -64,10 +64,7 @@ def test_micro_batches_of_any_sizes_combine_into_the_big_batch(name, impl, sizes
         start = 0
         for size in sizes:
             micro = jax.tree.map(lambda x, a=start, b=start + size: x[a:b], batch)
-            loss, stats = (fn if size > 1 else fn_one)(params, micro)
-            if size == 1:  # M2 of one unit is 0: what the accumulator takes for N_k = 1
-                stats = {**stats, "var": jax.tree.map(jnp.zeros_like, stats["mean"])}
-            acc = acc.update(loss, stats)
+            acc = acc.update(*fn(params, micro))
             start += size
         return acc.finalize()
 
@@ -131,3 +128,63 @@ def test_what_cannot_be_combined_is_refused():
     acc = pegrad.Accumulator.init(params, ("mean", "sq_mean"))
     with pytest.raises(ValueError, match=r"lack \['sq_mean'\]"):
         acc.update(jnp.zeros(()), {"mean": params, "batch_size": jnp.asarray(2)})
+
+
+# Micro-batches as (size, kept): a mask keeping `kept` of `size` examples, or None: no mask.
+MICRO = {
+    "1": [(2, 1)],
+    "0": [(2, 0)],
+    "0+1+u1": [(2, 0), (2, 1), (1, None)],
+    "2+0+1": [(2, 2), (2, 0), (2, 1)],
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("micro", list(MICRO.values()), ids=list(MICRO))
+def test_micro_batches_keeping_one_or_no_example_merge_exactly(micro, jit: bool):
+    """A micro-batch keeping one example has no variance of its own, but it adds its mean to the
+    union's (Chan: N_k·(ḡ_k − ḡ)²), and one keeping none adds nothing: in and out of jit,
+    `Accumulator.value_and_grad_stats` refuses no micro-batch for its count, and the merged
+    statistics equal those of the union of the kept examples. Only a union of fewer than 2
+    units has no variance: `finalize` refuses it out of jit, gives NaN under jit (SPEC §6)."""
+    piece = _piece("dense_bias")
+    params = piece.init(jax.random.key(0))
+    stats = (*STATS, "sign_mean")
+    batch = piece.example(jax.random.key(1), sum(size for size, _ in micro))
+    masks = [None if kept is None else np.arange(size) < kept for size, kept in micro]
+    keep = np.concatenate(
+        [np.arange(size) < (size if kept is None else kept) for size, kept in micro]
+    )
+    fn = pegrad.Accumulator.value_and_grad_stats(
+        lambda p, ex: piece.loss(p, ex, False), stats, impl="vmap", clip_norm=CLIP
+    )
+
+    def accumulate(params, batch):
+        acc, start = pegrad.Accumulator.init(params, stats), 0
+        for (size, _), mask in zip(micro, masks, strict=True):
+            part = jax.tree.map(lambda x, a=start, b=start + size: x[a:b], batch)
+            acc = acc.update(*fn(params, part, None if mask is None else jnp.asarray(mask)))
+            start += size
+        return acc.finalize()
+
+    n = int(keep.sum())
+    if n < 2 and not jit:
+        with pytest.raises(ValueError, match=f"'var' is undefined for {n} unit"):
+            accumulate(params, batch)
+        return
+    loss, got = (jax.jit(accumulate) if jit else accumulate)(params, batch)
+    assert int(got["batch_size"]) == n
+    if n == 0:  # an empty union: every statistic is undefined, as value_and_grad_stats says
+        del got["batch_size"]
+        assert np.isnan(loss) and all(np.isnan(x).all() for x in jax.tree.leaves(got))
+        return
+    want_loss, want, _ = _expected(piece, params, batch, keep)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
+    for s in STATS:
+        if s == "var" and n < 2:
+            assert all(np.isnan(x).all() for x in jax.tree.leaves(got["var"])), "var of 1 unit"
+        else:
+            assert_tree_close(got[s], want[s], s)
+    union = jax.tree.map(lambda x: x[keep], batch)
+    _, big = jax.jit(_fn(piece, "vmap", ("mean", "sign_mean")))(params, union)
+    assert_tree_close(got["sign_mean"], big["sign_mean"], "sign_mean", rtol=1e-12)

@@ -3,9 +3,15 @@ one package, `pegrad` (pegrad.py its __init__; models, optimizers, train its mod
 else; installed, a user's own models.py, train.py and optimizers.py beside their script shadow
 none of them, and `pegrad.train` trains; the editable wheel is only the checkout on sys.path (no
 copies to go stale). Built with hatchling's PEP 517 hooks in a subprocess, nothing downloaded.
+The README's one import line, `from pegrad import optimizers`, gives the repository's modules
+installed, editable (the checkout on sys.path) or copied, beside a user's own files of those
+names; pegrad.py copied alone says which file it lacks.
 """
 
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,23 +56,78 @@ def test_editable_wheel_is_the_checkout_on_sys_path(tmp_path: Path):
         assert z.read("_pegrad.pth").decode().strip() == str(REPO)
 
 
-USER_SCRIPT = """
-import json, sys
-
-import models, optimizers, train  # the user's own files, beside this script
+README = (REPO / "README.md").read_text(encoding="utf-8")
+# What the README tells a user to type for the repository's modules, and a script that runs it
+# (argv[1]: where pegrad is) in a directory holding the user's own models.py, optimizers.py and
+# train.py: it gets the repository's, and the user's `import optimizers` still gets theirs.
+IMPORTS = re.findall(r"^(?:from \S+ )?import .*\b(?:models|optimizers|train)\b.*$", README, re.M)
+IMPORT_SCRIPT = """
+import sys
+import models as mine  # the user's own file, imported before pegrad's
+from pegrad import models, optimizers, train  # the README's line, all three
 import pegrad
-from pegrad import models as pegrad_models, optimizers as pegrad_optimizers, train as pegrad_train
 
-assert (models.MINE, optimizers.MINE, train.MINE) == ("models", "optimizers", "train")
-site = sys.argv[1]
-for module in (pegrad, pegrad_models, pegrad_optimizers, pegrad_train):
-    assert module.__file__.startswith(site), module.__file__
-assert pegrad_train.models is pegrad_models and pegrad_train.optimizers is pegrad_optimizers
-assert callable(pegrad.value_and_grad_stats)
-cfg = pegrad_train.Config(model="mlp", size="tiny", steps=2, eval_interval=2, out=sys.argv[2])
-result = pegrad_train.main(cfg)
+for module in (pegrad, models, optimizers, train):
+    assert module.__file__.startswith(sys.argv[1]), module.__file__
+assert train.models is models and train.optimizers is optimizers
+assert callable(pegrad.value_and_grad_stats) and callable(models.TransformerLM)
+import jax.numpy as jnp
+params, batch = {"w": jnp.ones(2)}, jnp.ones((2, 2))
+opt = optimizers.micro_adam(0.1)
+step = optimizers.make_train_step(lambda p, x: jnp.sum(p["w"] * x) ** 2, opt, impl="vmap")
+assert step(params, opt.init(params), batch)[0]["w"].shape == (2,)
+import optimizers as mine_too, train as mine_also  # the user's own files, after pegrad's
+assert (mine.MINE, mine_too.MINE, mine_also.MINE) == ("models", "optimizers", "train")
+"""
+TRAIN = """
+import json
+cfg = train.Config(model="mlp", size="tiny", steps=2, eval_interval=2, out=sys.argv[2])
+result = train.main(cfg)
 print(json.dumps({"steps": result["steps"], "loss": result["loss"]}))
 """
+USER_SCRIPT = IMPORT_SCRIPT + TRAIN
+
+
+def _users_project(project: Path, script: str) -> None:
+    """`project` holding the user's own models.py, optimizers.py, train.py and script.py."""
+    project.mkdir()
+    for name in ("models", "optimizers", "train"):
+        (project / f"{name}.py").write_text(f"MINE = {name!r}\n")
+    (project / "script.py").write_text(script)
+
+
+def test_the_readme_imports_the_modules_through_pegrad():
+    assert IMPORTS, "the README shows no import of models, optimizers or train"
+    for line in IMPORTS:
+        assert line.startswith("from pegrad import "), f"README: {line!r} (a user's file wins)"
+
+
+def test_one_import_line_in_a_checkout_beside_a_users_own_files(tmp_path: Path):
+    """The checkout on sys.path (an editable install), used from a directory that holds the
+    user's own models.py, optimizers.py and train.py."""
+    _users_project(tmp_path / "project", IMPORT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "script.py", str(REPO)],
+        cwd=tmp_path / "project", env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_pegrad_copied_alone_names_the_file_it_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    shutil.copy(REPO / "pegrad.py", tmp_path / "pegrad.py")
+    spec = importlib.util.spec_from_file_location("pegrad_alone", tmp_path / "pegrad.py")
+    assert spec is not None and spec.loader is not None
+    alone = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pegrad_alone", alone)  # its dataclasses look it up
+    spec.loader.exec_module(alone)
+    assert callable(alone.value_and_grad_stats)
+    with pytest.raises(ImportError, match=re.escape(str(tmp_path / "optimizers.py"))):
+        alone.optimizers  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        alone.nothing  # noqa: B018
 
 
 def test_installed_modules_are_not_shadowed_by_a_users_own(wheel: Path, tmp_path: Path):
@@ -75,10 +136,7 @@ def test_installed_modules_are_not_shadowed_by_a_users_own(wheel: Path, tmp_path
     site, project = tmp_path / "site", tmp_path / "project"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
-    project.mkdir()
-    for name in ("models", "optimizers", "train"):
-        (project / f"{name}.py").write_text(f"MINE = {name!r}\n")
-    (project / "script.py").write_text(USER_SCRIPT)
+    _users_project(project, USER_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "script.py", str(site), str(project / "run")],

@@ -18,3 +18,31 @@ def test_readme_python_blocks_run_as_written():
     for number, block in enumerate(BLOCKS, start=1):
         code = compile(block, f"README.md python block {number}", "exec")
         exec(code, namespace)
+
+
+def test_readme_adam_is_the_optax_call_it_names():
+    """The README's "`adam` (= X)": optimizers.adam(lr) with its defaults equals the optax call X
+    (lr as `lr`), bitwise at float64 over a few steps; a bare name is called with lr alone."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from pegrad import optimizers
+
+    found = re.search(r"`adam` \(= `([^`]+)`", README.read_text(encoding="utf-8"))
+    assert found, 'README.md: no "`adam` (= `...`)" claim'
+    lr, named = 1e-2, found.group(1)
+    call = named if "(" in named else f"{named}(lr)"
+    params = {"w": jnp.linspace(-1.0, 2.0, 6).reshape(2, 3), "b": jnp.ones(3)}
+    out = []
+    for opt in (optimizers.adam(lr), eval(call, {"optax": optax, "lr": lr})):
+        p, state = params, opt.init(params)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes its int count and floats
+            for t in range(4):
+                g = jax.tree.map(lambda x, t=t: jnp.sin((t + 1) * x) + 0.1, p)
+                updates, state = opt.update(g, state, p)
+                p = optax.apply_updates(p, updates)
+        out.append(p)
+    for a, b in zip(*(jax.tree.leaves(p) for p in out), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=f"optimizers.adam(lr) != {call}")
