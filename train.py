@@ -5,7 +5,7 @@
                                          # under 2 minutes on a 2-core CPU
     python train.py --optimizer adam --lr 1e-3 --steps 2000 --out runs/adam
     python train.py --model mlp --optimizer sign_ema --noise 1.0       # teacher-student MLP
-    python train.py --out runs/adam --resume                           # continue a run
+    python train.py --resume --out runs/adam                  # continue it, as configured
     python train.py --task my_task.py:make --out runs/mine     # your model and data (Task)
     python train.py --help                                             # every knob
     python train.py --size paper --param-sharding fsdp --coordinator HOST0:1234 \
@@ -20,11 +20,14 @@ and optimizer with one pure training step that asks pegrad for the optimizer's s
 vectorized sweeps share), where arrays live (processes, the device mesh, shardings), atomic
 checkpoints, the loop.
 
-Writes into --out (default runs/<timestamp>): config.json (the resolved config), metrics.jsonl
-(one object per logged step: step, loss, lr, grad_norm, frac_snr_gt_1_over_B (the fraction of
-coordinates with μ̂² > σ̂²/B), nu_adam_over_nu_micro (ḡ²/q averaged over coordinates), and
-eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable checkpoint.json.
-"step" counts the optimizer updates applied to the parameters a loss was measured on.
+Writes into --out (default runs/<timestamp>), created when training starts: config.json (the
+resolved config; --resume, how a process began, is recorded false), metrics.jsonl (one object
+per logged step: step, loss, lr, grad_norm, frac_snr_gt_1_over_B (the fraction of coordinates
+with μ̂² > σ̂²/B), nu_adam_over_nu_micro (ḡ²/q averaged over coordinates), and eval_loss when
+evaluated), checkpoint.npz (no pickle) with a human-readable checkpoint.json. "step" counts the
+optimizer updates applied to the parameters a loss was measured on, everywhere: the console's
+`step N/STEPS  loss L` is metrics.jsonl's {"step": N, "loss": L}, printed (off a terminal) on
+the steps metrics.jsonl logs, every --log-interval, at each evaluation and at the last step.
 
 Your own model and data: a factory `make(cfg, *, key) -> Task` (the parameters, the loss of one
 example, a batch sampler and its data; see `Task`), named by `--task MODULE:NAME` or
@@ -33,11 +36,19 @@ cfg (batch_size, dtype, data, seed through `key`); --model and its size knobs ar
 
 Resume: batches depend only on (seed, step), so `--resume` continues from the last checkpoint to
 bitwise the parameters of an uninterrupted run on the same devices, to float rounding on others.
-Knobs that change the trajectory may not change on resume (an error names them); --steps may,
-only where the learning rate of every step already taken stays the same (a constant schedule; a
-cosine one still in its warmup): a resumed run always equals an uninterrupted run of its final
-config. With no checkpoint in --out yet (a run killed before its first), --resume starts the
-run at step 0, so the same command with --resume restarts a preempted job wherever it stopped.
+`python train.py --resume --out DIR` continues the run in DIR as it was configured: every knob
+not typed comes from DIR/config.json (--process-id excepted), so the command Ctrl-C prints
+works as printed. A flag typed beside it changes a knob that may change on resume (how a run is
+watched, how long it runs, where and with what rounding: knob(resume=True)); one that may not
+and differs is refused, naming each with both values ("--lr 0.01 differs from the run's 0.003
+in DIR/config.json"). --steps may change only where the learning rate of every step already
+taken stays the same (a constant schedule; a cosine one still in its warmup): a resumed run
+always equals an uninterrupted run of its final config. With no checkpoint yet (a run killed
+before its first) --resume starts the run over at step 0, as configured; with nothing in DIR (a
+job preempted before it wrote anything), a new run of the flags typed, so the same command
+with --resume restarts a preempted job wherever it stopped. In Python, `main(Config(...,
+resume=True))` takes the Config whole: every knob that may not change must equal the run's, or
+ConfigError names it; `resume_config({"out": DIR})` is the Config the command line would run.
 
 Data-parallel over all devices along the mesh axis "data": each device draws only its rows of
 the batch; parameters and optimizer state are replicated, or with --param-sharding fsdp each
@@ -50,7 +61,11 @@ the same config, data, initial state and compiled programs, or stop (`agree_acro
 
 Bad input and a NaN/Inf loss end the run with one line "error: ..." and exit status 1; the step
 that diverged is the last line of metrics.jsonl ({"step", "diverged", "lr"}) and the last good
-checkpoint is kept. Ctrl-C ends it with one line naming the last checkpoint, exit status 130.
+checkpoint is kept. Bad input is refused before --out is created (a --task factory that cannot
+be called as factory(cfg, *, key), a loss that is not a scalar per example, an --out that
+cannot be a directory), and a run that fails before it logs its first step removes what it
+created. Ctrl-C ends it with one line naming the last checkpoint and the command that
+continues the run, exit status 130.
 In-process, `main(Config(...))` returns the final metrics; `build(Config(...))` is what a run
 is made of before any device or file (task, optimizer, step), for drivers that run many at
 once.
@@ -63,15 +78,17 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 import types
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple, get_args, get_origin
 
@@ -161,7 +178,10 @@ class Config:
     log_interval: int = knob(10, "log to metrics.jsonl every N steps", min=1, resume=True)
     checkpoint_interval: int = knob(200, "checkpoint every N steps", min=1, resume=True)
     out: str | None = knob(None, "output directory (None: runs/<timestamp>)", resume=True)
-    resume: bool = knob(False, "continue the run in --out from its checkpoint", resume=True)
+    resume: bool = knob(
+        False, "continue the run in --out as configured (its config.json; flags typed change "
+        "only knobs that may change on resume)", resume=True
+    )  # fmt: skip
     # Several processes (jax.distributed): one per host, or per accelerator. None: what JAX
     # detects (Slurm, Open MPI, Cloud TPU; $JAX_COORDINATOR_ADDRESS for the address).
     coordinator: str | None = knob(None, "HOST:PORT of process 0's coordinator", resume=True)
@@ -211,14 +231,28 @@ class Interrupted(KeyboardInterrupt):
 # Command line: one --flag-name per Config field, typed from its annotation.
 
 
-def parse_config(argv: list[str]) -> Config:
+def flag(name: str) -> str:
+    """The command-line flag of a Config field."""
+    return "--" + name.replace("_", "-")
+
+
+def spell(value: Any) -> str:
+    """A knob's value as the command line spells it (None: "none")."""
+    return "none" if value is None else str(value)
+
+
+def parse_flags(argv: list[str]) -> dict[str, Any]:
+    """The knobs `argv` gives, by field name: only the flags typed (a knob left at its default
+    is absent), which `--resume` tells from the run's own (`resume_config`). --help shows every
+    default; argparse's own errors exit here (status 2)."""
     parser = argparse.ArgumentParser(
         description="Train with pegrad's optimizers; see train.py's docstring.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS,
         epilog="The paper's studies: python experiments.py --help",
     )
     for field in dataclasses.fields(Config):
-        kwargs: dict[str, Any] = {"default": field.default, "help": field.metadata["help"]}
+        shown = f"{field.metadata['help']} (default: {spell(field.default)})"
+        kwargs: dict[str, Any] = {"help": shown.replace("%", "%%")}
         args = get_args(field.type)
         if field.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -229,16 +263,77 @@ def parse_config(argv: list[str]) -> Config:
             kwargs["type"] = lambda s, kind=kind: None if s.lower() == "none" else kind(s)
         else:
             kwargs["type"] = field.type
-        parser.add_argument("--" + field.name.replace("_", "-"), **kwargs)
-    return Config(**vars(parser.parse_args(argv)))
+        parser.add_argument(flag(field.name), **kwargs)
+    return vars(parser.parse_args(argv))
+
+
+def parse_config(argv: list[str]) -> Config:
+    """The Config `argv` spells: the flags typed, the defaults for the rest."""
+    return Config(**parse_flags(argv))
+
+
+def cli_config(argv: list[str]) -> Config:
+    """What `python train.py ARGV` runs: `parse_config(argv)`, except that with --resume the run
+    in --out supplies every knob not typed (`resume_config`), so that `--resume --out DIR`
+    alone continues the run in DIR as it was configured."""
+    given = parse_flags(argv)
+    return resume_config(given) if given.get("resume") else Config(**given)
+
+
+def read_config(saved: Path) -> dict[str, Any]:
+    """A run's config.json, as {field name: value}."""
+    try:
+        old = json.loads(saved.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{saved} is not a config.json of train.py: {err}") from None
+    names = {f.name for f in dataclasses.fields(Config)}
+    if not isinstance(old, dict) or not old.keys() <= names:
+        unknown = ", ".join(sorted(set(old) - names)) if isinstance(old, dict) else "not an object"
+        raise ConfigError(f"{saved} is not a config.json of this train.py ({unknown})")
+    return old
+
+
+def refuse_changes(saved: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """ConfigError unless every knob of `new` that may not change on resume equals the run's
+    (`old`, read from `saved`), naming each that differs with both values."""
+    differ = [
+        f"{flag(f.name)} {spell(new[f.name])} differs from the run's {spell(old.get(f.name))}"
+        for f in dataclasses.fields(Config)
+        if not f.metadata["resume"] and f.name in new and new[f.name] != old.get(f.name)
+    ]
+    if differ:
+        raise ConfigError(
+            f"--resume: {', '.join(differ)} in {saved}; a resumed run keeps the knobs that "
+            "shape its trajectory (to change them, start a new run with another --out)"
+        )
+
+
+def resume_config(given: Mapping[str, Any]) -> Config:
+    """What `--resume --out DIR [flags]` runs: the run in DIR as it was configured (its
+    config.json), with the knobs in `given` ({field name: value}, the flags typed) in place of
+    its own: those that may change on resume (knob(resume=True)) change, any other that differs
+    is refused (ConfigError naming each, with both values). --process-id is never taken from
+    config.json (it holds process 0's). Nothing in DIR yet (a job preempted before it wrote
+    anything): `given` over the defaults, a new run, as without --resume."""
+    if given.get("out") is None:
+        raise ConfigError("--resume needs --out DIR, the run to continue")
+    saved = Path(given["out"]) / "config.json"
+    if not saved.is_file():
+        return Config(**{**given, "resume": True})  # check: a checkpoint alone is refused
+    old = read_config(saved)
+    refuse_changes(saved, old, given)
+    kept = {k: v for k, v in old.items() if k != "process_id"}
+    return Config(**{**kept, **given, "resume": True})
 
 
 def check(cfg: Config) -> Config:
-    """Reject bad input before any work; resolve the output directory."""
+    """Reject bad input before any work; resolve the output directory. With `cfg.resume`, every
+    knob that may not change on resume must equal the run's in --out (its config.json): `cfg`
+    is the whole config (`resume_config` makes one from the knobs typed)."""
     for field in dataclasses.fields(Config):
         value, least = getattr(cfg, field.name), field.metadata["min"]
         if least is not None and value is not None and not value >= least:
-            raise ConfigError(f"--{field.name.replace('_', '-')} must be >= {least}, got {value}")
+            raise ConfigError(f"{flag(field.name)} must be >= {least}, got {value}")
     if cfg.task is None and cfg.model == "mlp" and cfg.granularity == "token":
         raise ConfigError("--granularity token needs sequences: use --model transformer")
     units = cfg.batch_size * (cfg.seq_len if cfg.granularity == "token" else 1)
@@ -256,8 +351,10 @@ def check(cfg: Config) -> Config:
     if cfg.resume and cfg.out is None:
         raise ConfigError("--resume needs --out DIR, the run to continue")
     if cfg.out is None:
-        return dataclasses.replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
-    saved, step = Path(cfg.out) / "config.json", checkpoint_step(Path(cfg.out))
+        cfg = dataclasses.replace(cfg, out=time.strftime("runs/%Y%m%d-%H%M%S"))
+    out = Path(str(cfg.out))
+    check_out(out)
+    saved, step = out / "config.json", checkpoint_step(out)
     if not (saved.exists() or step is not None):
         return cfg  # a new run (--resume too: nothing to continue yet, it starts at step 0)
     if not cfg.resume:
@@ -268,21 +365,24 @@ def check(cfg: Config) -> Config:
         )
     if not saved.exists():
         raise ConfigError(f"--resume: {cfg.out} has a checkpoint but no config.json")
-    old = json.loads(saved.read_text())
-    changed = [
-        f.name
-        for f in dataclasses.fields(Config)
-        if not f.metadata["resume"] and old.get(f.name) != getattr(cfg, f.name)
-    ]
-    if changed:
-        raise ConfigError(
-            f"--resume with a different config: {', '.join(changed)} differ from {saved}"
-        )
+    old = read_config(saved)
+    refuse_changes(saved, old, dataclasses.asdict(cfg))
     if step is not None and step > cfg.steps:
         raise ConfigError(f"--resume --steps {cfg.steps}: the checkpoint is at step {step}")
     if step is not None and old["steps"] != cfg.steps:
         check_schedule(dataclasses.replace(cfg, steps=old["steps"]), cfg, step)
     return cfg
+
+
+def check_out(out: Path) -> None:
+    """--out is a directory this process may create, or write into."""
+    for there in (out, *out.parents):
+        if there.exists() or there.is_symlink():
+            if not there.is_dir():
+                raise ConfigError(f"--out {out}: {there} is not a directory; choose another --out")
+            if not os.access(there, os.W_OK | os.X_OK):
+                raise ConfigError(f"--out {out}: {there} is not writable; choose another --out")
+            return
 
 
 def check_schedule(old: Config, new: Config, taken: int) -> None:
@@ -453,13 +553,24 @@ def load_factory(spec: str) -> TaskFactory:
 
 def make_task(cfg: Config, *, key: PRNGKeyArray, factory: TaskFactory | None = None) -> Task:
     """The task of `cfg`: `factory`'s, else --task's, else --model's built-in one; checked
-    before any work: a Task whose parameters are floating arrays and whose batches have
-    cfg.batch_size examples."""
+    before any work: a factory callable as factory(cfg, key=key) that returns a Task whose
+    parameters are floating arrays, whose batches have cfg.batch_size examples, and whose loss
+    of one example is a floating scalar."""
     if factory is None and cfg.task is not None:
         factory = load_factory(cfg.task)
     if factory is None:
         return (lm_task if cfg.model == "transformer" else mlp_task)(cfg, key=key)
     name = cfg.task or getattr(factory, "__qualname__", repr(factory))
+    try:
+        inspect.signature(factory).bind(cfg, key=key)
+    except TypeError as err:
+        called = getattr(factory, "__name__", "make")
+        raise ConfigError(
+            f"task {name}: {err} (called as {called}(cfg, key=key)); define it as "
+            f"{called}(cfg, *, key) -> train.Task"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
     task = factory(cfg, key=key)
     # `python train.py --task ...` runs this file as __main__; a factory that imported `train`
     # has another copy of the class: the same fields are the same Task.
@@ -484,6 +595,23 @@ def make_task(cfg: Config, *, key: PRNGKeyArray, factory: TaskFactory | None = N
                 f"{leaf.shape}; every leaf's leading axis must be --batch-size "
                 f"{cfg.batch_size}"
             )
+    example = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), batch)
+    loss = jax.eval_shape(task.loss_fn, task.params, example)
+    if not (
+        isinstance(loss, jax.ShapeDtypeStruct)
+        and loss.shape == ()
+        and jnp.issubdtype(loss.dtype, jnp.floating)
+    ):
+        what = (
+            f"shape {loss.shape} {loss.dtype}"
+            if isinstance(loss, jax.ShapeDtypeStruct)
+            else f"a {type(loss).__name__}"
+        )
+        raise ConfigError(
+            f"task {name}: loss_fn(params, example) returned {what} for one example; it must "
+            "return a scalar, the floating loss of ONE example (reduce inside it, e.g. "
+            "jnp.sum over its positions; train.py takes the batch mean)"
+        )
     return task
 
 
@@ -877,7 +1005,14 @@ def load_checkpoint(out: Path, template: PyTree) -> tuple[PyTree, int]:
 
 
 # --------------------------------------------------------------------------------------------
-# Progress: one updating line on a terminal, plain lines otherwise (logs, pipes).
+# Progress: one updating line on a terminal, plain lines otherwise (logs, pipes). Every loss is
+# labelled as metrics.jsonl labels it: "step N" is the loss of the parameters after N updates.
+
+
+def logs(cfg: Config, step: int) -> bool:
+    """Whether the loss of `step` is logged, in metrics.jsonl and on a console that is no
+    terminal: every --log-interval steps, at every evaluation, and at the last step."""
+    return step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step + 1 == cfg.steps
 
 
 class Progress:
@@ -887,20 +1022,21 @@ class Progress:
         self.quiet = jax.process_index() != 0  # one process speaks for a multi-process run
 
     def update(self, step: int, loss: float) -> None:
+        """`loss`: step `step`'s, measured before its update (metrics.jsonl's "step")."""
         if self.quiet:
             return
+        line = f"step {step}/{self.cfg.steps}  loss {loss:.4f}"
         if step == self.start:  # the first step compiles: measure the speed from its end
             self.t0 = time.perf_counter()
-            return
-        rate = (step - self.start) / (time.perf_counter() - self.t0)  # steps per second
-        line = (
-            f"step {step + 1}/{self.cfg.steps}  loss {loss:.4f}  "
-            f"{rate * self.units_per_step:,.0f} {self.unit}/s  "
-            f"ETA {(self.cfg.steps - step - 1) / rate:.0f}s"
-        )
+        else:
+            rate = (step - self.start) / (time.perf_counter() - self.t0)  # steps per second
+            line += (
+                f"  {rate * self.units_per_step:,.0f} {self.unit}/s  "
+                f"ETA {(self.cfg.steps - step - 1) / rate:.0f}s"
+            )
         if self.tty:
             print(f"\r{line}\033[K", end="", flush=True)
-        elif (step + 1) % self.cfg.log_interval == 0:
+        elif logs(self.cfg, step):
             print(line, flush=True)
 
     def note(self, text: str) -> None:
@@ -934,17 +1070,59 @@ def main(cfg: Config, task: TaskFactory | None = None) -> dict[str, Any]:
     try:
         return _train(cfg, task)
     except KeyboardInterrupt:
-        out = Path(str(cfg.out))
-        with contextlib.suppress(ConfigError):
-            step = checkpoint_step(out)
-            if step is not None:
-                raise Interrupted(
-                    f"the last checkpoint is {out / 'checkpoint.npz'} (step {step}); "
-                    f"--resume --out {out} continues from it"
-                ) from None
-        raise Interrupted(
-            f"before the first checkpoint of {out}; --resume --out {out} starts it over"
-        ) from None
+        raise Interrupted(interrupted(Path(str(cfg.out)))) from None
+
+
+def interrupted(out: Path) -> str:
+    """What Ctrl-C says: where the run in `out` stands, and the command that continues it
+    (the flags of `python train.py`, as typed: `cli_config` reads the rest from config.json)."""
+    resume = f"--resume --out {shlex.quote(str(out))}"
+    with contextlib.suppress(ConfigError):
+        step = checkpoint_step(out)
+        if step is not None:
+            return (
+                f"the last checkpoint is {out / 'checkpoint.npz'} (step {step}); {resume} "
+                "continues from it"
+            )
+    if (out / "config.json").is_file():
+        return f"before the first checkpoint of {out}; {resume} starts it over"
+    return f"before anything was written to {out}: nothing to resume, run the command again"
+
+
+def start_writing(out: Path, cfg: Config, metrics: str) -> list[Path]:
+    """Create --out (and the parents it lacks) and write config.json (the run's config; the
+    --resume that started this process is no part of it) and metrics.jsonl (`metrics`: the
+    records kept from before a checkpoint). Returns what did not exist before, files first
+    and then directories, deepest first: what `removed_on_failure` removes."""
+    made = [there for there in (out, *out.parents) if not there.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot create it ({err}); choose another --out") from None
+    config, log = out / "config.json", out / "metrics.jsonl"
+    new = [path for path in (config, log) if not path.exists()]
+    config_json = json.dumps(dataclasses.asdict(dataclasses.replace(cfg, resume=False)), indent=1)
+    atomic_write(config, lambda f: f.write(config_json.encode()))
+    atomic_write(log, lambda f: f.write(metrics.encode()))
+    return new + made
+
+
+@contextlib.contextmanager
+def removed_on_failure(created: list[Path], *, kept: Callable[[], bool]) -> Iterator[None]:
+    """Remove `created` (files, and directories left empty) when the block raises an Exception
+    while `kept()` is false: a run that failed before its first step leaves nothing behind.
+    Ctrl-C (no Exception) keeps them: config.json is what --resume continues."""
+    try:
+        yield
+    except Exception:
+        if not kept():
+            for path in created:
+                with contextlib.suppress(OSError):  # a directory someone else wrote into stays
+                    if path.is_dir():
+                        path.rmdir()
+                    else:
+                        path.unlink()
+        raise
 
 
 def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
@@ -965,10 +1143,6 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
         tree, start = load_checkpoint(out, tree)
     elif cfg.resume:
         say(f"no checkpoint in {out} yet: starting at step 0")
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
-        atomic_write(out / "config.json", lambda f: f.write(config_json))
     say("config:", "  ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(
@@ -1002,17 +1176,23 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
     metrics_path = out / "metrics.jsonl"
     old = metrics_path.read_text().splitlines() if start > 0 and metrics_path.exists() else []
     earlier = "".join(line + "\n" for line in old if json.loads(line)["step"] < start)
-    if lead:
-        atomic_write(metrics_path, lambda f: f.write(earlier.encode()))
     progress = Progress(cfg, start, cfg.batch_size * task.units_per_example, task.unit)
     result: dict[str, Any] = {"out": str(out), "steps": cfg.steps}
     last_saved = start if start > 0 else None
-
-    with open(metrics_path if lead else os.devnull, "a") as metrics:
+    # Nothing was written before here. A run that fails before it logs a step (e.g. its step
+    # does not compile) removes what it created; Ctrl-C keeps config.json, to resume from.
+    created = start_writing(out, cfg, earlier) if lead else []
+    logged = False
+    with (
+        removed_on_failure(created, kept=lambda: logged),
+        open(metrics_path if lead else os.devnull, "a") as metrics,
+    ):
 
         def write(record: dict[str, Any]) -> None:
+            nonlocal logged
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+            logged = True
 
         def diverged(step: int, why: str) -> Diverged:
             """Record the step that diverged in metrics.jsonl; the error that stops the run."""
@@ -1047,7 +1227,7 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
             if not diag.pop("params_finite"):
                 raise diverged(step, f"the update of step {step} made parameters NaN/Inf")
             tree = {"params": params, "opt_state": opt_state}
-            if step % cfg.log_interval == 0 or "eval_loss" in record or step + 1 == cfg.steps:
+            if logs(cfg, step):
                 record |= {"loss": loss, "lr": lr(step)}
                 record |= {k: float(v) for k, v in diag.items()}
                 record["seconds"] = round(time.perf_counter() - t_start, 3)
@@ -1069,10 +1249,11 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """`python train.py ...` (`python -m pegrad.train ...` installed): bad input, a NaN/Inf
-    loss and Ctrl-C each end the run with one line on stderr and a non-zero exit status."""
+    """`python train.py ...` (`python -m pegrad.train ...` installed), the config `cli_config`
+    reads (--resume: the run's own): bad input, a NaN/Inf loss and Ctrl-C each end the run with
+    one line on stderr and a non-zero exit status."""
     try:
-        main(parse_config(sys.argv[1:] if argv is None else argv))
+        main(cli_config(sys.argv[1:] if argv is None else argv))
     except (ConfigError, Diverged) as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt as err:  # Interrupted, or Ctrl-C before the run began

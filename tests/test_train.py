@@ -7,10 +7,15 @@ same losses; a user's own model and data (a module written outside the repo) tra
 resumed, a run killed before its first checkpoint restarted, and a finished run extended, each
 to bitwise the parameters of an uninterrupted one, and an extension that would re-lay the
 learning-rate schedule refused; Ctrl-C ending with one line naming the last checkpoint (a real
-SIGINT, in a subprocess); checkpoints keeping dtypes (bfloat16 too) and refusing another model;
-a crash while saving leaving the previous checkpoint loadable; a NaN loss stopping the run with
-the step named, recorded in metrics.jsonl, and the last good checkpoint kept; bad input as a
-one-line error and exit status 1 (in a subprocess); two (fake) devices giving the losses of one.
+SIGINT, in a subprocess), and the command it prints continuing the run as it was configured
+(before and after its first checkpoint); --resume taking the flags that may change and refusing
+the others with both values; the console and metrics.jsonl labelling each loss with the same
+step; checkpoints keeping dtypes (bfloat16 too) and refusing another model; a crash while saving
+leaving the previous checkpoint loadable; a NaN loss stopping the run with the step named,
+recorded in metrics.jsonl, and the last good checkpoint kept; bad input as a one-line error and
+exit status 1 (in a subprocess: a factory of the wrong signature, a loss that is no scalar, an
+--out under a file among them) leaving no directory behind, nor does a run that fails before
+its first step; two (fake) devices giving the losses of one.
 """
 
 import dataclasses
@@ -18,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -269,6 +275,158 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path: Path):
     ]
 
 
+def test_the_ctrl_c_hint_continues_the_run_as_it_was_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    """The command Ctrl-C prints, run as printed (its --out has a space), continues the run in
+    --out as it was configured, not with the defaults: killed before its first checkpoint and
+    after it, both end as the uninterrupted run (metrics, parameters), config.json untouched."""
+    flags = ["--model", "mlp", "--size", "tiny", "--dtype", "float64", "--batch-size", "4",
+             "--steps", "5", "--lr", "0.02", "--warmup", "1", "--log-interval", "1",
+             "--eval-interval", "2", "--eval-batches", "2",
+             "--checkpoint-interval", "3"]  # fmt: skip
+    full = tmp_path / "full"
+    train.cli([*flags, "--out", str(full)])
+    for kill_at, then in [(1, "starts it over"), (4, "continues from it")]:
+
+        def crash(self: train.Progress, step: int, loss: float, kill_at: int = kill_at) -> None:
+            if step == kill_at:
+                raise KeyboardInterrupt
+
+        out = tmp_path / f"killed at {kill_at}"
+        capsys.readouterr()
+        with monkeypatch.context() as m, pytest.raises(SystemExit) as exit:
+            m.setattr(train.Progress, "update", crash)
+            train.cli([*flags, "--out", str(out)])
+        assert exit.value.code == 130
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        printed = re.fullmatch(rf"interrupted: .*; (--resume --out .*) {then}", line)
+        assert printed is not None, line
+        saved = (out / "config.json").read_bytes()
+        train.cli(shlex.split(printed.group(1)))
+        assert (out / "config.json").read_bytes() == saved
+        assert train.checkpoint_step(out) == 5
+        assert strip_seconds(metrics(out)) == strip_seconds(metrics(full))
+        assert_same_params(full, out)
+
+
+def test_resume_takes_resumable_flags_and_refuses_others_naming_both_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """`--resume --out DIR` with flags: a knob that may change on resume (--steps, under a
+    constant schedule) changes; one that may not is refused, each named with the value typed and
+    the run's, and nothing in DIR changes."""
+    out = tmp_path / "run"
+    flags = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--steps", "2",
+             "--schedule", "constant", "--lr", "0.02", "--eval-interval", "2"]  # fmt: skip
+    train.cli([*flags, "--out", str(out)])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as exit:
+        train.cli(["--resume", "--out", str(out), "--lr", "0.01", "--seed", "1", "--steps", "3"])
+    assert isinstance(exit.value.code, str) and exit.value.code.startswith(
+        "error: --resume: --lr 0.01 differs from the run's 0.02, --seed 1 differs from the "
+        f"run's 0 in {out / 'config.json'}; "
+    )
+    assert "\n" not in exit.value.code
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    train.cli(["--resume", "--out", str(out), "--steps", "3", "--lr", "0.02"])  # the same lr
+    assert train.checkpoint_step(out) == 3
+    config = json.loads((out / "config.json").read_text())
+    assert config["steps"] == 3 and config["lr"] == 0.02 and config["model"] == "mlp"
+
+
+def test_console_and_metrics_label_each_loss_with_the_same_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Off a terminal the console prints a loss on the steps metrics.jsonl logs one, under the
+    same step number, and the same number to its precision; so with the held-out losses."""
+    train.main(tiny(tmp_path, model="mlp", steps=6, log_interval=2, eval_interval=3))
+    console = capsys.readouterr().out
+    printed = dict(re.findall(r"^step (\d+)/6  loss (\S+)", console, re.MULTILINE))
+    logged = {str(m["step"]): m["loss"] for m in metrics(tmp_path) if "loss" in m}
+    assert printed.keys() == logged.keys() == {"0", "2", "3", "4", "5"}
+    assert printed == {step: f"{loss:.4f}" for step, loss in logged.items()}
+    evaluated = dict(re.findall(r"^step (\d+): eval loss (\S+)", console, re.MULTILINE))
+    logged = {str(m["step"]): m["eval_loss"] for m in metrics(tmp_path) if "eval_loss" in m}
+    assert evaluated == {step: f"{loss:.4f}" for step, loss in logged.items()}
+    assert evaluated.keys() == {"0", "3", "6"}
+
+
+# Tasks that cannot train, each as a user might write it.
+WRONG_SIGNATURE = """
+import train
+
+def make(cfg):
+    return train.mlp_task(cfg, key=None)
+"""
+VECTOR_LOSS = """
+import jax.numpy as jnp
+
+import train
+
+def make(cfg, *, key):
+    task = train.mlp_task(cfg, key=key)
+    return task._replace(loss_fn=lambda params, example: jnp.square(example[1]))
+"""
+
+
+@pytest.mark.parametrize(
+    "files, args, message",
+    [
+        ({"task.py": WRONG_SIGNATURE}, ["--task", "task.py:make", "--out", "new/run"],
+         "define it as make(cfg, *, key)"),
+        ({"task.py": VECTOR_LOSS}, ["--task", "task.py:make"], "must return a scalar"),
+        ({"file": ""}, ["--out", "file/run"], "file is not a directory"),
+    ],
+    ids=["factory-signature", "vector-loss", "out-under-a-file"],
+)  # fmt: skip
+def test_cli_failure_is_one_line_naming_the_fix_and_leaves_nothing_behind(
+    tmp_path: Path, files: dict[str, str], args: list[str], message: str
+):
+    """`python train.py` in a directory of the user's: one line "error: ..." naming the fix,
+    exit status 1, no traceback, and no directory created (runs/<timestamp> nor --out)."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    small = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--steps", "2"]
+    proc = run_script(str(REPO / "train.py"), *small, *args, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
+
+
+def test_a_run_that_fails_before_step_0_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A failure no check foresees (here: the step cannot be traced) removes what the run
+    created, its --out and the parents it made, and leaves a directory that was there as it
+    was; Ctrl-C before anything is written says there is nothing to resume."""
+
+    def untraceable(cfg: train.Config, task: train.Task, opt: Any) -> Any:
+        def step(params: Any, state: Any, batch: Any) -> Any:
+            raise ValueError("this step cannot be traced")
+
+        return step
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "make_step", untraceable)
+        with pytest.raises(ValueError, match="cannot be traced"):
+            train.main(tiny(tmp_path / "new" / "run", model="mlp"))
+        assert not (tmp_path / "new").exists()
+        (tmp_path / "mine").mkdir()
+        with pytest.raises(ValueError, match="cannot be traced"):
+            train.main(tiny(tmp_path / "mine", model="mlp"))
+        assert list((tmp_path / "mine").iterdir()) == []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "build", interrupted)
+    with pytest.raises(train.Interrupted, match="nothing to resume"):
+        train.main(tiny(tmp_path / "other", model="mlp"))
+    assert not (tmp_path / "other").exists()
+
+
 # A model and its data defined outside the repo, as a user writes them: a small Equinox network
 # regressing a noisy linear map.
 OWN_TASK = """
@@ -460,7 +618,8 @@ def test_bad_input_is_a_config_error(tmp_path: Path):
     train.main(tiny(tmp_path / "d", model="mlp", steps=1))
     with pytest.raises(train.ConfigError, match=r"already holds a run \(at step 1\)"):
         train.main(tiny(tmp_path / "d", model="mlp", steps=1))
-    with pytest.raises(train.ConfigError, match="lr differ"):
+    # From Python the Config is the whole config: each knob that may not change, checked.
+    with pytest.raises(train.ConfigError, match=r"--lr 0.5 differs from the run's 0.01 in "):
         train.main(tiny(tmp_path / "d", model="mlp", steps=2, lr=0.5, resume=True))
     with pytest.raises(train.ConfigError, match="max-grad-norm"):
         train.main(tiny(tmp_path / "e", optimizer="sign_sgd", max_grad_norm=1.0))
