@@ -37,19 +37,24 @@ The statistics beside the updates (the contract every rule that reads `stats=` e
   a rule sees the updates with `optax.MaskedNode` where the mask is False; it cuts every
   statistic it reads to the same tree, so micro_adam on the matrices and adam on the rest work
   with the one `stats` dict pegrad returns (no `mask_compatible_extra_args` needed).
-* The updates must be the mean gradient the statistics were taken with, `stats["mean"]`, or one
-  global multiple c·ḡ of it (c ≠ 1: optax.clip_by_global_norm, optax.scale, a schedule chained
-  before the rule). A multiple is read as every per-example gradient scaled by c: q → c²·q,
-  sign_mean → sign(c)·sign_mean, exactly as `max_grad_norm` does. So
+* The updates must be the mean gradient the statistics were taken with, `stats["mean"]`, or
+  c·ḡ for one global scalar c (c ≠ 1: optax.clip_by_global_norm, optax.scale, a schedule
+  chained before the rule). A multiple is read as every per-example gradient scaled by c:
+  q → c²·q, sign_mean → sign(c)·sign_mean, exactly as `max_grad_norm` does. So
   `optax.chain(optax.clip_by_global_norm(C), micro_adam(lr))` equals
-  `micro_adam(lr, max_grad_norm=C)`. Anything else, e.g. `optax.MultiSteps` (which accumulates
-  ḡ over micro-batches beside one micro-batch's statistics) or an elementwise transform before
-  the rule (optax.clip), is refused with an error naming the fix (`multi_steps`, or the
-  transform after the rule). The check is free when the updates are the very arrays of
-  stats["mean"] (the case in `make_train_step`, with or without wrappers that pass them on:
-  chain, masked, partition, inject_hyperparams, apply_if_finite, multi_steps); otherwise it is
-  one dot product over the parameters, and a jitted update that fails it raises (a
-  JaxRuntimeError carrying the message) when its result is read.
+  `micro_adam(lr, max_grad_norm=C)`. The test is per coordinate, not against the largest
+  update: c is read where |ḡ| is largest, and every coordinate must equal c·ḡ_j to `ULPS`
+  units of its own last place (+ ULPS·tiny), the rounding of forming c·ḡ; a coordinate where
+  ḡ_j = 0 must get 0. Anything else raises `InconsistentUpdates` naming the leaf, the
+  coordinate, both values and the fix: optax.MultiSteps (which accumulates ḡ beside one
+  micro-batch's statistics; refused when make_train_step builds the step) → `multi_steps`; an
+  elementwise transform (optax.clip) → after the rule; coupled L2 (optax.add_decayed_weights
+  before the rule, however small λ) → the rule's `l2=λ`, exact: every example's gradient
+  + λ·p. The check is free when the updates are the very arrays of stats["mean"] (the case
+  in `make_train_step`, with or without wrappers that pass them on: chain, masked, partition,
+  inject_hyperparams, apply_if_finite, multi_steps); otherwise it is a few elementwise
+  operations, run on values under jit: `make_train_step` then waits for its step and raises
+  `InconsistentUpdates` itself; a jit of your own raises JAX's runtime error carrying it.
 * `max_grad_norm` and the global-norm check read the leaves the rule sees (under a mask: its
   part), as optax.clip_by_global_norm inside optax.masked would.
 
@@ -59,7 +64,8 @@ parameter dtype, where bf16 rounds b2 = 0.999 to 1: pass hyperparam_dtype=jnp.fl
 parameters. Accumulate with `multi_steps`, not `optax.MultiSteps` (refused above, except with
 adam, sign_sgd and sign_ema, which read no statistics and so are right under either).
 
-Exact references: `adam` equals `optax.adamw` (bitwise on the same ḡ at float64), sign_sgd at
+Exact references: `adam` equals `optax.adamw` at the same λ (bitwise on the same ḡ at float64;
+λ defaults to 0 here and to 1e-4 in optax.adamw, so `adam(lr)` is `optax.adam(lr)`), sign_sgd at
 momentum 0 equals `optax.sign_sgd`, sign_ema equals optax's Signum with decoupled weight decay;
 `multi_steps` over k micro-batches equals one step on their union; every other rule equals its
 formula. Proof, at float64, for impl="vmap" and impl="factorized", against optax and against
@@ -71,6 +77,7 @@ called.
 """
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -95,7 +102,8 @@ class MissingStatistics(ValueError):
     """`update` was called without statistics its rule reads; `names` lists all of them.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> opt = optimizers.micro_adam(0.1)
         >>> p = {"w": jnp.ones(2)}
         >>> try:
@@ -271,68 +279,109 @@ def _align(rule: str, name: str, stat: PyTree, updates: PyTree) -> PyTree:
         ) from None
 
 
-# Relative tolerance of "the updates are c·ḡ": √eps of the dtype the check runs in. A global
-# rescaling (clip_by_global_norm's ḡ/‖ḡ‖·C) is within a few ulps of c·ḡ; an accumulated or
-# elementwise-changed gradient is off by O(1).
-def _tolerance(dtype: Any) -> float:
-    return float(np.sqrt(np.finfo(dtype).eps))
+# "The updates are c·ḡ" is decided coordinate by coordinate, never against the largest update:
+# |u_j − c·ḡ_j| ≤ ULPS·ε·|c·ḡ_j| + ULPS·tiny at every j, with ε and tiny those of the coarser of
+# the two dtypes. A global rescaling (clip_by_global_norm's ḡ/‖ḡ‖·C, optax.scale, a schedule)
+# rounds each coordinate a few ulps; anything else (a shift, an accumulated ḡ, an elementwise
+# clip) moves some coordinate by more, and where ḡ_j = 0 by any normal number at all.
+ULPS = 16
 
 
-def _refuse(rule: str, bad: Any, residual: Any, size: Any) -> None:
+class InconsistentUpdates(ValueError):
+    """A rule reading statistics was given updates that are not c·ḡ of its statistics' ḡ."""
+
+
+_LAST_REFUSAL: dict[str, str] = {}  # the message of a refusal raised on the host (under jit)
+
+
+class _QuietRefusals(logging.Filter):
+    """JAX logs every exception a debug callback raises with its traceback; a refusal is
+    raised again with its own message (make_train_step), so its log record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], InconsistentUpdates))
+
+
+logging.getLogger("jax._src.debugging").addFilter(_QuietRefusals())
+
+
+def _refuse(rule: str, paths: tuple[str, ...], bad: Any, where: Any, u: Any, cg: Any) -> None:
     """The host side of the runtime check: raise for the runs (under vmap) that failed it."""
     bad = np.asarray(bad)
     if not bad.any():
         return
-    i = np.unravel_index(np.argmax(bad), bad.shape) if bad.ndim else ()
-    raise ValueError(
-        _inconsistent(rule, float(np.asarray(residual)[i]), float(np.asarray(size)[i]))
-    )
+    run = np.unravel_index(np.argmax(bad.any(axis=-1)), bad.shape[:-1]) if bad.ndim > 1 else ()
+    leaf = int(np.argmax(bad[run]))
+    at = lambda x: np.asarray(x)[run][leaf]
+    message = _inconsistent(rule, paths[leaf], int(at(where)), float(at(u)), float(at(cg)))
+    _LAST_REFUSAL["message"] = message
+    raise InconsistentUpdates(message)
 
 
-def _inconsistent(rule: str, residual: float, size: float) -> str:
+def _inconsistent(rule: str, path: str, index: int, u: float, cg: float) -> str:
     return (
-        f"{rule}: the updates it was given are not the mean gradient ḡ its statistics were taken "
-        f"with (stats['mean']), nor one global multiple c·ḡ of it (max |u − c·ḡ| = {residual:.3g}"
-        f" against max |u| = {size:.3g}). A transformation before it changed ḡ across batches "
-        "or per coordinate. optax.MultiSteps accumulates ḡ beside one micro-batch's statistics: "
-        "use optimizers.multi_steps(opt, every_k), which accumulates both. An elementwise "
-        "transform (e.g. optax.clip): chain it after the rule, or clip by the global norm "
-        "(max_grad_norm=, or optax.clip_by_global_norm before the rule)."
+        f"{rule}: the updates it was given are not c·ḡ, one global multiple of the mean "
+        f"gradient its statistics describe (stats['mean']): at {path}, flat index {index}, the "
+        f"update is {u!r} where c·ḡ is {cg!r} (every coordinate must agree to {ULPS} ulps). "
+        "A transformation before the rule changed ḡ per coordinate or across batches. Coupled "
+        "L2 (optax.add_decayed_weights before it): pass l2=λ to the rule (the Adam family: "
+        "exact), or put (λ/2)·‖p‖² in the loss; decoupled decay is weight_decay=λ. Accumulation "
+        "(optax.MultiSteps): optimizers.multi_steps(opt, every_k). An elementwise transform "
+        "(optax.clip): chain it after the rule, or clip by the global norm (max_grad_norm=C, or "
+        "optax.clip_by_global_norm before the rule)."
     )
+
+
+_RUNTIME_CHECKS = [0]  # how many checks were left to run time while tracing (make_train_step)
 
 
 def _scale_of(rule: str, updates: PyTree, mean: PyTree) -> Array | None:
-    """c with updates = c·ḡ, checked; None when the updates are the very arrays of ḡ."""
-    u_leaves, m_leaves = jax.tree.leaves(updates), jax.tree.leaves(mean)
+    """c with updates = c·ḡ, checked per coordinate; None when the updates are the very arrays
+    of ḡ. c is read off the coordinate where |ḡ| is largest (1 exactly when u = ḡ there)."""
+    u_flat = jax.tree_util.tree_leaves_with_path(updates)
+    m_leaves = jax.tree.leaves(mean)
+    u_leaves = [x for _, x in u_flat]
     if len(u_leaves) == len(m_leaves) and all(
         u is m for u, m in zip(u_leaves, m_leaves, strict=True)
     ):
         return None  # passed on unchanged, as make_train_step does: nothing to check
     dtype = _widest(u_leaves)
-    u = [jnp.asarray(x).astype(dtype) for x in u_leaves]
-    m = [jnp.asarray(x).astype(dtype) for x in m_leaves]
-    total = lambda xs: sum((jnp.sum(x) for x in xs), jnp.zeros([], dtype))
-    largest = lambda xs: functools.reduce(
-        jnp.maximum, (jnp.max(jnp.abs(x), initial=0.0) for x in xs), jnp.zeros([], dtype)
-    )
-    equal = jnp.all(
-        jnp.stack([jnp.array_equal(a, b) for a, b in zip(u, m, strict=True)] or [jnp.bool_(True)])
-    )
-    dot, norm2 = total([a * b for a, b in zip(u, m, strict=True)]), total([b * b for b in m])
-    fit = jnp.where(norm2 > 0, dot / jnp.where(norm2 > 0, norm2, 1.0), 1.0)
-    c = jnp.where(equal, jnp.ones([], dtype), fit)  # bitwise equal: c = 1 exactly
-    residual, size = largest([a - c * b for a, b in zip(u, m, strict=True)]), largest(u)
-    bad = residual > _tolerance(dtype) * size
+    pairs = [
+        (jnp.ravel(jnp.asarray(a)).astype(dtype), jnp.ravel(jnp.asarray(b)).astype(dtype), a, b)
+        for a, b in zip(u_leaves, m_leaves, strict=True)
+        if jnp.size(a) > 0
+    ]
+    paths = tuple(jax.tree_util.keystr(p) or "the updates" for (p, a) in u_flat if jnp.size(a) > 0)
+    if not pairs:
+        return jnp.ones([], dtype)
+    top = [jnp.argmax(jnp.abs(m)) for _, m, _, _ in pairs]
+    m_top = jnp.stack([m[i] for (_, m, _, _), i in zip(pairs, top, strict=True)])
+    u_top = jnp.stack([u[i] for (u, _, _, _), i in zip(pairs, top, strict=True)])
+    k = jnp.argmax(jnp.abs(m_top))
+    c = jnp.where(m_top[k] != 0, u_top[k] / jnp.where(m_top[k] != 0, m_top[k], 1), 1.0)
+    bads, wheres, us, cgs = [], [], [], []
+    for u, m, a, b in pairs:
+        info = [jnp.finfo(jnp.asarray(x).dtype) for x in (a, b)]
+        eps, tiny = max(float(i.eps) for i in info), max(float(i.tiny) for i in info)
+        cg = c * m
+        excess = jnp.abs(u - cg) - (ULPS * eps) * jnp.abs(cg) - ULPS * tiny
+        j = jnp.argmax(excess)
+        bads.append(excess[j] > 0)  # NaN compares False: apply_if_finite's business
+        wheres.append(j)
+        us.append(u[j])
+        cgs.append(cg[j])
+    bad, where, u_at, cg_at = (jnp.stack(x) for x in (bads, wheres, us, cgs))
     try:
-        failed = bool(bad)
+        failed = bool(jnp.any(bad))
     except jax.errors.ConcretizationTypeError:  # traced: checked when the step runs
         failed = None
-    if failed:
-        raise ValueError(_inconsistent(rule, float(residual), float(size)))
-    if failed is not None:
-        return c
-    raise_ = lambda: jax.debug.callback(functools.partial(_refuse, rule), bad, residual, size)
-    jax.lax.cond(bad, raise_, lambda: None)
+    if failed is None:
+        _RUNTIME_CHECKS[0] += 1
+        check = functools.partial(_refuse, rule, paths)
+        raise_ = lambda: jax.debug.callback(check, bad, where, u_at, cg_at)
+        jax.lax.cond(jnp.any(bad), raise_, lambda: None)
+    elif failed:
+        _refuse(rule, paths, bad, where, u_at, cg_at)
     return c
 
 
@@ -388,14 +437,18 @@ def _scale_by_adam_family(
     relu_preconditioner: bool = False,
     block: Block = None,
     eps_root: Any = 0.0,
+    l2: Any = 0.0,
 ) -> Transformation:
     """The direction m̂/(√(v̂ + ε_root) + ε) with v fed by second_moment(ḡ, q, B) (v̂ block
-    averaged, then ReLU'd, before ε_root is added); state as optax.adam's."""
+    averaged, then ReLU'd, before ε_root is added); state as optax.adam's. Coupled L2 shifts
+    every example's (clipped) gradient by d = λ·p: ḡ → ḡ + d, q → q + 2d·ḡ + d²."""
     _check(rule, "b1", b1, _unit_interval, "in [0, 1)")
     _check(rule, "b2", b2, _unit_interval, "in [0, 1)")
     _check(rule, "eps", eps, lambda x: x >= 0.0, ">= 0")
     _check(rule, "eps_root", eps_root, lambda x: x >= 0.0, ">= 0")
     _check(rule, "max_grad_norm", max_grad_norm, lambda x: x > 0.0, "> 0 or None")
+    _check(rule, "l2", l2, lambda x: x >= 0.0, ">= 0")
+    shift = not (isinstance(l2, int | float) and l2 == 0)  # literal 0: the program without
     if block not in ("tensor", "row", None):
         raise ValueError(f"{rule}: block must be 'tensor', 'row' or None, got {block!r}")
 
@@ -415,8 +468,17 @@ def _scale_by_adam_family(
         b = _batch_size(rule, st) if "batch_size" in reads else None
         c = _clip_factor(updates, max_grad_norm)
         g = _cast(updates, state.mu, c)
-        if "sq_mean" in reads:
-            q = _cast(st["sq_mean"], state.nu, None if c is None else c * c)
+        q = (
+            _cast(st["sq_mean"], state.nu, None if c is None else c * c)
+            if "sq_mean" in reads
+            else None
+        )
+        if shift:  # every example's gradient + d: its mean + d, its mean square + 2d·ḡ + d²
+            d = jax.tree.map(lambda p, m: p.astype(m.dtype) * _hyper(l2, m.dtype), params, g)
+            if q is not None:
+                q = jax.tree.map(lambda ql, gl, dl: ql + dl * (2.0 * gl + dl), q, g, d)
+            g = jax.tree.map(jnp.add, g, d)
+        if q is not None:
             nu_in = jax.tree.map(lambda gl, ql: second_moment(gl, ql, b), g, q)
         else:
             nu_in = jax.tree.map(lambda gl: second_moment(gl, None, b), g)
@@ -473,6 +535,7 @@ def scale_by_adam(
     eps: Hyper = 1e-8,
     max_grad_norm: Hyper | None = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """Adam's direction m̂/(√(v̂ + ε_root) + ε) on the mean gradient ḡ (reads no stats):
     optax.scale_by_adam with moments in float32 for bfloat16 parameters, and optional clipping.
@@ -486,12 +549,17 @@ def scale_by_adam(
         eps: ε, added outside the square root (optax's convention).
         max_grad_norm: C, clipping ḡ by its global norm; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -501,7 +569,7 @@ def scale_by_adam(
         [ 1. -1.]
     """
     return _scale_by_adam_family(
-        "Adam", (), lambda g, q, b: g * g, b1, b2, eps, max_grad_norm, eps_root=eps_root
+        "Adam", (), lambda g, q, b: g * g, b1, b2, eps, max_grad_norm, eps_root=eps_root, l2=l2
     )
 
 
@@ -511,6 +579,7 @@ def scale_by_micro_adam(
     eps: Hyper = 1e-8,
     max_grad_norm: Hyper | None = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdam's direction: Adam with the per-example second moment q = (1/B) Σ_i g_i²
     (reads stats "mean", "sq_mean").
@@ -524,12 +593,17 @@ def scale_by_micro_adam(
         eps: ε, added outside the square root.
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -540,7 +614,7 @@ def scale_by_micro_adam(
     """
     return _scale_by_adam_family(
         "MicroAdam", ("sq_mean",), lambda g, q, b: q, b1, b2, eps, max_grad_norm,
-        eps_root=eps_root,
+        eps_root=eps_root, l2=l2,
     )  # fmt: skip
 
 
@@ -550,6 +624,7 @@ def scale_by_micro_adam_var(
     eps: Hyper = 1e-8,
     max_grad_norm: Hyper | None = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamVar's direction: preconditioned by the unbiased variance alone (reads stats
     "mean", "sq_mean", "batch_size"; B ≥ 2, else ValueError).
@@ -564,12 +639,17 @@ def scale_by_micro_adam_var(
         eps: ε, added outside the square root.
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -580,7 +660,7 @@ def scale_by_micro_adam_var(
     """
     return _scale_by_adam_family(
         "MicroAdamVar", ("sq_mean", "batch_size"), _sigma2, b1, b2, eps, max_grad_norm,
-        eps_root=eps_root,
+        eps_root=eps_root, l2=l2,
     )  # fmt: skip
 
 
@@ -591,6 +671,7 @@ def scale_by_micro_adam_msq(
     max_grad_norm: Hyper | None = None,
     block: Block = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamMSQ's direction: preconditioned by the unbiased squared mean alone (reads stats
     "mean", "sq_mean", "batch_size"; B ≥ 2, else ValueError).
@@ -621,12 +702,17 @@ def scale_by_micro_adam_msq(
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
         block: None, "tensor" or "row" (above).
         eps_root: ε_root ≥ 0, added inside the square root after the ReLU; 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -641,7 +727,7 @@ def scale_by_micro_adam_msq(
     """
     return _scale_by_adam_family(
         "MicroAdamMSQ", ("sq_mean", "batch_size"), _mu2, b1, b2, eps, max_grad_norm,
-        relu_preconditioner=True, block=block, eps_root=eps_root,
+        relu_preconditioner=True, block=block, eps_root=eps_root, l2=l2,
     )  # fmt: skip
 
 
@@ -654,8 +740,10 @@ def adam(
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
-    """Adam on the mean gradient ḡ (reads no stats); equals `optax.adamw` (`optax.adam` at λ=0).
+    """Adam on the mean gradient ḡ (reads no stats); equals `optax.adamw` at the same λ, whose
+    default is 0 here and 1e-4 in optax.adamw (`adam(lr)` is `optax.adam(lr)`).
 
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·ḡ²,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
     u = −lr_t·( m̂/(√(v̂ + ε_root) + ε) + λ·p )
@@ -670,12 +758,17 @@ def adam(
             returning one (optax.add_decayed_weights'); None: all.
         max_grad_norm: C, clipping ḡ by its global norm first; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax.adam's eps_root); 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         `chain(scale_by_adam(...), add_decayed_weights(λ, mask), scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -684,7 +777,7 @@ def adam(
         >>> print(updates["w"].round(4))
         [-0.1  0.1]
     """
-    core = scale_by_adam(b1, b2, eps, max_grad_norm, eps_root)
+    core = scale_by_adam(b1, b2, eps, max_grad_norm, eps_root, l2)
     return _finish("Adam", core, learning_rate, weight_decay, mask)
 
 
@@ -697,6 +790,7 @@ def micro_adam(
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdam: Adam with the per-example second moment q = (1/B) Σ_i g_i² = ḡ² + σ²(B−1)/B
     (reads stats "mean", "sq_mean").
@@ -714,13 +808,18 @@ def micro_adam(
         max_grad_norm: C, clipping every per-example gradient by c = min(1, C/‖ḡ‖): ḡ → c·ḡ,
             q → c²·q (the paper tames MicroAdam's loss spikes with C = 1e-2); None: none.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         `chain(scale_by_micro_adam(...), add_decayed_weights(λ, mask),
         scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -729,7 +828,7 @@ def micro_adam(
         >>> print(updates["w"].round(4))
         [-0.0707  0.1   ]
     """
-    core = scale_by_micro_adam(b1, b2, eps, max_grad_norm, eps_root)
+    core = scale_by_micro_adam(b1, b2, eps, max_grad_norm, eps_root, l2)
     return _finish("MicroAdam", core, learning_rate, weight_decay, mask)
 
 
@@ -742,6 +841,7 @@ def micro_adam_var(
     mask: Mask = None,
     max_grad_norm: Hyper | None = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamVar: preconditioned by the unbiased variance alone (reads stats "mean",
     "sq_mean" and "batch_size"; B ≥ 2, else ValueError).
@@ -759,13 +859,18 @@ def micro_adam_var(
         mask: the leaves λ applies to (as in `adam`); None: all.
         max_grad_norm: C, clipping every per-example gradient (as in `micro_adam`).
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         `chain(scale_by_micro_adam_var(...), add_decayed_weights(λ, mask),
         scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -774,7 +879,7 @@ def micro_adam_var(
         >>> print(updates["w"].round(4))  # ḡ/(√σ̂² + ε), σ̂² = [1/3, 0]
         [-0.0738  0.5   ]
     """
-    core = scale_by_micro_adam_var(b1, b2, eps, max_grad_norm, eps_root)
+    core = scale_by_micro_adam_var(b1, b2, eps, max_grad_norm, eps_root, l2)
     return _finish("MicroAdamVar", core, learning_rate, weight_decay, mask)
 
 
@@ -788,6 +893,7 @@ def micro_adam_msq(
     max_grad_norm: Hyper | None = None,
     block: Block = None,
     eps_root: Hyper = 0.0,
+    l2: Hyper = 0.0,
 ) -> Transformation:
     """MicroAdamMSQ: preconditioned by the unbiased squared mean alone (reads stats "mean",
     "sq_mean" and "batch_size"; B ≥ 2, else ValueError).
@@ -811,13 +917,18 @@ def micro_adam_msq(
         block: v̂ averaged per None (coordinate), "tensor" (leaf) or "row" (output unit of an
             [out, in] weight) before the root.
         eps_root: ε_root ≥ 0, added inside the square root after the ReLU; 0: none.
+        l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
+            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
+            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
+            would mean; 0: none.
 
     Returns:
         `chain(scale_by_micro_adam_msq(...), add_decayed_weights(λ, mask),
         scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -830,7 +941,7 @@ def micro_adam_msq(
         >>> print(updates["w"].round(4))  # ḡ/√(μ̂² + ε)
         [-0.0968  0.0845]
     """
-    core = scale_by_micro_adam_msq(b1, b2, eps, max_grad_norm, block, eps_root)
+    core = scale_by_micro_adam_msq(b1, b2, eps, max_grad_norm, block, eps_root, l2)
     return _finish("MicroAdamMSQ", core, learning_rate, weight_decay, mask)
 
 
@@ -882,7 +993,8 @@ def scale_by_ema(momentum: Hyper = 0.9) -> Transformation:
         A transformation whose state is `optax.EmaState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -907,7 +1019,8 @@ def scale_by_micro_sign_sgd(momentum: Hyper = 0.0) -> Transformation:
         A transformation whose state is `optax.EmaState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -932,7 +1045,8 @@ def scale_by_sign_sgd(momentum: Hyper = 0.0) -> Transformation:
         A chain whose states are optax.scale_by_sign's and `optax.EmaState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -958,7 +1072,8 @@ def scale_by_sign_ema(momentum: Hyper = 0.9, max_grad_norm: Hyper | None = None)
         A chain of optax's blocks and `scale_by_ema`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -997,7 +1112,8 @@ def micro_sign_sgd(
         scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -1032,7 +1148,8 @@ def sign_sgd(
         `chain(scale_by_sign_sgd(β), add_decayed_weights(λ, mask), scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -1070,7 +1187,8 @@ def sign_ema(
         scale_by_learning_rate(lr))`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> params, g = {"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, -0.5])}
         >>> stats = {"mean": g, "sq_mean": {"w": jnp.array([0.5, 0.25])},
         ...          "sign_mean": {"w": jnp.array([0.5, -1.0])}, "batch_size": 4}
@@ -1123,7 +1241,8 @@ def multi_steps(optimizer: AnyTransformation, every_k: int) -> Transformation:
         A transformation whose state is `MultiStepsState`.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> p = {"w": jnp.zeros(1)}
         >>> opt = optimizers.multi_steps(optimizers.micro_adam(1.0, b1=0.0, b2=0.0), 2)
         >>> state = opt.init(p)
@@ -1167,18 +1286,22 @@ def multi_steps(optimizer: AnyTransformation, every_k: int) -> Transformation:
         old = state.units
         b = jnp.asarray(st["batch_size"]).astype(old.dtype)
         units = old + b
-        w = b / units
+        w = b / jnp.maximum(units, 1)
+        # A micro-batch keeping no example adds nothing (its statistics are NaN, 0·NaN is not
+        # 0); one keeping one has no spread of its own, only its mean's distance to the rest.
 
         def average(a: Array, x: Array) -> Array:
-            return a + (jnp.asarray(x).astype(a.dtype) - a) * w.astype(a.dtype)
+            x = jnp.asarray(x).astype(a.dtype)
+            return jnp.where(b > 0, a + (x - a) * w.astype(a.dtype), a)
 
         acc = {n: jax.tree.map(average, state.acc[n], st[n]) for n in state.acc if n != "var"}
         if "var" in state.acc:
             # Chan: the sums of squared deviations add, plus the spread of the two means.
             def pooled(va: Array, vb: Array, ma: Array, mb: Array) -> Array:
                 vb, mb, f = vb.astype(va.dtype), mb.astype(va.dtype), lambda x: x.astype(va.dtype)
-                m2 = va * f(jnp.maximum(old - 1, 0)) + vb * f(b - 1)
-                m2 = m2 + jnp.square(mb - ma) * f(old * b / units)
+                m2 = va * f(jnp.maximum(old - 1, 0)) + jnp.where(b > 1, vb * f(b - 1), 0.0)
+                spread = jnp.square(mb - ma) * f(old * b / jnp.maximum(units, 1))
+                m2 = m2 + jnp.where(b > 0, spread, 0.0)
                 return m2 / f(jnp.maximum(units - 1, 1))
 
             acc["var"] = jax.tree.map(
@@ -1186,19 +1309,25 @@ def multi_steps(optimizer: AnyTransformation, every_k: int) -> Transformation:
             )
         emit = state.mini_step == every_k - 1
         mean = jax.tree.map(lambda a, u: a.astype(jnp.asarray(u).dtype), acc["mean"], updates)
-        inner_stats = {**acc, "mean": mean, "batch_size": units}
 
-        def apply() -> tuple[PyTree, Any]:
-            inner = state.inner_state
-            return inner_tx.update(mean, inner, params, stats=inner_stats, **extra_args)
+        def apply(n: Array) -> tuple[PyTree, Any]:
+            inner_stats = {**acc, "mean": mean, "batch_size": n}
+            return inner_tx.update(mean, state.inner_state, params, stats=inner_stats, **extra_args)
 
-        shapes = jax.eval_shape(apply)
+        try:  # eagerly only the branch taken runs: a rule's checks on N see the union's count
+            now = bool(emit)
+        except jax.errors.ConcretizationTypeError:
+            now = None
+        shapes = jax.eval_shape(apply, units)
 
-        def skip() -> tuple[PyTree, Any]:
+        def skip(n: Array) -> tuple[PyTree, Any]:
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
             return zeros, state.inner_state
 
-        new_updates, inner_state = jax.lax.cond(emit, apply, skip)
+        branch = {True: apply, False: skip}.get(now)  # type: ignore[arg-type]
+        new_updates, inner_state = (
+            branch(units) if branch else jax.lax.cond(emit, apply, skip, units)
+        )
         restart = lambda x: jnp.where(emit, jnp.zeros_like(x), x)
         return new_updates, MultiStepsState(
             jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
@@ -1233,7 +1362,8 @@ def trainable(tree: PyTree) -> PyTree:
         The same tree with None at each leaf that is not a floating-point array.
 
     Example:
-        >>> import jax.numpy as jnp, optimizers
+        >>> import jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> model = {"w": jnp.ones(2), "steps": jnp.array(3), "act": jnp.tanh, "eps": 1e-5}
         >>> sorted(k for k, v in optimizers.trainable(model).items() if v is not None)
         ['w']
@@ -1258,7 +1388,8 @@ def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, .
     some raises MissingStatistics naming all it reads, and the trace is repeated with those
     added. Sees through every wrapper that forwards `stats=` (optax.chain, named_chain,
     masked, partition, inject_hyperparams, apply_if_finite, multi_steps). "batch_size" is left
-    out: pegrad always returns it.
+    out: pegrad always returns it. optax.MultiSteps around a rule that reads statistics is
+    refused here (`InconsistentUpdates`: use `multi_steps`), before anything is computed.
 
     Args:
         optimizer: any transformation, composed of the rules here and optax's blocks.
@@ -1268,7 +1399,8 @@ def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, .
         The statistics' names, "mean" first.
 
     Example:
-        >>> import jax.numpy as jnp, optax, optimizers
+        >>> import jax.numpy as jnp, optax
+        >>> from pegrad import optimizers
         >>> params = {"emb": jnp.ones((3, 2)), "w": jnp.ones((2, 2))}
         >>> opt = optax.partition({"a": optimizers.adam(1e-3),
         ...                        "s": optimizers.micro_sign_sgd(1e-3)}, {"emb": "a", "w": "s"})
@@ -1276,6 +1408,7 @@ def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, .
         ('mean', 'sign_mean')
     """
     params = trainable(params)
+    _refuse_multisteps(optimizer, params)
     tx = _with_stats(optimizer)
     grads = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _moment_dtype(p.dtype)), params
@@ -1295,6 +1428,19 @@ def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, .
             if not new:
                 raise
             names += new
+
+
+def _refuse_multisteps(optimizer: AnyTransformation, params: PyTree) -> None:
+    """optax.MultiSteps around a rule that reads statistics: refused before anything runs."""
+    if isinstance(optimizer, optax.MultiSteps):
+        inner = optimizer.inner_opt
+        reads = [n for n in required_stats(inner, params) if n != "mean"]
+        if reads:
+            raise InconsistentUpdates(
+                f"optax.MultiSteps accumulates ḡ over micro-batches, but its inner optimizer "
+                f"reads {reads}, which would be one micro-batch's: use "
+                f"optimizers.multi_steps(opt, every_k), which accumulates ḡ and the statistics"
+            )
 
 
 class _Static:
@@ -1352,7 +1498,8 @@ def make_train_step(
         The step function; its stats dict is pegrad's.
 
     Example:
-        >>> import jax, jax.numpy as jnp, optimizers
+        >>> import jax, jax.numpy as jnp
+        >>> from pegrad import optimizers
         >>> loss_fn = lambda p, ex: 0.5 * jnp.sum((ex["x"] @ p["w"] - ex["y"]) ** 2)
         >>> params = {"w": jnp.zeros((3, 2))}
         >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones((8, 2))}
@@ -1365,9 +1512,11 @@ def make_train_step(
     import pegrad  # here, so that this file can be copied without pegrad for the rest
 
     tx = _with_stats(optimizer)
+    traced_checks = [False]  # a check of the updates against ḡ left to run time (below)
 
     def pure(params: PyTree, state: Any, batch: PyTree) -> tuple[PyTree, Any, Any, Stats]:
         p = trainable(params)
+        _refuse_multisteps(optimizer, p)  # also when stats are given
         names = required_stats(tx, p) if stats is None else stats
         names = tuple(dict.fromkeys(("mean", *names, *extra_stats)))
         loss = lambda p, example: loss_fn(_combine(p, params), example)
@@ -1389,7 +1538,17 @@ def make_train_step(
     def step(params: PyTree, state: Any, batch: PyTree) -> tuple[PyTree, Any, Any, Stats]:
         arrays = jax.tree.map(lambda x: x if _is_array(x) else None, params)
         static = _Static(jax.tree.map(lambda x: None if _is_array(x) else x, params))
-        new, state, value, st = jitted(arrays, state, batch, static)
+        before = _RUNTIME_CHECKS[0]
+        try:
+            out = jitted(arrays, state, batch, static)
+            traced_checks[0] |= _RUNTIME_CHECKS[0] != before
+            if traced_checks[0]:  # the step checks values: wait for them, say what they found
+                jax.block_until_ready(out)
+        except jax.errors.JaxRuntimeError as err:
+            if "InconsistentUpdates" in str(err) and "message" in _LAST_REFUSAL:
+                raise InconsistentUpdates(_LAST_REFUSAL["message"]) from None
+            raise
+        new, state, value, st = out
         return _combine(new, params), state, value, st
 
     step._cache_size = jitted._cache_size  # pyright: ignore  # the tests count compilations

@@ -62,9 +62,14 @@ Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import itertools
 import math
+import os
+import sys
 import textwrap
+import types
 from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -84,6 +89,32 @@ Atom = jcore.Var | jcore.Literal  # a jaxpr operand
 Phi = Callable[[Array], Array]  # φ: identity, square or sign (multiplicative)
 Axes = frozenset[int]  # axes of a value that index positions (token granularity)
 _NONE: Axes = frozenset()
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    """`from pegrad import models, optimizers, train` (PEP 562): the same line installed, in an
+    editable install and in a checkout on sys.path, never a user's own file of that name.
+    Installed, pegrad is a package and these are its modules; otherwise they are the files
+    beside this one, loaded by path as `pegrad.<name>` (so train.py's `from . import` is this)."""
+    if name not in ("models", "optimizers", "train"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    full = f"{__name__}.{name}"
+    if "__path__" in globals():  # the wheel: a submodule of the package
+        return importlib.import_module(full)
+    if full not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        if not os.path.isfile(path) or spec is None or spec.loader is None:
+            raise ImportError(f"{full} is the file {path}, missing: pegrad.py was copied alone")
+        sys.modules[full] = module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[full]
+            raise
+    globals()[name] = sys.modules[full]
+    return sys.modules[full]
+
 
 # ============================================================================================
 # §1 Public API
@@ -467,7 +498,9 @@ def _check_inputs(
             "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
             f"batch of {n_examples * per_example} unit(s); use B ≥ 2"
         )
-    loss_shape = jax.eval_shape(loss_fn, params, _one_example(batch))[0]
+    one = _one_example(batch)
+    closed, (loss_shape, _) = jax.make_jaxpr(loss_fn, return_shape=True)(params, one)
+    _refuse_shared_draws(closed.jaxpr, len(jax.tree.leaves(params)))
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
             "loss_fn(params, example) must return a scalar loss for ONE example; it returned "
@@ -512,10 +545,14 @@ def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[Py
         params = jax.tree.unflatten(model, [x if _is_parameter(x) else None for x in leaves])
 
     def loss(p: PyTree, example: PyTree) -> tuple[Any, PyTree]:
+        given = None
         if model is not None:
             values = iter(jax.tree.leaves(p))
-            p = jax.tree.unflatten(model, [next(values) if f is None else f for f in fixed])
+            given = [next(values) if f is None else f for f in fixed]
+            p = jax.tree.unflatten(model, given)
         out = loss_fn(p, example)
+        if given is not None:
+            _refuse_dropped_state(p, given)
         if not has_aux:
             return out, ()
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -547,6 +584,119 @@ def _refuse_coupled(params: PyTree) -> None:
                 "couples the examples, so per-example gradients are undefined. Use "
                 "eqx.nn.inference_mode(model) or a per-example normalization (LayerNorm)"
             )
+
+
+def _refuse_dropped_state(model: PyTree, given: list) -> None:
+    """The model after loss_fn ran on it (a copy pegrad made): a leaf changed in place is
+    state the loss updates (an nnx RNG stream's counter, batch statistics, a cache), which a
+    per-example call would drop, every example and every step seeing the same state."""
+    after = jax.tree_util.tree_leaves_with_path(model)
+    for i, (path, leaf) in enumerate(after):
+        if i >= len(given) or leaf is not given[i]:
+            raise ValueError(
+                f"loss_fn changed params{jax.tree_util.keystr(path)} in place: the model holds "
+                "state the loss updates (an RNG stream that nnx.Dropout draws from, batch "
+                "statistics, a cache), which a per-example call drops, so every example, at "
+                f"every step, would see the same state. {_PER_EXAMPLE_RANDOMNESS}"
+            )
+    if len(after) != len(given):
+        raise ValueError(
+            f"loss_fn changed the model's structure in place. {_PER_EXAMPLE_RANDOMNESS}"
+        )
+
+
+_PER_EXAMPLE_RANDOMNESS = (
+    "Pass randomness with the example: a key per example in the batch (jax.random.split(key, "
+    "B), new each step), given to the layer (Equinox key=; flax linen rngs={'dropout': key}; "
+    "nnx rngs=nnx.Rngs(dropout=key) at the call), or put the layer in eval mode "
+    "(nnx model.eval(), eqx.nn.inference_mode, deterministic=True)"
+)
+
+# Random draws, by the operands that hold their key; how a higher-order primitive's operands
+# reach its sub-jaxpr is in _reaches below.
+_DRAWS: dict[str, tuple[int, ...]] = {"random_bits": (0,), "threefry2x32": (0, 1)}
+
+
+def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
+    """A random draw in the one-example loss whose key does not depend on the example (a key
+    closed over, or held in the model) is the same draw for every example, and at every step:
+    one dropout mask for the whole batch where a batched model draws one per example."""
+    tainted = [i >= n_params for i in range(len(jaxpr.invars))]
+    _, draw = _example_dependence(jaxpr, tainted)
+    if draw:
+        raise ValueError(
+            f"loss_fn draws random numbers ({draw}) from a key that does not depend on the "
+            "example (closed over, or held in the model): every example would get the same "
+            f"draw, e.g. one dropout mask for the batch. {_PER_EXAMPLE_RANDOMNESS}. Randomness "
+            "meant to be shared: draw it outside loss_fn and pass the array"
+        )
+
+
+def _example_dependence(jaxpr: jcore.Jaxpr, tainted: Sequence[bool]) -> tuple[list[bool], str]:
+    """(which outputs depend on the inputs marked `tainted`, the first draw whose key does
+    not, or ""), through sub-jaxprs."""
+    dep: dict[Any, bool] = dict(zip(jaxpr.invars, tainted, strict=True))
+    read = lambda a: isinstance(a, jcore.Var) and dep.get(a, False)
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        keys = _DRAWS.get(eqn.primitive.name)
+        if keys is not None and not any(ins[k] for k in keys):
+            return [], eqn.primitive.name
+        outs, draw = _reaches(eqn, ins)
+        if draw:
+            return [], draw
+        dep.update(zip(eqn.outvars, outs, strict=True))
+    return [read(a) for a in jaxpr.outvars], ""
+
+
+def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
+    """_example_dependence for one equation: its operands mapped onto its sub-jaxprs' inputs
+    (calls one to one; cond's branches from operand 1; scan's and while's carry to a fixed
+    point). A sub-jaxpr reached otherwise is searched with no input marked: a draw in it is
+    refused (an honest refusal, never a missed one)."""
+    name, params, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    inner = lambda x: x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x
+    if name == "cond":
+        outs, draw = [False] * n_out, ""
+        for branch in params["branches"]:
+            got, draw = _example_dependence(inner(branch), ins[1:])
+            if draw:
+                return [], draw
+            outs = [a or b or ins[0] for a, b in zip(outs, got, strict=True)]
+        return outs, ""
+    if name in ("scan", "while"):
+        body = inner(params["jaxpr" if name == "scan" else "body_jaxpr"])
+        skip = 0 if name == "scan" else params["cond_nconsts"]
+        consts = params["num_consts"] if name == "scan" else params["body_nconsts"]
+        n_carry = params["num_carry"] if name == "scan" else n_out
+        ins = ins[skip:]
+        carry = ins[consts : consts + n_carry]
+        while True:
+            outs, draw = _example_dependence(body, ins[:consts] + carry + ins[consts + n_carry :])
+            if draw:
+                return [], draw
+            grown = [a or b for a, b in zip(carry, outs[:n_carry], strict=True)]
+            if grown == carry:
+                if name == "while":
+                    _, draw = _example_dependence(
+                        inner(params["cond_jaxpr"]),
+                        [False] * len(inner(params["cond_jaxpr"]).invars),
+                    )
+                    return carry, draw
+                return outs, ""
+            carry = grown
+    subs = [inner(v) for v in params.values() if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr)]
+    subs += [
+        inner(x) for v in params.values() if isinstance(v, tuple | list)
+        for x in v if isinstance(x, jcore.ClosedJaxpr | jcore.Jaxpr)
+    ]  # fmt: skip
+    if len(subs) == 1 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == n_out:
+        return _example_dependence(subs[0], ins)  # a call: pjit, custom_jvp/vjp, remat
+    for sub in subs:
+        _, draw = _example_dependence(sub, [False] * len(sub.invars))
+        if draw:
+            return [], draw
+    return [any(ins)] * n_out, ""
 
 
 def _check_mask(mask: Any, batch: PyTree, stats: tuple[str, ...], per_example: int) -> Any:
@@ -4100,11 +4250,14 @@ class Accumulator(NamedTuple):
     For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
     a clip factor depends on its own unit only) and the mean loss are count-weighted,
     m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
-    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) with M2_k = var_k·(N_k − 1)
-    (no cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may
-    differ in size or be masked (N_k = their "batch_size"; one with N_k = 0 changes nothing,
-    one with N_k = 1 contributes its mean and M2_k = 0). "sq_norms" (one entry per unit) is
-    not combined: it is refused.
+    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no cancellation; it
+    needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may differ in size or be
+    masked (N_k = their "batch_size"; one with N_k = 0 changes nothing, one with N_k = 1
+    contributes its mean and M2_k = 0). `Accumulator.value_and_grad_stats` gives a
+    micro-batch's M2_k as "m2", defined for any N_k; `update` also takes the "var" of
+    `value_and_grad_stats` (M2_k = var_k·(N_k − 1)), which refuses a micro-batch of fewer than
+    2 units. Only the union needs N ≥ 2 for "var" (`finalize`); with N = 0 every statistic is
+    NaN, as for a batch masked whole. "sq_norms" (one entry per unit) is refused.
     """
 
     count: Array  # N: units so far
@@ -4141,12 +4294,47 @@ class Accumulator(NamedTuple):
             m2=zeros if "var" in stats else None,
         )
 
+    @staticmethod
+    def value_and_grad_stats(
+        loss_fn: Callable[[PyTree, PyTree], Any], stats: str | Sequence[str], **options: Any
+    ) -> Callable[..., tuple[Any, Stats]]:
+        """`value_and_grad_stats(loss_fn, stats, **options)` for micro-batches of any size, in
+        or out of jit: "var" comes back as "m2" = Σ_u (g_u − ḡ_k)² over the kept units, which
+        `update` merges and which is 0 for one kept unit or none (where a micro-batch's variance
+        is undefined and value_and_grad_stats refuses it): `finalize` checks the union's N."""
+        names = _stat_names(stats)
+        with_var = value_and_grad_stats(loss_fn, names, **options)
+        if "var" not in names:
+            return with_var
+        if "mean" not in names:
+            raise ValueError("Accumulator: 'var' is merged with each micro-batch's 'mean': ask too")
+        without = value_and_grad_stats(loss_fn, [s for s in names if s != "var"], **options)
+        token = options.get("granularity") == "token"
+
+        def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
+            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else []
+            per_example = math.prod(shape[1:2]) if token else 1
+            try:  # the kept units where they are known before tracing: fewer than 2 have M2 0
+                kept = per_example * (shape[0] if mask is None else int(np.sum(np.asarray(mask))))
+            except (jax.errors.TracerArrayConversionError, IndexError):
+                kept = 2  # a traced mask: "var" is NaN below 2 kept units, read as M2 = 0 here
+            if kept < 2:
+                loss, out = without(params, batch, mask)
+                return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
+            loss, out = with_var(params, batch, mask)
+            n = out["batch_size"]
+            spread = lambda v: jnp.where(n > 1, v * (n - 1).astype(v.dtype), 0.0)  # noqa: E731
+            return loss, {**out, "m2": jax.tree.map(spread, out.pop("var"))}
+
+        return fn
+
     def update(self, loss: Any, stats: Stats) -> "Accumulator":
         """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
         `value_and_grad_stats(...)(params, micro_batch)` returns them."""
         loss = loss[0] if isinstance(loss, tuple) else loss
+        spread = "m2" if "m2" in stats else "var"  # Accumulator's M2_k, or value_and_grad_stats'
         missing = [
-            s for s in (*self.means, *(["var"] if self.m2 is not None else [])) if s not in stats
+            s for s in (*self.means, *([spread] if self.m2 is not None else [])) if s not in stats
         ]
         if missing:
             raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
@@ -4161,14 +4349,16 @@ class Accumulator(NamedTuple):
         m2 = self.m2
         if m2 is not None:
 
-            def chan(s: Array, mean: Array, mean_k: Array, var_k: Array) -> Array:
+            def chan(s: Array, mean: Array, mean_k: Array, spread_k: Array) -> Array:
                 dtype = s.dtype
-                own = jnp.where(n_k > 1, var_k.astype(dtype) * (n_k - 1).astype(dtype), 0.0)
+                own = spread_k.astype(dtype)
+                own = own if spread == "m2" else own * (n_k - 1).astype(dtype)
+                own = jnp.where(n_k > 1, own, 0.0)  # one unit: M2_k = 0 (its var is NaN)
                 delta = mean_k.astype(dtype) - mean
                 cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
                 return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
 
-            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats["var"])
+            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats[spread])
         return Accumulator(
             count=total,
             loss=merge(self.loss, loss),
@@ -4177,10 +4367,24 @@ class Accumulator(NamedTuple):
         )
 
     def finalize(self) -> tuple[Array, Stats]:
-        """(mean loss, statistics) of all units added, with "batch_size" N (var needs N ≥ 2:
-        NaN otherwise)."""
-        out: Stats = dict(self.means)
+        """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
+        an error when N is concrete, NaN under jit (SPEC §6); N = 0 leaves every statistic
+        NaN, as value_and_grad_stats of a batch masked whole."""
         if self.m2 is not None:
-            out["var"] = jax.tree.map(lambda s: s / (self.count - 1.0).astype(s.dtype), self.m2)
+            try:
+                n = int(np.asarray(self.count))
+            except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
+                n = 2
+            if n < 2:
+                raise ValueError(
+                    f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
+                    "micro-batches together; the union needs ≥ 2"
+                )
+        some = self.count > 0
+        defined = lambda x: jnp.where(some, x, jnp.asarray(jnp.nan, x.dtype))  # noqa: E731
+        out: Stats = {s: jax.tree.map(defined, m) for s, m in self.means.items()}
+        if self.m2 is not None:
+            var = lambda s: defined(s / (self.count - 1.0).astype(s.dtype))  # noqa: E731
+            out["var"] = jax.tree.map(var, self.m2)
         out["batch_size"] = self.count.astype(jnp.int32)
-        return self.loss, out
+        return defined(self.loss), out
