@@ -1,14 +1,18 @@
 """The installed package (pyproject.toml, hatch_build.py): the wheel built from this checkout holds
-one package, `pegrad` (pegrad.py its __init__; models, optimizers, train its modules) and nothing
-else; installed, a user's own models.py, train.py and optimizers.py beside their script shadow
-none of them, and `pegrad.train` trains; the editable wheel is only the checkout on sys.path (no
-copies to go stale). Built with hatchling's PEP 517 hooks in a subprocess, nothing downloaded.
-The README's one import line, `from pegrad import optimizers`, gives the repository's modules
-installed, editable (the checkout on sys.path) or copied, beside a user's own files of those
-names; pegrad.py copied alone says which file it lacks.
+one package, `pegrad` (pegrad.py its __init__; models, optimizers, train its modules; py.typed)
+and nothing else, with the LICENSE; it, the editable wheel and the editable install here report
+`pegrad.__version__`, pyproject's one source of the version; installed, a user's own models.py,
+train.py and optimizers.py beside their script shadow none of them, and `pegrad.train` trains;
+the editable wheel is only the checkout on sys.path (no copies to go stale). Built with
+hatchling's PEP 517 hooks in a subprocess, nothing downloaded. The README's one import line,
+`from pegrad import optimizers`, gives the repository's modules installed, editable (the
+checkout on sys.path) or copied, beside a user's own files of those names; pegrad.py copied
+alone says which file it lacks.
 """
 
+import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -19,9 +23,22 @@ from pathlib import Path
 
 import pytest
 
+import pegrad
+
 REPO = Path(__file__).resolve().parent.parent
 MODULES = {"pegrad.py": "__init__.py", "models.py": "models.py",
            "optimizers.py": "optimizers.py", "train.py": "train.py"}  # fmt: skip
+SHIPPED = {**MODULES, "py.typed": "py.typed"}  # PEP 561: type checkers read the annotations
+DIST_INFO = f"pegrad-{pegrad.__version__}.dist-info/"
+
+
+def metadata(wheel: zipfile.ZipFile) -> dict[str, list[str]]:
+    """The wheel's METADATA headers, each name with all its values."""
+    headers: dict[str, list[str]] = {}
+    for line in wheel.read(DIST_INFO + "METADATA").decode().split("\n\n")[0].splitlines():
+        name, _, value = line.partition(": ")
+        headers.setdefault(name, []).append(value)
+    return headers
 
 
 def build(kind: str, out: Path) -> Path:
@@ -42,18 +59,36 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_is_one_package_named_pegrad(wheel: Path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-        package = sorted(n for n in names if not n.startswith("pegrad-0.1.0.dist-info/"))
-        assert package == sorted(f"pegrad/{name}" for name in MODULES.values())
-        for flat, name in MODULES.items():
+        package = sorted(n for n in names if not n.startswith(DIST_INFO))
+        assert package == sorted(f"pegrad/{name}" for name in SHIPPED.values())
+        for flat, name in SHIPPED.items():
             assert z.read(f"pegrad/{name}") == (REPO / flat).read_bytes(), name
+        assert z.read(DIST_INFO + "licenses/LICENSE") == (REPO / "LICENSE").read_bytes()
+        headers = metadata(z)
+    assert headers["Version"] == [pegrad.__version__]
+    assert headers["License-Expression"] == ["Apache-2.0"]
 
 
 def test_editable_wheel_is_the_checkout_on_sys_path(tmp_path: Path):
     editable = build("build_editable", tmp_path)
     with zipfile.ZipFile(editable) as z:
-        names = [n for n in z.namelist() if not n.startswith("pegrad-0.1.0.dist-info/")]
+        names = [n for n in z.namelist() if not n.startswith(DIST_INFO)]
         assert names == ["_pegrad.pth"]
         assert z.read("_pegrad.pth").decode().strip() == str(REPO)
+        assert metadata(z)["Version"] == [pegrad.__version__]
+
+
+def test_the_editable_install_reports_the_version_of_pegrad_py():
+    """`pip install -e .` (the README's and CI's command) of this checkout, where it is the one
+    installed: importlib.metadata gives `pegrad.__version__`."""
+    try:
+        dist = importlib.metadata.distribution("pegrad")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pegrad is not installed in this environment")
+    url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if url.get("url") != REPO.as_uri() or not url.get("dir_info", {}).get("editable"):
+        pytest.skip(f"the pegrad installed here is not this checkout, editable: {url}")
+    assert dist.version == pegrad.__version__, "installed before a version change: pip install -e ."
 
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -80,7 +115,8 @@ import optimizers as mine_too, train as mine_also  # the user's own files, after
 assert (mine.MINE, mine_too.MINE, mine_also.MINE) == ("models", "optimizers", "train")
 """
 TRAIN = """
-import json
+import importlib.metadata, json
+assert importlib.metadata.version("pegrad") == pegrad.__version__, pegrad.__version__
 cfg = train.Config(model="mlp", size="tiny", steps=2, eval_interval=2, out=sys.argv[2])
 result = train.main(cfg)
 print(json.dumps({"steps": result["steps"], "loss": result["loss"]}))
