@@ -18,8 +18,12 @@ Two implementations, equal by contract:
 
 * impl="vmap" is the exact reference, the executable definition: materialize vmap(grad) in
   chunks of `chunk_size`, apply φ, reduce; the variance in two passes. At token granularity every
-  position gets its own copy of the parameters ("untying"), so the gradient with respect to copy
-  t is position t's contribution: a construction that shares nothing with the rewrite.
+  position gets its own copy of the parameters ("untying", `Untie`), so the gradient with respect
+  to copy t is position t's contribution. There the two share code: `Untie` runs on §5's jaxpr
+  interpreter and position tracing (`_flat_trace`, `_run`, `_propagate_positions`), and
+  `Graph.build` builds the same `Untie`, which the token fallback runs. The independent check is
+  tests/helpers.py's naive loop, which never calls pegrad: `jax.grad` one example at a time, of
+  a loss written with one parameter copy per position at token granularity (tests/pieces.py).
 * impl="factorized" rewrites the graph: it traces grad(loss_fn) for ONE example to a flat jaxpr,
   runs it batched down to the inputs of each parameter's last gradient operation, and gives each
   leaf the cheapest route whose preconditions are proven on the jaxpr. A dense weight used once
@@ -79,6 +83,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jaxtyping import Array, Float, PyTree
 
+__version__ = "0.1.0"  # the package's one version: pyproject.toml reads it ([tool.hatch.version])
 STATISTICS = ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean")
 Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
@@ -345,6 +350,70 @@ def stat_dtype(dtype: Any) -> jnp.dtype:
     """Statistics are accumulated in float32 or wider, even for bf16/fp16 parameters."""
     dtype = jnp.dtype(dtype)
     return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+
+
+def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
+    """The simple gradient noise scale B_simple = tr Σ / |G|² (McCandlish et al. 2018, "An
+    empirical model of large-batch training", arXiv 1812.06162: about the batch size past which
+    a bigger batch stops buying proportionally fewer steps), from the statistics of one batch:
+    their two-batch-size estimators need no second batch where per-example statistics exist.
+    With N = stats["batch_size"] units, ḡ = stats["mean"] and q = stats["sq_mean"] per leaf:
+
+        σ̂²   = N/(N−1)·(q − ḡ²)       per coordinate (stats["var"] instead, where it is given)
+        tr Σ  = Σ_leaves Σ σ̂²          the trace of one unit's gradient covariance
+        |G|²  = ‖ḡ‖² − tr Σ / N        the squared norm of the expected gradient
+        B_simple = tr Σ / |G|²
+
+    Unbiased, for N units drawn independently from one distribution (a data set sampled with
+    replacement): E[σ̂²] = Σ_jj, so E[tr Σ] is the true trace; E[‖ḡ‖²] = |G|² + tr Σ / N, so
+    E[|G|²] is the true one. Numerator and denominator are each unbiased; their ratio is not
+    (E[X/Y] ≠ E[X]/E[Y]), and on one batch |G|² can be ≤ 0 where the noise outweighs the
+    signal (B_simple then negative or infinite). So smooth the numerator and the denominator
+    separately over steps (EMAs, or means over a window) and divide after, as McCandlish et
+    al. do: train.py logs both beside the per-batch ratio.
+
+    Returns {"trace_cov": tr Σ, "grad_sq": |G|², "b_simple": their ratio} (scalars) and
+    "per_leaf": the same three per leaf, trees of scalars shaped like stats["mean"] (None
+    where it is None): a leaf's tr Σ_leaf / |G_leaf|² is its noise-to-signal ratio, and the
+    leaves' trace_cov and grad_sq sum to the global ones. In units of N: examples, or tokens
+    with granularity="token"; under a mask N counts the kept units, and an Accumulator's
+    statistics are one batch of their union. N = 1 gives NaN (no variance from one unit). In
+    the statistics' dtype (the widest of them for the sums over leaves). q − ḡ² loses digits
+    where ḡ² ≫ σ̂²; ask value_and_grad_stats for "var" too where that matters (formed from
+    centred quantities, SPEC §3), and it is used instead.
+    """
+    need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
+    if missing := [k for k in need if k not in stats]:
+        raise ValueError(
+            f"gradient_noise_scale: no {', '.join(missing)} in the statistics; ask "
+            'value_and_grad_stats for ("mean", "sq_mean") or ("mean", "var")'
+        )
+    mean = stats["mean"]
+
+    def over(x: Array) -> Array:
+        return jnp.asarray(stats["batch_size"]).astype(x.dtype)
+
+    if "var" in stats:
+        var = stats["var"]
+    else:
+        var = jax.tree.map(
+            lambda g, q: over(g) / (over(g) - 1) * (q - g * g), mean, stats["sq_mean"]
+        )
+    trace = jax.tree.map(jnp.sum, var)
+    grad_sq = jax.tree.map(lambda t, g: jnp.sum(g * g) - t / over(g), trace, mean)
+    wide = _widest([x.dtype for x in jax.tree.leaves(trace)] or [jnp.float32])
+    total = lambda tree: sum((x.astype(wide) for x in jax.tree.leaves(tree)), jnp.zeros((), wide))
+    trace_all, grad_all = total(trace), total(grad_sq)
+    return {
+        "trace_cov": trace_all,
+        "grad_sq": grad_all,
+        "b_simple": trace_all / grad_all,
+        "per_leaf": {
+            "trace_cov": trace,
+            "grad_sq": grad_sq,
+            "b_simple": jax.tree.map(lambda t, g: t / g, trace, grad_sq),
+        },
+    }
 
 
 def _widest(dtypes: Sequence[Any]) -> jnp.dtype:
@@ -1889,7 +1958,12 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
+    """Why a route does not apply. `kind=False`: the leaf is not of the route's kind at all
+    (no entries to drop, a gradient that depends on the example, another core operation):
+    `explain` leaves those out; the others say which proof failed."""
+
     reason: str
+    kind: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2141,7 +2215,11 @@ class Empty(Route):
 
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Empty | Refusal":
-        return cls(graph, leaf, "no entries") if leaf.size == 0 else Refusal("the leaf has entries")
+        return (
+            cls(graph, leaf, "no entries")
+            if leaf.size == 0
+            else Refusal("the leaf has entries", kind=False)
+        )
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         return Cost()
@@ -2168,7 +2246,7 @@ class Constant(Route):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Constant | Refusal":
         var = leaf.grad if var is None else var
         if graph.is_batched(var):
-            return Refusal("the gradient depends on the example")
+            return Refusal("the gradient depends on the example", kind=False)
         if graph.weighted:
             return Refusal("a mask weighs the examples: the gradient is taken per example")
         if graph.token and not graph.is_zero(var):
@@ -2236,7 +2314,7 @@ class OuterProduct(DotCore):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "OuterProduct | Refusal":
         core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "dot_general":
-            return Refusal("the gradient's last operation is not a dot_general")
+            return Refusal("the gradient's last operation is not a dot_general", kind=False)
         a, b = core.invars
         if not (graph.is_batched(a) and graph.is_batched(b)):
             return Refusal("a factor of the dot_general does not depend on the example")
@@ -2330,7 +2408,7 @@ class Contraction(DotCore):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Contraction | Refusal":
         core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "dot_general":
-            return Refusal("the gradient's last operation is not a dot_general")
+            return Refusal("the gradient's last operation is not a dot_general", kind=False)
         if graph.token:
             return Refusal("per-token terms are rank one (outer-product) or not split")
         a, b = core.invars
@@ -2516,7 +2594,9 @@ class Convolution(CoreRoute):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Convolution | Refusal":
         core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "conv_general_dilated":
-            return Refusal("the gradient's last operation is not a conv_general_dilated")
+            return Refusal(
+                "the gradient's last operation is not a conv_general_dilated", kind=False
+            )
         if graph.token:
             return Refusal("per-token terms of a convolution are not split (positions share it)")
         a, b = core.invars
@@ -2657,7 +2737,7 @@ class UnitSum(CoreRoute):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "UnitSum | Refusal":
         core, post = graph.core(leaf.grad if var is None else var)
         if core is None or core.primitive.name != "reduce_sum":
-            return Refusal("the gradient's last operation is not a reduce_sum")
+            return Refusal("the gradient's last operation is not a reduce_sum", kind=False)
         z = core.invars[0]
         if not graph.is_batched(z):
             return Refusal("the summed value does not depend on the example")
@@ -2726,7 +2806,7 @@ class RowScatter(CoreRoute):
         proven-zero table (one window per row, a mode that clamps or drops)."""
         core, post = graph.core(var)
         if core is None or core.primitive.name != "scatter-add":
-            return Refusal("the gradient's last operation is not a scatter-add")
+            return Refusal("the gradient's last operation is not a scatter-add", kind=False)
         operand, indices, updates = core.invars
         dn = core.params["dimension_numbers"]
         if not graph.is_zero(operand):
@@ -3644,6 +3724,8 @@ class LeafPlan:
     index: int = dataclasses.field(repr=False, default=0)
     in_scan: InScan | None = dataclasses.field(repr=False, default=None)
     formed: tuple[tuple[str, int, int], ...] = ()
+    other_kind: tuple[str, ...] = ()  # refused routes for which the leaf is not of their kind
+    outranked: tuple[tuple[str, "Cost"], ...] = ()  # proven too, not taken: (route, its cost)
 
     @property
     def route(self) -> str:  # the route taken: a name in ROUTES, or "mean-loss"
@@ -3679,9 +3761,20 @@ class LeafPlan:
             body += "; formed inside the scan, one iteration at a time"
         for where, c, size in self.formed:
             body += f"; per-unit gradients {c} examples at a time in the {where} ({size:,} B)"
-        if self.route == "fallback":  # the pattern each route saw, where it was its own kind
-            seen = [f"{r}: {why}" for r, why in self.refused if "last operation is not" not in why]
-            body += "; not taken: " + "; ".join(seen[2:])  # past "empty" and "constant"
+        # Why each route of the leaf's kind before the one taken lost: its proof failed, or
+        # it was proven and ranked behind (costlier, or later with choose="first").
+        taken = ROUTES.index(type(self.taken)) if type(self.taken) in ROUTES else len(ROUTES)
+        earlier = {r.name for r in ROUTES[:taken]} | {MeanLoss.name}
+        lost = [
+            f"{r}: {why}" for r, why in self.refused if r in earlier and r not in self.other_kind
+        ]
+        lost += [
+            f"{r}: proven, but ~{c.flops:.2g} flop, ~{c.bytes:.2g} B against "
+            f"~{self.cost.flops:.2g} flop, ~{self.cost.bytes:.2g} B"
+            for r, c in self.outranked
+        ]
+        if lost:
+            body += "; not taken: " + "; ".join(lost)
         lines = textwrap.wrap(head, 100, subsequent_indent="    ")
         return "\n".join(
             lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
@@ -3740,6 +3833,8 @@ def plan(
     plans = []
     for leaf in graph.leaves:
         refused = [(MeanLoss.name, graph.user_backward or _NOT_SEARCHED)] if plain else []
+        other_kind: list[str] = []
+        proven: list[tuple[Route, dict[str, str], Cost]] = []
         best: tuple[float, Route, dict[str, str], Cost] | None = None
         for route in ROUTES:
             try:
@@ -3748,19 +3843,33 @@ def plan(
                 m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
             if isinstance(m, Refusal):
                 refused.append((route.name, m.reason))
+                other_kind += [] if m.kind else [route.name]
                 continue
             methods = m.methods(need)
             if graph.weighted and "var" in methods and not isinstance(m, Empty):
                 methods["var"] = "chunked"  # Chan merges of kept examples: no cancellation
             cost = m.cost(methods)
+            proven.append((m, methods, cost))
             if best is None or (choose == "cheapest" and cost.seconds < best[0]):
                 best = (cost.seconds, m, methods, cost)
         assert best is not None  # the fallback always matches
         _, m, methods, cost = best
         in_scan = _in_scan(graph, m, methods)
-        refusals = tuple(refused)
+        rank = lambda r: ROUTES.index(type(r))  # noqa: E731
+        outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
         plans.append(
-            LeafPlan(leaf.path, leaf.shape, m, methods, cost, refusals, leaf.index, in_scan)
+            LeafPlan(
+                leaf.path,
+                leaf.shape,
+                m,
+                methods,
+                cost,
+                tuple(refused),
+                leaf.index,
+                in_scan,
+                other_kind=tuple(other_kind),
+                outranked=outranked,
+            )  # fmt: skip
         )
     loop_chunk = _loop_chunk(graph, plans)
     return tuple(_formed(graph, p, loop_chunk) for p in plans)

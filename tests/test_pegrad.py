@@ -896,3 +896,34 @@ def test_equinox_model_with_filtered_parameters():
     _check(loss, params, batch)
     plans = _plans(loss, params, batch, ("sq_mean",))
     assert [p.status for k, p in plans.items() if k.endswith(".weight")] == ["factorized"] * 2
+
+
+def test_explain_says_for_each_leaf_why_every_earlier_route_of_its_kind_lost():
+    """The "not taken" list is decided by the routes' refusals, not by text: a route for which
+    the leaf is not of its kind (another core operation, no entries, a gradient that depends on
+    the example) is left out; every other earlier route gives its failed proof, or, proven,
+    its cost against the one taken. Before, a string filter and a skip of the first two
+    entries dropped the wrong one when mean-loss's refusal came first (the custom_vjp loss
+    below: its fallback leaf lost 'constant' instead), and a route proven but outcosted (a
+    contraction asked for the variance) was never named."""
+
+    def loss(p, x):  # w: a dense weight at 4 positions; mean-loss refused by the custom_vjp
+        h = _clip_cotangent(jnp.tanh(x @ p["w"]))
+        return jnp.sum(h * p["v"]) ** 2
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "v": jnp.linspace(0.5, 2.0, 2)}
+    batch = jax.random.normal(jax.random.key(0), (5, 4, 3), jnp.float64)
+    for stats, choose in [("mean", "cheapest"), (("mean", "sq_mean", "var"), "cheapest"),
+                          (("mean", "sq_mean"), "first")]:  # fmt: skip
+        for p in pegrad.explain(loss, params, batch, stats, choose=choose):
+            text = " ".join(str(p).split())
+            assert "last operation is not" not in text, text
+            taken = [r.name for r in pegrad.ROUTES].index(p.route)
+            earlier = {r.name for r in pegrad.ROUTES[:taken]} | {"mean-loss"}
+            for route, why in p.refused:
+                shown = f"{route}: {' '.join(why.split())}" in text
+                assert shown == (route in earlier and route not in p.other_kind), (route, text)
+            for route, cost in p.outranked:
+                assert f"{route}: proven, but ~{cost.flops:.2g} flop" in text, text
+            if stats == "mean":
+                assert "mean-loss: the loss calls a custom_vjp" in text, text
