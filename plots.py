@@ -1,4 +1,8 @@
-"""plots.py: the figures of experiments.py; matplotlib is optional (`pip install -e ".[plots]"`).
+"""plots.py: the figures of experiments.py and of one train.py run; matplotlib is optional
+(`pip install -e ".[plots]"`).
+
+    python plots.py results/sign       # a study's figure, from summary.json and traces.csv.gz
+    python plots.py runs/adam          # a run's gradient noise scale, from its metrics.jsonl
 
 Every multi-seed quantity is drawn as its mean over seeds with the seeds' spread (min to max)
 as a band or an error bar, so that a difference can be read against the noise.
@@ -150,9 +154,13 @@ def _held_runs(summary: dict[str, Any], family: str) -> list[tuple[str, float, i
 
 
 def draw(out: Path) -> None:
-    """OUT/<experiment>.png from OUT/summary.json and OUT/traces.csv.gz."""
+    """OUT/<experiment>.png from OUT/summary.json and OUT/traces.csv.gz; for a train.py run's
+    directory (metrics.jsonl, no summary.json), OUT/noise_scale.png (`draw_noise_scale`)."""
     import json
 
+    if not (out / "summary.json").exists() and (out / "metrics.jsonl").exists():
+        draw_noise_scale(out)
+        return
     plt = pyplot()
     if plt is None:
         return
@@ -277,6 +285,76 @@ def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
         "training loss (binned)",
     )
     return fig
+
+
+# --------------------------------------------------------------------------------------------
+# One run's gradient noise scale: `python plots.py RUN` (metrics.jsonl, as train.py writes it).
+
+NOISE_EMA = 0.9  # decay per logged step of the averages whose ratio is the smoothed B_simple
+
+
+def noise_scale_series(run: Path, decay: float = NOISE_EMA) -> dict[str, np.ndarray]:
+    """From RUN/metrics.jsonl, per logged step: "step", the per-batch "noise_scale" (B_simple =
+    trace_cov / grad_sq of that step's batch), "trace_cov" and "grad_sq" as logged, their
+    exponential moving averages "trace_cov_ema" and "grad_sq_ema" (decay per logged step), and
+    "smoothed", the ratio of the two EMAs. Each of trace_cov and grad_sq is unbiased and their
+    ratio is not, so they are averaged first (pegrad.gradient_noise_scale); both EMAs start at 0
+    with the same decay, so their ratio needs no bias correction. A step whose grad_sq EMA is
+    ≤ 0 (noise outweighs the signal so far) has no smoothed value (NaN)."""
+    import json
+
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in logged if "trace_cov" in m and "grad_sq" in m]
+    if not logged:
+        raise ValueError(f"{run / 'metrics.jsonl'}: no trace_cov/grad_sq (written by train.py)")
+    trace = np.array([m["trace_cov"] for m in logged], float)
+    grad = np.array([m["grad_sq"] for m in logged], float)
+    num, den = np.zeros_like(trace), np.zeros_like(grad)
+    t = g = 0.0
+    for i in range(len(logged)):
+        t, g = decay * t + (1 - decay) * trace[i], decay * g + (1 - decay) * grad[i]
+        num[i], den[i] = t, g
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {
+            "step": np.array([m["step"] for m in logged], float),
+            "noise_scale": trace / grad,
+            "smoothed": np.where(den > 0, num / den, np.nan),
+            "trace_cov": trace,
+            "grad_sq": grad,
+            "trace_cov_ema": num,
+            "grad_sq_ema": den,
+        }
+
+
+def draw_noise_scale(run: Path, decay: float = NOISE_EMA) -> None:
+    """RUN/noise_scale.png: B_simple against step (log y; each batch's ratio as dots, those ≤ 0
+    marked at the bottom; the ratio of the EMAs as a line), and its numerator tr Σ and
+    denominator |G|² (their EMAs) beside it."""
+    series = noise_scale_series(run, decay)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    x, raw, smooth = series["step"], series["noise_scale"], series["smoothed"]
+    ax = axes[0]
+    ok = np.isfinite(raw) & (raw > 0)
+    ax.plot(x[ok], raw[ok], ".", color="0.6", ms=3, label="one batch: tr Σ / |G|²")
+    if (~ok).any():
+        floor = np.nanmin(np.where(ok, raw, np.nan)) if ok.any() else 1.0
+        ax.plot(x[~ok], np.full((~ok).sum(), floor), "v", color="C3", ms=4,
+                label="one batch: |G|² ≤ 0 (noise outweighs the signal)")  # fmt: skip
+    ax.plot(x, smooth, "-", color="C0", label=f"EMA(tr Σ) / EMA(|G|²), decay {decay:g}/log")
+    ax.set_yscale("log")
+    finish(ax, "gradient noise scale B_simple (≈ the critical batch)", "step", "units (examples)")
+    ax = axes[1]
+    for key, label, c in (("trace_cov", "tr Σ", "C1"), ("grad_sq", "|G|²", "C2")):
+        ema = series[key + "_ema"]
+        ax.plot(x, np.where(series[key] > 0, series[key], np.nan), ".", color=c, ms=2, alpha=0.4)
+        ax.plot(x, np.where(ema > 0, ema, np.nan), "-", color=c, label=f"{label} (EMA)")
+    ax.set_yscale("log")
+    finish(ax, "numerator and denominator (each unbiased; values ≤ 0 not drawn)", "step", "")
+    fig.suptitle(str(run), fontsize=9)
+    save(fig, run / "noise_scale.png", plt)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,39 @@ def test_impls_agree_and_run_writes_its_files(reference: train.Config, tmp_path:
     assert meta["step"] == 4 and any("tok_emb" in name for name in meta["leaves"])
 
 
+def test_diagnostics_hold_the_gradient_noise_scale():
+    """train.diagnostics (logged at every --log-interval; sweep.py keeps trace_cov and grad_sq,
+    compared with metrics.jsonl in tests/test_experiments.py) carry pegrad.gradient_noise_scale's
+    global numbers from the step's own statistics. By hand: N 3, ḡ (1, 2), q (2, 5): σ̂² =
+    3/2·(q − ḡ²) = (1.5, 1.5), tr Σ 3, |G|² = 5 − 3/3 = 4, B_simple 0.75."""
+    stats = {
+        "mean": {"a": jnp.array([1.0, 2.0])},
+        "sq_mean": {"a": jnp.array([2.0, 5.0])},
+        "batch_size": jnp.array(3),
+    }
+    diag = train.diagnostics(stats)
+    assert (float(diag["trace_cov"]), float(diag["grad_sq"])) == (3.0, 4.0)
+    assert float(diag["noise_scale"]) == 0.75
+    # ...on any statistics: pegrad's global numbers (train forms them in float32, flat)
+    import pegrad
+
+    rng = np.random.default_rng(0)
+    mean = {"w": rng.normal(size=(3, 4)), "b": rng.normal(size=4)}
+    stats = {
+        "mean": mean,
+        "sq_mean": jax.tree.map(lambda m: m**2 + rng.uniform(size=m.shape), mean),
+        "batch_size": jnp.array(5),
+    }
+    want = pegrad.gradient_noise_scale(stats)
+    diag = train.diagnostics(stats)
+    for ours, theirs in (
+        ("trace_cov", "trace_cov"),
+        ("grad_sq", "grad_sq"),
+        ("noise_scale", "b_simple"),
+    ):
+        np.testing.assert_allclose(diag[ours], want[theirs], rtol=1e-5, err_msg=ours)
+
+
 def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     steps = dict(model="mlp", steps=6, schedule="cosine")
     train.main(tiny(tmp_path / "full", **steps))

@@ -1,0 +1,163 @@
+"""pegrad.gradient_noise_scale: B_simple = tr Σ / |G|² from "mean", "sq_mean" (or "var") and N.
+
+Checked at float64: tr Σ and |G|² (global and per leaf) equal their definitions on the
+per-example gradients a naive loop materializes (tests/helpers.py), from pegrad's "sq_mean" and
+from its "var", with and without a mask; each is unbiased, shown exactly: averaged over every
+ordered batch of N drawn with replacement from a population of 3 examples (3^N batches, each
+equally likely) they equal the population's trace and squared mean gradient, while the ratio's
+average is not the population's ratio. plots.py's smoothed series (the ratio of two EMAs) on a
+metrics.jsonl with known numbers.
+"""
+
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import naive_unit_grads
+
+import pegrad
+import plots
+
+
+def mlp() -> tuple[Callable, dict[str, Any], Callable[[Any, int], Any]]:
+    """A two-layer tanh network, squared error."""
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    params = {
+        "w1": jax.random.normal(k1, (4, 3)),
+        "b1": 0.1 * jax.random.normal(k2, (4,)),
+        "w2": jax.random.normal(k3, (2, 4)),
+    }
+
+    def loss(p: dict[str, Any], example: Any) -> jax.Array:
+        x, y = example
+        return jnp.sum((p["w2"] @ jnp.tanh(p["w1"] @ x + p["b1"]) - y) ** 2)
+
+    def batch(key: Any, n: int) -> Any:
+        kx, ky = jax.random.split(key)
+        return jax.random.normal(kx, (n, 3)), 1.0 + jax.random.normal(ky, (n, 2))
+
+    return loss, params, batch
+
+
+def shared_weight() -> tuple[Callable, dict[str, Any], Callable[[Any, int], Any]]:
+    """One weight used at each of 5 positions of an example (a sum of rank-one terms)."""
+    k1, k2 = jax.random.split(jax.random.key(2))
+    params = {"w": jax.random.normal(k1, (3, 3)), "v": jax.random.normal(k2, (3,))}
+
+    def loss(p: dict[str, Any], example: Any) -> jax.Array:
+        x, y = example  # [5, 3], [5]
+        return jnp.mean((jnp.tanh(x @ p["w"].T) @ p["v"] - y) ** 2)
+
+    def batch(key: Any, n: int) -> Any:
+        kx, ky = jax.random.split(key)
+        return jax.random.normal(kx, (n, 5, 3)), 0.5 + jax.random.normal(ky, (n, 5))
+
+    return loss, params, batch
+
+
+MODELS = {"mlp": mlp, "shared_weight": shared_weight}
+
+
+def definitions(grads: dict[str, np.ndarray]) -> dict[str, Any]:
+    """tr Σ and |G|² per leaf and in all, from materialized per-unit gradients [N, ...]."""
+    n = next(iter(grads.values())).shape[0]
+    trace = {k: float(np.sum((g - g.mean(0)) ** 2) / (n - 1)) for k, g in grads.items()}
+    norm = {k: float(np.sum(g.mean(0) ** 2)) for k, g in grads.items()}
+    grad_sq = {k: norm[k] - trace[k] / n for k in grads}
+    return {"trace": trace, "grad_sq": grad_sq, "norm": norm, "n": n}
+
+
+def close(actual: Any, expected: float, scale: float, what: str) -> None:
+    """Equal to 1e-10 of `scale`: |G|² = ‖ḡ‖² − tr Σ / N is a difference, whose rounding is
+    relative to the terms it subtracts, not to itself."""
+    assert abs(float(actual) - expected) <= 1e-10 * scale, (what, float(actual), expected)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("n", [2, 3, 7])
+def test_equals_its_definition_on_the_naive_loop(model: str, n: int):
+    loss, params, make_batch = MODELS[model]()
+    batch = make_batch(jax.random.key(n), n)
+    mask = None if n == 2 else np.arange(n) != 1  # the second example counts nowhere
+    kept = batch if mask is None else jax.tree.map(lambda x: x[mask], batch)
+    _, grads = naive_unit_grads(loss, params, kept)
+    want = definitions(grads)
+    fn = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "sq_mean", "var")))
+    _, both = fn(params, batch, mask=mask)
+    assert int(both["batch_size"]) == want["n"]
+    for stats in (("mean", "sq_mean"), ("mean", "var")):  # σ̂² from q − ḡ², and pegrad's own
+        noise = pegrad.gradient_noise_scale({k: both[k] for k in (*stats, "batch_size")})
+        leaf = noise["per_leaf"]
+        for k in params:
+            scale = want["norm"][k] + want["trace"][k]
+            close(leaf["trace_cov"][k], want["trace"][k], scale, f"trace {k} {stats}")
+            close(leaf["grad_sq"][k], want["grad_sq"][k], scale, f"|G|² {k} {stats}")
+            assert leaf["b_simple"][k] == leaf["trace_cov"][k] / leaf["grad_sq"][k]
+        scale = sum(want["norm"].values()) + sum(want["trace"].values())
+        trace, grad_sq = sum(want["trace"].values()), sum(want["grad_sq"].values())
+        close(noise["trace_cov"], trace, scale, f"trace {stats}")
+        close(noise["grad_sq"], grad_sq, scale, f"|G|² {stats}")
+        # the ratio, to the rounding of its denominator relative to itself
+        cond = scale / abs(grad_sq)
+        b = trace / grad_sq
+        assert abs(float(noise["b_simple"]) - b) <= 1e-9 * cond * abs(b), (noise, b)
+
+
+@pytest.mark.parametrize("n", [2, 3, 7])
+def test_numerator_and_denominator_are_unbiased_exactly(n: int):
+    """Over every ordered batch of n draws with replacement from 3 examples (3^n batches, all
+    equally likely) the averages of tr Σ and |G|² equal the population's trace of the covariance
+    (1/3 Σ_j ‖g_j − G‖²) and ‖G‖², G = 1/3 Σ_j g_j: an identity, checked to 1e-10."""
+    loss, params, make_batch = mlp()
+    _, pop = naive_unit_grads(loss, params, make_batch(jax.random.key(0), 3))
+    g = {k: np.asarray(v) for k, v in pop.items()}
+    draws = np.array(list(itertools.product(range(3), repeat=n)))  # [3^n, n]
+    mean = {k: v[draws].mean(1) for k, v in g.items()}
+    sq_mean = {k: (v[draws] ** 2).mean(1) for k, v in g.items()}
+    var = {k: v[draws].var(1, ddof=1) for k, v in g.items()}
+    count = jnp.full(len(draws), n)
+    true_trace = sum(float(np.sum((v - v.mean(0)) ** 2)) / 3 for v in g.values())
+    true_g2 = sum(float(np.sum(v.mean(0) ** 2)) for v in g.values())
+    fn = jax.jit(jax.vmap(pegrad.gradient_noise_scale))
+    for stats in (
+        {"mean": mean, "sq_mean": sq_mean, "batch_size": count},
+        {"mean": mean, "var": var, "batch_size": count},
+    ):
+        noise = fn(jax.tree.map(jnp.asarray, stats))
+        np.testing.assert_allclose(np.mean(noise["trace_cov"]), true_trace, rtol=1e-10)
+        np.testing.assert_allclose(np.mean(noise["grad_sq"]), true_g2, rtol=1e-10)
+        for k, v in g.items():  # per leaf as well
+            np.testing.assert_allclose(
+                np.mean(noise["per_leaf"]["grad_sq"][k]), np.sum(v.mean(0) ** 2), rtol=1e-10
+            )
+        # ...and the ratio is not: its average over the batches misses the population's ratio
+        ratio = np.mean(noise["b_simple"])
+        assert abs(ratio - true_trace / true_g2) > 1e-3 * true_trace / true_g2
+
+
+def test_asks_for_what_it_needs():
+    with pytest.raises(ValueError, match="no sq_mean in the statistics; ask value_and_grad_stats"):
+        pegrad.gradient_noise_scale({"mean": {"w": jnp.ones(2)}, "batch_size": jnp.array(4)})
+
+
+def test_plots_smooths_numerator_and_denominator_before_dividing(tmp_path: Path):
+    records = [
+        {"step": 0, "eval_loss": 3.0},
+        {"step": 0, "loss": 2.0, "trace_cov": 4.0, "grad_sq": 2.0, "noise_scale": 2.0},
+        {"step": 10, "loss": 1.9, "trace_cov": 8.0, "grad_sq": -1.0, "noise_scale": -8.0},
+        {"step": 20, "loss": 1.8, "trace_cov": 6.0, "grad_sq": 1.0, "noise_scale": 6.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = plots.noise_scale_series(tmp_path, decay=0.5)
+    np.testing.assert_array_equal(s["step"], [0, 10, 20])
+    np.testing.assert_array_equal(s["noise_scale"], [2.0, -8.0, 6.0])
+    # EMAs (from 0, decay 0.5): tr Σ 2, 5, 5.5; |G|² 1, 0, 0.5 -> 2, none (≤ 0), 11
+    np.testing.assert_array_equal(s["smoothed"], [2.0, np.nan, 11.0])
+    plots.draw(tmp_path)  # a run directory: its noise-scale figure (or the one-line note)
+    assert (tmp_path / "noise_scale.png").exists() == (plots.pyplot() is not None)
