@@ -63,6 +63,10 @@ Definitions used in the summaries:
   difference" when |mean d| ≤ se; otherwise "weak". A seed on which either diverged or blew up
   is left out of d and named. Beside it, the "same-seed" verdict of the old protocol (lr chosen
   and scored on the selection seeds) shows what held-out selection changed.
+* code: every run records the code version that trained it (sweep.code_version, a hash of the
+  files it depends on; the cache reuses a run only at the same version, or from before versions
+  were recorded: "unknown"); a summary that holds runs of more than one version says so and
+  counts them per version and variant.
 * μ̂²/σ̂² (`measure_mu_sigma`): per coordinate, from pegrad's "mean" and "sq_mean" on
   `snr_batches` fresh batches of `snr_batch_size` examples (N in all): μ̂² = max(0, (N·ḡ² −
   q)/(N − 1)) (unbiased, clamped), σ̂² = N/(N − 1)·(q − ḡ²), the per-example variance. Its median
@@ -130,6 +134,7 @@ LABELS = {
     "micro_adam_var": "MicroAdamVar",
     "micro_adam_msq": "MicroAdamMSQ",
 }
+UNKNOWN_CODE = "unknown"  # a run's code version, where its cache entry predates versions
 SPIKE_FACTOR = 2.0
 SPIKE_WINDOW = 50  # steps of the median a spike is measured against
 EDGE = "edge: not a result"
@@ -153,7 +158,7 @@ CSV_COLUMNS = (
     "experiment", "phase", "task", "regime", "arm", "method", "optimizer", "lr", "momentum",
     "b2", "eps", "eps_root", "max_grad_norm", "msq_block", "noise", "seq_len", "batch_size",
     "steps", "examples", "seed", "status", "diverged_step", "first_eval_loss", "final_loss",
-    "final_train_loss", "spikes", "final_frac_mean_dominated", "seconds",
+    "final_train_loss", "spikes", "final_frac_mean_dominated", "seconds", "code",
 )
 # fmt: on
 
@@ -487,6 +492,53 @@ def provenance_lines(prov: dict[str, Any]) -> list[str]:
     ]
 
 
+def code_record(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Which code trained a study's runs (each row's "code": sweep.code_version, or
+    UNKNOWN_CODE): this checkout's version, the runs per version, per version and variant, and
+    whether they are mixed (more than one version, "unknown" counting as one)."""
+    current = sweep.code_version(train.Config())
+    per: dict[str, dict[str, int]] = {}
+    for r in rows:
+        mine = per.setdefault(r.get("code") or UNKNOWN_CODE, {})
+        mine[r["method"]] = mine.get(r["method"], 0) + 1
+    return {
+        "current": current,
+        "runs_by_code": {v: sum(m.values()) for v, m in per.items()},
+        "runs_by_code_and_variant": per,
+        "mixed": len(per) > 1,
+    }
+
+
+def code_lines(record: dict[str, Any]) -> list[str]:
+    """The summary's sentence on the code that trained its runs: one line where one version
+    trained them all; where they mix, each other version with its runs per variant."""
+    current, per = record["current"], record["runs_by_code_and_variant"]
+    if not per:
+        return []
+    what = "(`sweep.code_version`: train.py, models.py, optimizers.py, pegrad.py, sweep.py)"
+    if set(per) == {current}:
+        return [f"Code: every run trained by this code, version {current} {what}.", ""]
+
+    def name(v: str) -> str:
+        if v == current:
+            return f"this code ({v})"
+        if v == UNKNOWN_CODE:
+            return "an unknown version (cache entries from before versions were recorded)"
+        return f"another version ({v})"
+
+    counts = "; ".join(
+        f"{sum(m.values())} by {name(v)}"
+        + ("" if v == current else ": " + ", ".join(f"{k} {n}" for k, n in m.items()))
+        for v, m in sorted(per.items(), key=lambda vm: vm[0] != current)  # this code first
+    )
+    head = "**Mixes runs from different code**" if record["mixed"] else "**Not this code**"
+    return [
+        f"{head} {what}: {counts}. A run's version is its row's `code` in summary.csv; a "
+        "fresh --cache trains every run at one version.",
+        "",
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # Runs: a list of (labels, config) points, each for some seeds, trained by sweep.py.
 
@@ -568,6 +620,7 @@ def row_of(experiment: str, phase: str, point: Point, trace: sweep.Trace) -> dic
         "spikes": count_spikes(trace.loss.tolist(), cfg.warmup),
         "final_frac_mean_dominated": float(np.mean(frac)) if trace.status == "ok" else None,
         "seconds": round(trace.seconds, 2),
+        "code": trace.code or UNKNOWN_CODE,
     }
 
 
@@ -1086,6 +1139,7 @@ def write_study(
         "settings": aggregate(sel, ("method", "lr")),
         "instability": unstable,
         "verdicts": list(verdicts),
+        "code": code_record(rows),
         **(extra or {}),
     }
     with open(out / "summary.csv", "w", newline="") as f:
@@ -1099,6 +1153,7 @@ def write_study(
     lines = [
         f"# {title}\n",
         *provenance_lines(prov),
+        *code_lines(summary["code"]),
         f"| variant | lr grid tried (added at an edge) | chosen lr | final loss on the "
         f"{where} seeds: mean ± sd (min–max) | seeds |",
         "|---|---|---|---|---|",
@@ -1866,6 +1921,7 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         "fits": fits,
         "regime": regime,
         "instability": instability(rows),
+        "code": code_record(rows),
     }
     with open(ctx.out / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -1879,6 +1935,7 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         f"# Batch-size scaling ({TASK_NAMES[scale.batch_task]}, {scale.batch_examples} examples "
         f"per run, seeds {seeds_text(seeds)})\n",
         *provenance_lines(ctx.prov),
+        *code_lines(summary["code"]),
         f"Absolute lr grid {', '.join(fmt_lr(x) for x in scale.batch_lrs)} at every B (extended "
         f"at an edge, up to {scale.batch_max_extensions} points); β₂ = {cfg0.b2:g} (fixed arm) "
         f"or {cfg0.b2:g}^(B/{scale.batch_base}) "
@@ -1981,6 +2038,7 @@ def run_windows(ctx: Context) -> dict[str, Any]:
             "phase": "evaluate",
             "window": w,
             "status": traces[w, c.seed].status,
+            "code": traces[w, c.seed].code or UNKNOWN_CODE,
         }
         for w, cs in trained.items()
         for c in cs
@@ -1989,6 +2047,7 @@ def run_windows(ctx: Context) -> dict[str, Any]:
         f"# μ̂²/σ̂² of the {TASK_NAMES['lm']} against its window length (seeds {seeds_text(seeds)})",
         "",
         *provenance_lines(ctx.prov)[:2],
+        *code_lines(code_record(runs)),
         f"Protocol: a measurement, no lr chosen and no verdict; seeds {seeds_text(seeds)}.",
         "",
         "Per coordinate μ̂²/σ̂² from "
@@ -2016,6 +2075,7 @@ def run_windows(ctx: Context) -> dict[str, Any]:
         "experiment": "windows",
         **ctx.prov,
         "runs": runs,
+        "code": code_record(runs),
         "mu2_over_sigma2": records,
         "configs": {str(w): dataclasses.asdict(window_config(scale, w)) for w in scale.windows},
     }

@@ -23,14 +23,20 @@ last good parameters, its later losses read NaN, and the other runs of the progr
 unaffected (nothing is shared between runs; vmap keeps them independent).
 
 With `cache=DIR`, each group's traces (every step's loss and diagnostics, the held-out losses,
-the final parameters) are saved as DIR/<hash of the group's configs>.npz once the group
-finishes, and a later call loads every run it finds there instead of training it: an
-interrupted sweep continues at the group it stopped in; a grid that grows trains only its new
-runs.
+the final parameters) are saved as DIR/<hash of the code version and the group's configs>.npz
+once the group finishes, and a later call loads every run it finds there instead of training
+it: an interrupted sweep continues at the group it stopped in; a grid that grows trains only
+its new runs. An entry is keyed by its config and by the code that trained it (`code_version`:
+a hash of train.py, models.py, optimizers.py, pegrad.py, this file and a --task module), so a
+run trained by other code is trained again, never reused. Entries written before code versions
+were recorded are still read, and their traces say so (Trace.code None: "unknown"), where no
+entry of this code holds the run; experiments.py's summaries count the runs of each version.
 """
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -42,10 +48,45 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, PyTree
 
+import pegrad
 import train
 
 Log = Callable[[str], Any]  # where progress lines go, e.g. print
-DIAGNOSTICS = ("grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro")  # train.diagnostics
+# train.diagnostics, every step (trace_cov and grad_sq: the gradient noise scale's numerator and
+# denominator; a cache entry written before they were logged reads NaN there)
+DIAGNOSTICS = (
+    "grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro", "trace_cov", "grad_sq",
+)  # fmt: skip
+
+
+@functools.cache
+def _source(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _task_file(spec: str) -> str | None:
+    """The source file of the --task factory `spec` names, or None (no file: a builtin)."""
+    factory = train.load_factory(spec)
+    try:
+        return inspect.getsourcefile(factory)
+    except TypeError:
+        return None
+
+
+def code_version(cfg: train.Config) -> str:
+    """The version of the code that trains `cfg`: sha256 (16 hex digits) of the source files of
+    train, models, optimizers and pegrad as imported, of this file (the vectorized loop), and of
+    cfg.task's module where it names one (else of its name). Any edit to one of them, comments
+    included, is another version: a cache never reuses a run across it."""
+    files = [train.__file__, train.models.__file__, train.optimizers.__file__, pegrad.__file__]
+    files.append(__file__)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(Path(str(path)).name.encode() + b"\0" + _source(str(path)))
+    if cfg.task is not None:
+        path = _task_file(cfg.task)
+        digest.update(b"task\0" + (cfg.task.encode() if path is None else _source(path)))
+    return digest.hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -60,6 +101,7 @@ class Trace:
     diverged_step: int | None  # the first step whose loss or update was not finite
     params: PyTree  # the final (for a diverged run: last good) parameters
     seconds: float  # the group's wall time divided by its number of runs
+    code: str | None = None  # `code_version` that trained it; None: unknown (an old cache entry)
 
     @property
     def status(self) -> str:
@@ -220,6 +262,7 @@ def run_group(configs: Sequence[train.Config], *, log: Log | None = None) -> lis
             diverged_step=diverged[i],
             params=jax.tree.map(lambda x, i=i: x[i], final),
             seconds=seconds,
+            code=code_version(c),
         )
         for i, c in enumerate(configs)
     ]
@@ -236,9 +279,10 @@ def _key(cfg: train.Config) -> str:
 
 def save(path: Path, traces: Sequence[Trace]) -> None:
     """One group's traces in an .npz (no pickle; bfloat16 parameters are stored as float32,
-    which holds them exactly), written atomically."""
+    which holds them exactly), with the code version of each, written atomically."""
     arrays: dict[str, np.ndarray] = {
         "configs": np.array(json.dumps([dataclasses.asdict(t.cfg) for t in traces])),
+        "code": np.array(json.dumps([t.code for t in traces])),
         "loss": np.stack([t.loss for t in traces]),
         "eval_steps": traces[0].eval_steps,
         "eval_loss": np.stack([t.eval_loss for t in traces]),
@@ -258,16 +302,24 @@ def save(path: Path, traces: Sequence[Trace]) -> None:
     train.atomic_write(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
 
 
-def load(path: Path, wanted: set[str]) -> list[Trace]:
-    """The traces in a file `save` wrote whose configs (`_key`) are in `wanted`."""
+def load(path: Path, wanted: dict[str, str]) -> list[Trace]:
+    """The traces in a file `save` wrote whose configs (`_key`) are in `wanted` and were
+    trained by the code version it maps them to; a file written before code versions were
+    recorded gives its runs with code None (unknown), another version's none."""
     with np.load(path, allow_pickle=False) as z:
         try:
             configs = [train.Config(**c) for c in json.loads(str(z["configs"]))]
         except TypeError:  # written when Config had a field it no longer has
             return []
-        mine = [i for i, c in enumerate(configs) if _key(c) in wanted]
+        codes = json.loads(str(z["code"])) if "code" in z.files else [None] * len(configs)
+        mine = [
+            i
+            for i, c in enumerate(configs)
+            if _key(c) in wanted and codes[i] in (None, wanted[_key(c)])
+        ]
         if not mine:
             return []
+        missing = np.full(z["loss"].shape[1], np.nan)
         template = train.build(configs[0]).task.params
         flat, treedef = jax.tree_util.tree_flatten_with_path(template)
         stacked = [z["params" + jax.tree_util.keystr(p)].astype(x.dtype) for p, x in flat]
@@ -275,12 +327,16 @@ def load(path: Path, wanted: set[str]) -> list[Trace]:
             Trace(
                 cfg=configs[i],
                 loss=z["loss"][i],
-                diagnostics={k: z["diagnostics" + k][i] for k in DIAGNOSTICS},
+                diagnostics={
+                    k: z["diagnostics" + k][i] if "diagnostics" + k in z.files else missing
+                    for k in DIAGNOSTICS
+                },
                 eval_steps=z["eval_steps"],
                 eval_loss=z["eval_loss"][i],
                 diverged_step=None if z["diverged_step"][i] < 0 else int(z["diverged_step"][i]),
                 params=jax.tree_util.tree_unflatten(treedef, [x[i] for x in stacked]),
                 seconds=float(z["seconds"][i]),
+                code=codes[i],
             )
             for i in mine
         ]
@@ -291,11 +347,17 @@ def run(
 ) -> list[Trace]:
     """Every config trained, each group (`groups`) as one vectorized program; in order. A
     config given twice is trained once. With `cache`, runs found in its files are loaded,
-    and only the others are trained (a grid that grows trains only its new points)."""
+    and only the others are trained (a grid that grows trains only its new points): a run
+    trained by this code version (`code_version`), else one cached before versions were
+    recorded (its Trace.code None), never one of another version."""
     keys = [_key(c) for c in configs]
+    versions = {k: code_version(c) for k, c in zip(keys, configs, strict=True)}
     found: dict[str, Trace] = {}
     for path in sorted(cache.glob("*.npz")) if cache is not None else ():
-        found |= {_key(t.cfg): t for t in load(path, set(keys) - set(found))}
+        todo = {k: v for k, v in versions.items() if k not in found or found[k].code is None}
+        for t in load(path, todo) if todo else ():
+            if _key(t.cfg) not in found or t.code is not None:  # this version's over unknown
+                found[_key(t.cfg)] = t
     todo = list({k: c for k, c in zip(keys, configs, strict=True) if k not in found}.values())
     for idx in groups(todo):
         group = [todo[i] for i in idx]
@@ -304,7 +366,7 @@ def run(
             log(f"group of {len(group)} runs: {c.optimizer}, B {c.batch_size}, {c.steps} steps")
         traces = run_group(group, log=log)
         if cache is not None:
-            text = "".join(_key(c) for c in group)
+            text = code_version(group[0]) + "".join(_key(c) for c in group)
             save(cache / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.npz", traces)
         found |= {_key(t.cfg): t for t in traces}
     return [found[k] for k in keys]

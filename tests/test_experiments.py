@@ -592,6 +592,95 @@ def test_compare(a: dict, b: dict, starts: str):
     assert experiments.compare(None, agg(b), "A", "B")["verdict"].startswith("no verdict")
 
 
+# --------------------------------------------------------------------------------------------
+# The run cache: keyed by config and by the version of the code that trains it.
+
+
+def fake_group(configs: Sequence[train.Config], **_: Any) -> list[sweep.Trace]:
+    """run_group without training: real parameters (the cache's template), made-up curves."""
+    return [
+        sweep.Trace(
+            cfg=c,
+            loss=np.full(c.steps, 0.5),
+            diagnostics={k: np.zeros(c.steps) for k in sweep.DIAGNOSTICS},
+            eval_steps=np.array([0, c.steps]),
+            eval_loss=np.array([1.0, 0.5]),
+            diverged_step=None,
+            params=train.build(c).task.params,
+            seconds=0.0,
+            code=sweep.code_version(c),
+        )
+        for c in configs
+    ]
+
+
+def test_a_cached_run_is_reused_only_by_the_code_that_trained_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    trained: list[train.Config] = []
+    monkeypatch.setattr(sweep, "run_group", lambda cs, **kw: trained.extend(cs) or fake_group(cs))
+    configs = [float64_run(lr=1e-2, seed=0), float64_run(lr=1e-2, seed=1)]
+    version = "aaaa"
+    monkeypatch.setattr(sweep, "code_version", lambda cfg: version)
+    assert [t.code for t in sweep.run(configs, cache=tmp_path)] == ["aaaa", "aaaa"]
+    assert len(trained) == 2
+    assert [t.code for t in sweep.run(configs, cache=tmp_path)] == ["aaaa", "aaaa"]
+    assert len(trained) == 2  # the same code: read from the cache
+    version = "bbbb"
+    assert [t.code for t in sweep.run(configs, cache=tmp_path)] == ["bbbb", "bbbb"]
+    assert len(trained) == 4  # other code: trained again, never reused
+    # An entry from before code versions were recorded is read, and labelled unknown (None)...
+    old = tmp_path / "old"
+    sweep.save(old / "x.npz", fake_group([float64_run(lr=3e-2)]))
+    with np.load(old / "x.npz") as z:
+        np.savez(old / "x.npz", **{k: z[k] for k in z.files if k != "code"})
+    version = "cccc"
+    assert sweep.run([float64_run(lr=3e-2)], cache=old)[0].code is None
+    assert len(trained) == 4
+    # ...and this code's entry, once there is one, is preferred to it.
+    sweep.save(old / "y.npz", fake_group([float64_run(lr=3e-2)]))
+    assert sweep.run([float64_run(lr=3e-2)], cache=old)[0].code == "cccc"
+
+
+def test_a_summary_says_when_it_mixes_runs_from_different_code(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """Selection runs from an old cache entry (unknown version), evaluation runs by this code:
+    summary.md says it mixes them and counts each version's runs per variant."""
+    loss = bowl(0.01)
+    fake_sweep(monkeypatch, lambda c: loss(c.lr, c.seed))
+    unlabelled = sweep.run
+
+    def labelled(configs: Sequence[train.Config], **kw: Any) -> list[sweep.Trace]:
+        traces = unlabelled(configs, **kw)
+        for t in traces:
+            t.code = None if t.cfg.seed in SELECT else "new5678"
+        return traces
+
+    monkeypatch.setattr(sweep, "run", labelled)
+    monkeypatch.setattr(sweep, "code_version", lambda cfg: "new5678")
+    proto = experiments.Protocol(SELECT, EVALUATE)
+    study = experiments.tune_and_score(
+        "t", [variant("A", "adam", (3e-3, 1e-2, 3e-2))], {"A": ["A"]}, proto, tmp_path, 0
+    )
+    prov = experiments.provenance("t", "smoke", tmp_path, proto, tmp_path / "cache")
+    summary = experiments.write_study(tmp_path, "t", "T", study, [], prov)
+    assert summary["code"]["mixed"]
+    assert summary["code"]["runs_by_code"] == {"unknown": 6, "new5678": 2}
+    text = (tmp_path / "summary.md").read_text()
+    assert "**Mixes runs from different code**" in text
+    assert "2 by this code (new5678); 6 by an unknown version" in text and ": A 6" in text
+    assert {r["code"] for r in read_csv(tmp_path / "summary.csv")} == {"unknown", "new5678"}
+    # One version throughout: one line that says which.
+    for r in study.runs.rows:
+        r["code"] = "new5678"
+    summary = experiments.write_study(tmp_path, "t", "T", study, [], prov)
+    assert not summary["code"]["mixed"]
+    assert (
+        "every run trained by this code, version new5678" in (tmp_path / "summary.md").read_text()
+    )
+
+
 def test_aggregate_and_best():
     rows = [
         {
