@@ -592,6 +592,39 @@ def test_compare(a: dict, b: dict, starts: str):
     assert experiments.compare(None, agg(b), "A", "B")["verdict"].startswith("no verdict")
 
 
+def t_ratio(d: Sequence[float]) -> float:
+    """|mean| / se of paired differences."""
+    x = np.asarray(d)
+    return abs(x.mean()) / (x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def test_consistent_means_the_interval_excludes_zero_and_every_seed_agrees():
+    """The one verdict rule on constructed differences: consistent iff the 95 % t-interval
+    excludes 0 (t with n − 1 degrees of freedom) and all seeds agree. The old rule (all agree,
+    |mean| > 2·se) called more consistent below n = 62 and fewer from there on."""
+    passes_old_only = [0.1, 0.1, 0.1, 0.1, 0.5]  # 5/5 agree, mean/se 2.25: 2 < 2.25 < 2.78
+    assert 2 < t_ratio(passes_old_only) < experiments.t975(4)
+    assert experiments.strength(passes_old_only) == "weak"
+    verdict = experiments.compare(
+        {"per_seed": dict(enumerate(passes_old_only))},
+        {"per_seed": dict.fromkeys(range(5), 0.0)},
+        "A",
+        "B",
+    )
+    assert verdict["verdict"].startswith("weak: B better than A by 0.1800 (5/5 seeds agree")
+    lo, hi = verdict["ci95"]
+    assert lo < 0 < hi  # ...because its interval holds 0
+    passes_new_only = [0.00414] * 97 + [1.0] * 3  # 100/100 agree, mean/se 1.992: t(99) = 1.984
+    assert experiments.t975(99) < t_ratio(passes_new_only) < 2
+    assert experiments.strength(passes_new_only) == "consistent"
+    four_of_five = [1.0, 1.0, 1.0, 1.0, -0.1]  # the interval excludes 0; one seed disagrees
+    assert t_ratio(four_of_five) > experiments.t975(4)
+    assert experiments.strength(four_of_five) == "weak"
+    assert experiments.strength([0.5, 0.4, 0.6]) == "consistent"
+    assert experiments.strength([0.5, -0.5, 0.1]) == "no difference"
+    assert experiments.strength([0.3]) == "no difference"  # one seed: no interval
+
+
 # --------------------------------------------------------------------------------------------
 # The run cache: keyed by config and by the version of the code that trains it.
 
