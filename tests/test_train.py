@@ -166,9 +166,10 @@ def test_diagnostics_hold_the_gradient_noise_scale():
 
     rng = np.random.default_rng(0)
     mean = {"w": rng.normal(size=(3, 4)), "b": rng.normal(size=4)}
+    sq_mean = jax.tree.map(lambda m: m**2 + rng.uniform(size=m.shape), mean)
     stats = {
-        "mean": mean,
-        "sq_mean": jax.tree.map(lambda m: m**2 + rng.uniform(size=m.shape), mean),
+        "mean": jax.tree.map(jnp.asarray, mean),
+        "sq_mean": jax.tree.map(jnp.asarray, sq_mean),
         "batch_size": jnp.array(5),
     }
     want = pegrad.gradient_noise_scale(stats)
