@@ -390,7 +390,7 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
         )
     mean = stats["mean"]
 
-    def over(x: Array) -> Array:
+    def over(x: Any) -> Array:  # N in the dtype of x (a jax or numpy array)
         return jnp.asarray(stats["batch_size"]).astype(x.dtype)
 
     if "var" in stats:
@@ -2397,12 +2397,14 @@ class Contraction(DotCore):
     ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)); its
     rounding error is ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel
     (SPEC §3).
-    Non-linear φ (sq, sign) has no such identity: per-example gradients are formed a bounded
-    chunk at a time right where the head has the operands, so that they die where plain
-    grad's do; the variance (and norms without the Gram form) in the chunk loop."""
+    Non-linear φ (sq, sign) and the variance have no such identity: per-example gradients are
+    formed a bounded chunk at a time right where the head has the operands, so that they die
+    where plain grad's do; the variance from each chunk's centred (mean, M2), merged by Chan's
+    update (SPEC §3: never q − ḡ²). Norms without the Gram form, and everything under a mask,
+    in the chunk loop."""
 
     name = "contraction"
-    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign")  # per-example φ formed in the head
+    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var")  # per-example φ formed in the head
 
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Contraction | Refusal":
@@ -2434,7 +2436,7 @@ class Contraction(DotCore):
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         terms, _, free_a, free_b = self._sizes()
         gram = 2 * terms * terms < free_a * free_b and self.scalar
-        factored = {"sum", "clipped", "sq", "sign"} | ({"norms"} if gram else set())
+        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if gram else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and list(methods.values()).count("chunked"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
@@ -2450,24 +2452,38 @@ class Contraction(DotCore):
         dots = 2.0 * n * terms * size
         if what in ("sq", "sign"):  # one dot per example, its chunk as large as the operands
             return Cost(dots + n * size, 4.0 * (2 * factors + size))
+        if what == "var":  # the same dots; each chunk centred, squared and merged
+            return Cost(dots + 4.0 * n * size, 4.0 * (2 * factors + 3 * size))
         return Cost(dots, 4.0 * (factors + size))
 
     def unit_flops(self) -> float:
         return 2.0 * self.leaf.size * self._sizes()[0]
 
     def core_sums(self, env: Env, dtype: Any, wanted: Sequence[str]) -> dict[str, Array]:
-        """sq and sign from per-example gradients formed a bounded chunk at a time
+        """sq, sign and var from per-example gradients formed a bounded chunk at a time
         (`_formed_sums`), which give the sum too."""
-        if not any(w in ("sq", "sign") for w in wanted):
+        if not any(w in self.FORMED for w in wanted):
             return super().core_sums(env, dtype, wanted)
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
-        def form(a: Array, b: Array, phis: list[str], _: Array) -> list[Array]:
-            g = jax.vmap(dot)(a, b)
-            return [_sum0(_PHI[w](g)) for w in phis]
+        def form(a: Array, b: Array, names: list[str], r: Array) -> list[Any]:
+            g = jax.vmap(dot)(a, b)  # [c, ...]: its first r rows examples, the rest zero
+            out: list[Any] = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
+            if "var" in names:  # the padding rows left out of (mean, M2), not subtracted
+                mean = _sum0(g) / r
+                centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
+                out.append((mean, _sum0(centred * centred)))
+            return out
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        head = [w for w in wanted if w in (*_PHI, "var")]
+        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
+        sums = self.core_sums(env, self.dtype, head)
+        out = {w: self.replay(g, env, phis[w]) for w, g in sums.items()}
+        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
@@ -2475,11 +2491,11 @@ class Contraction(DotCore):
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         total = super().cost(methods)
-        if methods.get("sum") == "factorized" and "factorized" in (
-            methods.get("sq"),
-            methods.get("sign"),
-        ):  # the sum then comes from the per-example gradients already formed
-            total = total + Cost(-self.factored_cost("sum").flops, 0.0)
+        formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
+        # The sum, and the variance beside sq or sign, come from the gradients formed once.
+        shared = (methods.get("sum") == "factorized") + ("var" in formed and len(formed) > 1)
+        if formed and shared:
+            total = total + Cost(-shared * self.factored_cost("sum").flops, 0.0)
         return total
 
     def compute(self, env: Env, what: str) -> Array:

@@ -927,3 +927,21 @@ def test_explain_says_for_each_leaf_why_every_earlier_route_of_its_kind_lost():
                 assert f"{route}: proven, but ~{cost.flops:.2g} flop" in text, text
             if stats == "mean":
                 assert "mean-loss: the loss calls a custom_vjp" in text, text
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_the_variance_of_a_weight_used_at_every_position_takes_the_route_of_its_mean_square(n: int):
+    """A dense weight applied at T positions (a transformer's projections): asked for the
+    variance too, it stays on `contraction` (per-example gradients formed in the head, each
+    chunk centred, Chan-merged), not the fallback, and equals the naive loop at float64."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(24, 24))), "v": jnp.asarray(rng.normal(size=24))}
+
+    def loss(p, x):  # x [T, d]: the weight at every position
+        return jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]) ** 2
+
+    batch = jnp.asarray(rng.normal(size=(n, 6, 24)))
+    stats = ("mean", "sq_mean", "var") if n > 1 else ("mean", "sq_mean")
+    routes = [p.route for p in pegrad.explain(loss, params, batch, stats) if "w" in p.leaf]
+    assert routes == ["contraction"], routes
+    check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "pos")
