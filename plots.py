@@ -3,6 +3,7 @@
 
     python plots.py results/sign       # a study's figure, from summary.json and traces.csv.gz
     python plots.py runs/adam          # a run's gradient noise scale, from its metrics.jsonl
+    python plots.py --costs README.md results/figures/costs.png   # the cost table's picture
 
 Every multi-seed quantity is drawn as its mean over seeds with the seeds' spread (min to max)
 as a band or an error bar, so that a difference can be read against the noise.
@@ -357,8 +358,57 @@ def draw_noise_scale(run: Path, decay: float = NOISE_EMA) -> None:
     save(fig, run / "noise_scale.png", plt)
 
 
+def cost_table(markdown: str) -> tuple[list[str], list[str], np.ndarray]:
+    """(columns, rows, ratios [row, column, (time, memory)]) of the first Markdown table whose
+    cells read "time / memory" (ratios to plain grad, as the README's cost table); a cell
+    holding something else ("—", "not run") is NaN."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    header, body = cells[0], [row for row in cells[2:] if len(row) == len(cells[0])]
+
+    def number(text: str) -> float:
+        try:
+            return float(text.split()[0])
+        except (ValueError, IndexError):
+            return float("nan")
+
+    def pair(cell: str) -> tuple[float, float]:
+        parts = cell.split("/")
+        return number(parts[0]), number(parts[1]) if len(parts) > 1 else float("nan")
+
+    ratios = np.array([[pair(c) for c in row[1:]] for row in body], dtype=float)
+    return header[1:], [row[0] for row in body], ratios
+
+
+def draw_costs(markdown: Path, out: Path) -> None:
+    """The cost table of `markdown` (e.g. README.md) as a picture: time and temporary memory
+    of each model and column as multiples of plain grad, log scale, 1 marked."""
+    plt = pyplot()
+    if plt is None:
+        return
+    columns, rows, ratios = cost_table(markdown.read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.35 * len(rows) + 2.5), sharey=True)
+    y, height = np.arange(len(rows)), 0.8 / len(columns)
+    for ax, k, what in zip(axes, (0, 1), ("time", "temporary memory"), strict=True):
+        for j, column in enumerate(columns):
+            ax.barh(y + (j - (len(columns) - 1) / 2) * height, ratios[:, j, k], height,
+                    label=column)  # fmt: skip
+        ax.axvline(1.0, color="black", lw=1)
+        ax.set_xscale("log")
+        ax.set_yticks(y, [r.replace("`", "") for r in rows], fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(f"{what} / plain jax.value_and_grad's", fontsize=10)
+    axes[0].invert_yaxis()  # the table's order, top down (the axes share y)
+    axes[1].legend(fontsize=8, loc="lower right")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(fig, out, plt)
+
+
 if __name__ == "__main__":
     import sys
 
-    for folder in sys.argv[1:]:
-        draw(Path(folder))
+    if sys.argv[1:2] == ["--costs"]:  # python plots.py --costs README.md results/figures/costs.png
+        draw_costs(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        for folder in sys.argv[1:]:
+            draw(Path(folder))

@@ -46,3 +46,20 @@ def test_readme_adam_is_the_optax_call_it_names():
         out.append(p)
     for a, b in zip(*(jax.tree.leaves(p) for p in out), strict=True):
         np.testing.assert_array_equal(a, b, err_msg=f"optimizers.adam(lr) != {call}")
+
+
+def test_the_cost_figure_reads_every_cell_of_the_readme_cost_table():
+    """plots.py --costs draws results/figures/costs.png from the README's table: every model and
+    column parses to its time / memory ratios (a cell not run reads NaN, nothing else does)."""
+    import numpy as np
+
+    import plots
+
+    columns, rows, ratios = plots.cost_table(README.read_text(encoding="utf-8"))
+    assert columns[0] == "factorized mean" and len(rows) >= 10, (columns, rows)
+    assert ratios.shape == (len(rows), len(columns), 2)
+    missing = [
+        (rows[i], columns[j], k) for i, j, k in zip(*np.nonzero(np.isnan(ratios)), strict=True)
+    ]
+    assert missing == [("MLP 1024×3, B 128", "vmap mean + sq_mean", 0)], missing
+    assert np.all(ratios[~np.isnan(ratios)] > 0)
