@@ -37,24 +37,25 @@ The statistics beside the updates (the contract every rule that reads `stats=` e
   a rule sees the updates with `optax.MaskedNode` where the mask is False; it cuts every
   statistic it reads to the same tree, so micro_adam on the matrices and adam on the rest work
   with the one `stats` dict pegrad returns (no `mask_compatible_extra_args` needed).
-* The updates must be the mean gradient the statistics were taken with, `stats["mean"]`, or
-  c·ḡ for one global scalar c (c ≠ 1: optax.clip_by_global_norm, optax.scale, a schedule
-  chained before the rule). A multiple is read as every per-example gradient scaled by c:
-  q → c²·q, sign_mean → sign(c)·sign_mean, exactly as `max_grad_norm` does. So
-  `optax.chain(optax.clip_by_global_norm(C), micro_adam(lr))` equals
-  `micro_adam(lr, max_grad_norm=C)`. The test is per coordinate, not against the largest
-  update: c is read where |ḡ| is largest, and every coordinate must equal c·ḡ_j to `ULPS`
-  units of its own last place (+ ULPS·tiny), the rounding of forming c·ḡ; a coordinate where
-  ḡ_j = 0 must get 0. Anything else raises `InconsistentUpdates` naming the leaf, the
-  coordinate, both values and the fix: optax.MultiSteps (which accumulates ḡ beside one
-  micro-batch's statistics; refused when make_train_step builds the step) → `multi_steps`; an
-  elementwise transform (optax.clip) → after the rule; coupled L2 (optax.add_decayed_weights
-  before the rule, however small λ) → the rule's `l2=λ`, exact: every example's gradient
-  + λ·p. The check is free when the updates are the very arrays of stats["mean"] (the case
-  in `make_train_step`, with or without wrappers that pass them on: chain, masked, partition,
-  inject_hyperparams, apply_if_finite, multi_steps); otherwise it is a few elementwise
-  operations, run on values under jit: `make_train_step` then waits for its step and raises
-  `InconsistentUpdates` itself; a jit of your own raises JAX's runtime error carrying it.
+* The updates must be the mean gradient the statistics were taken with, `stats["mean"]`, or c·ḡ
+  for one global scalar c (c ≠ 1: optax.clip_by_global_norm, optax.scale, a schedule chained
+  before the rule). A multiple is read as every per-example gradient scaled by c: q → c²·q,
+  sign_mean → sign(c)·sign_mean, exactly as `max_grad_norm` does. So
+  `optax.chain(optax.clip_by_global_norm(C), micro_adam(lr))` equals `micro_adam(lr,
+  max_grad_norm=C)`. The test is per coordinate, not against the largest update: c is read where
+  |ḡ| is largest, and every coordinate must equal c·ḡ_j to the rounding of forming it (`ULPS`
+  ulps of its own, times 1 + √P for a data-dependent c that XLA may round per coordinate; +
+  ULPS·tiny): a coordinate where ḡ_j = 0 must get 0. Anything else raises `InconsistentUpdates`
+  naming the leaf, the coordinate, both values and the fix: optax.MultiSteps (which accumulates
+  ḡ beside one micro-batch's statistics; refused when make_train_step builds the step) →
+  `multi_steps`; an elementwise transform (optax.clip) → after the rule; coupled L2
+  (optax.add_decayed_weights before the rule, however small λ) → the rule's `l2=λ`, exact: every
+  example's gradient + λ·p. The check is free when the updates are the very arrays of
+  stats["mean"] (the case in `make_train_step`, with or without wrappers that pass them on:
+  chain, masked, partition, inject_hyperparams, apply_if_finite, multi_steps); otherwise it is a
+  few elementwise operations, run on values under jit: `make_train_step` then waits for its step
+  and raises `InconsistentUpdates` itself; a jit of your own raises JAX's runtime error carrying
+  it.
 * `max_grad_norm` and the global-norm check read the leaves the rule sees (under a mask: its
   part), as optax.clip_by_global_norm inside optax.masked would.
 
@@ -78,6 +79,7 @@ called.
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -280,10 +282,12 @@ def _align(rule: str, name: str, stat: PyTree, updates: PyTree) -> PyTree:
 
 
 # "The updates are c·ḡ" is decided coordinate by coordinate, never against the largest update:
-# |u_j − c·ḡ_j| ≤ ULPS·ε·|c·ḡ_j| + ULPS·tiny at every j, with ε and tiny those of the coarser of
-# the two dtypes. A global rescaling (clip_by_global_norm's ḡ/‖ḡ‖·C, optax.scale, a schedule)
-# rounds each coordinate a few ulps; anything else (a shift, an accumulated ḡ, an elementwise
-# clip) moves some coordinate by more, and where ḡ_j = 0 by any normal number at all.
+# |u_j − c·ḡ_j| ≤ ULPS·ε·(1 + √P)·|c·ḡ_j| + ULPS·tiny at every j (ε, tiny those of the statistic
+# and, where the updates are narrower, + ULPS/4 of the updates' ε for their one rounding). The
+# √P: a data-dependent global factor (clip_by_global_norm's C/‖ḡ‖) is a sum of P squares, which
+# XLA may round differently for different coordinates of one compiled program (33 ulps seen at
+# P = 136, float32). A shift, an accumulated ḡ, an elementwise clip move some coordinate by
+# more; where ḡ_j = 0, by any normal number at all; a NaN where ḡ_j is not NaN is a change too.
 ULPS = 16
 
 
@@ -322,7 +326,7 @@ def _inconsistent(rule: str, path: str, index: int, u: float, cg: float) -> str:
     return (
         f"{rule}: the updates it was given are not c·ḡ, one global multiple of the mean "
         f"gradient its statistics describe (stats['mean']): at {path}, flat index {index}, the "
-        f"update is {u!r} where c·ḡ is {cg!r} (every coordinate must agree to {ULPS} ulps). "
+        f"update is {u!r} where c·ḡ is {cg!r} (every coordinate must agree to rounding). "
         "A transformation before the rule changed ḡ per coordinate or across batches. Coupled "
         "L2 (optax.add_decayed_weights before it): pass l2=λ to the rule (the Adam family: "
         "exact), or put (λ/2)·‖p‖² in the loss; decoupled decay is weight_decay=λ. Accumulation "
@@ -354,19 +358,25 @@ def _scale_of(rule: str, updates: PyTree, mean: PyTree) -> Array | None:
     paths = tuple(jax.tree_util.keystr(p) or "the updates" for (p, a) in u_flat if jnp.size(a) > 0)
     if not pairs:
         return jnp.ones([], dtype)
-    top = [jnp.argmax(jnp.abs(m)) for _, m, _, _ in pairs]
+    top = [jnp.argmax(jnp.where(jnp.isnan(m), -1.0, jnp.abs(m))) for _, m, _, _ in pairs]
     m_top = jnp.stack([m[i] for (_, m, _, _), i in zip(pairs, top, strict=True)])
     u_top = jnp.stack([u[i] for (u, _, _, _), i in zip(pairs, top, strict=True)])
-    k = jnp.argmax(jnp.abs(m_top))
+    k = jnp.argmax(jnp.where(jnp.isnan(m_top), -1.0, jnp.abs(m_top)))
     c = jnp.where(m_top[k] != 0, u_top[k] / jnp.where(m_top[k] != 0, m_top[k], 1), 1.0)
+    size = sum(int(jnp.size(m)) for _, m, _, _ in pairs)
     bads, wheres, us, cgs = [], [], [], []
     for u, m, a, b in pairs:
-        info = [jnp.finfo(jnp.asarray(x).dtype) for x in (a, b)]
-        eps, tiny = max(float(i.eps) for i in info), max(float(i.tiny) for i in info)
+        u_info, m_info = (jnp.finfo(jnp.asarray(x).dtype) for x in (a, b))
+        eps = ULPS * float(m_info.eps) * (1.0 + math.sqrt(size))
+        eps += ULPS / 4 * max(float(u_info.eps) - float(m_info.eps), 0.0)  # u's own rounding
+        tiny = ULPS * max(float(u_info.tiny), float(m_info.tiny))
         cg = c * m
-        excess = jnp.abs(u - cg) - (ULPS * eps) * jnp.abs(cg) - ULPS * tiny
+        excess = jnp.abs(u - cg) - eps * jnp.abs(cg) - tiny
+        # NaN where ḡ is NaN too is apply_if_finite's business; a NaN made from a number is not.
+        excess = jnp.where(jnp.isnan(u) & ~jnp.isnan(m), jnp.inf, excess)
+        excess = jnp.where(jnp.isnan(excess), -jnp.inf, excess)
         j = jnp.argmax(excess)
-        bads.append(excess[j] > 0)  # NaN compares False: apply_if_finite's business
+        bads.append(excess[j] > 0)
         wheres.append(j)
         us.append(u[j])
         cgs.append(cg[j])
@@ -550,9 +560,10 @@ def scale_by_adam(
         max_grad_norm: C, clipping ḡ by its global norm; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -594,9 +605,10 @@ def scale_by_micro_adam(
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -640,9 +652,10 @@ def scale_by_micro_adam_var(
         max_grad_norm: C, clipping every per-example gradient by c; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -703,9 +716,10 @@ def scale_by_micro_adam_msq(
         block: None, "tensor" or "row" (above).
         eps_root: ε_root ≥ 0, added inside the square root after the ReLU; 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         A transformation whose state is `optax.ScaleByAdamState`.
@@ -759,9 +773,10 @@ def adam(
         max_grad_norm: C, clipping ḡ by its global norm first; None: no clipping.
         eps_root: ε_root ≥ 0, added inside the square root (optax.adam's eps_root); 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         `chain(scale_by_adam(...), add_decayed_weights(λ, mask), scale_by_learning_rate(lr))`.
@@ -809,9 +824,10 @@ def micro_adam(
             q → c²·q (the paper tames MicroAdam's loss spikes with C = 1e-2); None: none.
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         `chain(scale_by_micro_adam(...), add_decayed_weights(λ, mask),
@@ -860,9 +876,10 @@ def micro_adam_var(
         max_grad_norm: C, clipping every per-example gradient (as in `micro_adam`).
         eps_root: ε_root ≥ 0, added inside the square root (optax's eps_root); 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         `chain(scale_by_micro_adam_var(...), add_decayed_weights(λ, mask),
@@ -918,9 +935,10 @@ def micro_adam_msq(
             [out, in] weight) before the root.
         eps_root: ε_root ≥ 0, added inside the square root after the ReLU; 0: none.
         l2: λ₂ ≥ 0, coupled L2 (the gradient of (λ₂/2)·‖p‖² in every example's loss): each
-            example's gradient, after clipping, + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ +
-            λ₂²p² exactly (σ̂² unchanged). What optax.add_decayed_weights before the rule
-            would mean; 0: none.
+            example's gradient + λ₂·p, so ḡ → ḡ + λ₂p and q → q + 2λ₂p·ḡ + λ₂²p² exactly
+            (σ̂² unchanged): optax.add_decayed_weights before the rule, made exact. With
+            max_grad_norm the clip comes first (c from ḡ alone, the decay not clipped);
+            0: none.
 
     Returns:
         `chain(scale_by_micro_adam_msq(...), add_decayed_weights(λ, mask),

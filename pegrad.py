@@ -683,7 +683,11 @@ _PER_EXAMPLE_RANDOMNESS = (
 
 # Random draws, by the operands that hold their key; how a higher-order primitive's operands
 # reach its sub-jaxpr is in _reaches below.
-_DRAWS: dict[str, tuple[int, ...]] = {"random_bits": (0,), "threefry2x32": (0, 1)}
+_DRAWS: dict[str, tuple[int, ...]] = {
+    "random_bits": (0,),
+    "threefry2x32": (0, 1),
+    "rng_bit_generator": (0,),
+}
 
 
 def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
@@ -738,21 +742,21 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
         skip = 0 if name == "scan" else params["cond_nconsts"]
         consts = params["num_consts"] if name == "scan" else params["body_nconsts"]
         n_carry = params["num_carry"] if name == "scan" else n_out
-        ins = ins[skip:]
+        ins_all, ins = ins, ins[skip:]
         carry = ins[consts : consts + n_carry]
         while True:
             outs, draw = _example_dependence(body, ins[:consts] + carry + ins[consts + n_carry :])
             if draw:
                 return [], draw
             grown = [a or b for a, b in zip(carry, outs[:n_carry], strict=True)]
+            if name == "while":  # a trip count that depends on the example: every carry does
+                test = inner(params["cond_jaxpr"])
+                stop, draw = _example_dependence(test, ins_all[: params["cond_nconsts"]] + grown)
+                if draw:
+                    return [], draw
+                grown = [True] * n_carry if any(stop) else grown
             if grown == carry:
-                if name == "while":
-                    _, draw = _example_dependence(
-                        inner(params["cond_jaxpr"]),
-                        [False] * len(inner(params["cond_jaxpr"]).invars),
-                    )
-                    return carry, draw
-                return outs, ""
+                return (carry, "") if name == "while" else (outs, "")
             carry = grown
     subs = [inner(v) for v in params.values() if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr)]
     subs += [
