@@ -1332,20 +1332,22 @@ def multi_steps(optimizer: AnyTransformation, every_k: int) -> Transformation:
             inner_stats = {**acc, "mean": mean, "batch_size": n}
             return inner_tx.update(mean, state.inner_state, params, stats=inner_stats, **extra_args)
 
-        try:  # eagerly only the branch taken runs: a rule's checks on N see the union's count
-            now = bool(emit)
-        except jax.errors.ConcretizationTypeError:
-            now = None
-        shapes = jax.eval_shape(apply, units)
-
         def skip(n: Array) -> tuple[PyTree, Any]:
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
             return zeros, state.inner_state
 
-        branch = {True: apply, False: skip}.get(now)  # type: ignore[arg-type]
-        new_updates, inner_state = (
-            branch(units) if branch else jax.lax.cond(emit, apply, skip, units)
-        )
+        try:  # eagerly only the branch taken runs: a rule's checks on N see the union's count
+            now = bool(emit)
+        except jax.errors.ConcretizationTypeError:
+            now = None
+        if now:
+            new_updates, inner_state = apply(units)
+        else:
+            shapes = jax.eval_shape(apply, units)  # N abstract: no rule checks it here
+            if now is False:
+                new_updates, inner_state = skip(units)
+            else:
+                new_updates, inner_state = jax.lax.cond(emit, apply, skip, units)
         restart = lambda x: jnp.where(emit, jnp.zeros_like(x), x)
         return new_updates, MultiStepsState(
             jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
