@@ -90,7 +90,9 @@ Granularity = Literal["example", "token"]
 Choose = Literal["cheapest", "first"]
 NonFinite = Literal["propagate", "drop"]
 Stats = dict[str, Any]
-Atom = jcore.Var | jcore.Literal  # a jaxpr operand
+Var = jcore.Var  # a jaxpr variable
+Eqn = jcore.JaxprEqn  # a jaxpr equation
+Atom = Var | jcore.Literal  # a jaxpr operand
 Phi = Callable[[Array], Array]  # φ: identity, square or sign (multiplicative)
 Axes = frozenset[int]  # axes of a value that index positions (token granularity)
 _NONE: Axes = frozenset()
@@ -122,6 +124,11 @@ def __getattr__(name: str) -> types.ModuleType:
 
 
 # ============================================================================================
+# Part I — the definition: the public API, the statistics, the checks, the exact references
+# and the jaxpr interpreter they run on. It reaches the engine below through two names
+# only: `_factorized` (impl="factorized") and `Plan.build` (explain). tests/test_layout.py
+# checks that, and this part's size.
+#
 # §1 Public API
 
 
@@ -194,34 +201,17 @@ def value_and_grad_stats(
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
         if keep is not None:
             batch = _substitute(batch, keep)
-        leaves = jax.tree.leaves(floats)
-        dtypes = [x.dtype for x in leaves]
-        plain = (
-            impl == "factorized" and not drop and _plain_mean(stats, choose, granularity, dtypes)
-        )
-        backward = _user_backward(loss, floats, batch) if plain else None
-        if plain and not backward:
-            out = _gradient_of_mean_loss(loss, floats, batch, keep)
-        elif impl == "vmap":
+        if impl == "vmap":
+            leaves = jax.tree.leaves(floats)
             unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
             n = jax.tree.leaves(batch)[0].shape[0]
             chunk = _examples_per_chunk(n, unit, chunk_size, memory_budget, n)
             out = _reference(loss, stats, chunk, clip_norm, floats, batch, per_example, keep, drop)
         else:
-            wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
-            graph = Graph.build(
-                loss, floats, batch, per_example, _means_only(wanted), memory_budget
+            options = (granularity, choose, chunk_size, memory_budget)
+            out = _factorized(
+                loss, floats, batch, per_example, stats, options, clip_norm, keep, drop
             )
-            weighted = keep is not None or drop
-            graph = dataclasses.replace(
-                graph,
-                weighted=weighted,
-                chunk_size=chunk_size,
-                memory_budget=memory_budget,
-                user_backward=backward,
-            )
-            plans = plan(graph, wanted, choose=choose)
-            out = _execute(graph, plans, stats, clip_norm, floats, batch, keep, drop)
         value, stats_out, aux = out
         return ((value, aux) if has_aux else value), stats_out
 
@@ -255,15 +245,163 @@ def explain(
     )
     floats, loss = _as_parameters(params, loss_fn, has_aux)
     per_example = _check_inputs(loss, floats, batch, stats, granularity)
-    graph = Graph.build(loss, floats, batch, per_example, _means_only(stats), memory_budget)
-    dtypes = [leaf.dtype for leaf in graph.leaves]
-    plain = _plain_mean(stats, choose, granularity, dtypes)
-    backward = _user_backward(loss, floats, batch) if plain else None
-    graph = dataclasses.replace(
-        graph, chunk_size=chunk_size, memory_budget=memory_budget, user_backward=backward
-    )
-    plans = plan(graph, stats, choose=choose)
-    return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
+    options = (granularity, choose, chunk_size, memory_budget)
+    return Plan.build(loss, floats, batch, per_example, stats, options)
+
+
+_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
+
+
+class Accumulator(NamedTuple):
+    """The statistics of k micro-batches combined into those of their union (gradient
+    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+
+        acc = Accumulator.init(params, ("mean", "var"))
+        for micro in batches:                       # or jax.lax.scan
+            acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
+        loss, stats = acc.finalize()
+
+    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
+    a clip factor depends on its own unit only) and the mean loss are count-weighted,
+    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
+    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no cancellation; it
+    needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may differ in size or be
+    masked (N_k = their "batch_size"; one with N_k = 0 changes nothing, one with N_k = 1
+    contributes its mean and M2_k = 0). `Accumulator.value_and_grad_stats` gives a
+    micro-batch's M2_k as "m2", defined for any N_k; `update` also takes the "var" of
+    `value_and_grad_stats` (M2_k = var_k·(N_k − 1)), which refuses a micro-batch of fewer than
+    2 units. Only the union needs N ≥ 2 for "var" (`finalize`); with N = 0 every statistic is
+    NaN, as for a batch masked whole. "sq_norms" (one entry per unit) is refused.
+    """
+
+    count: Array  # N: units so far
+    loss: Array  # their mean loss
+    means: dict[str, PyTree]  # the averaged statistics so far
+    m2: PyTree  # Σ_u (g_u − ḡ)² so far when "var" is accumulated, else None
+
+    @staticmethod
+    def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
+        """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
+        stats = _stat_names(stats)
+        if "sq_norms" in stats:
+            raise ValueError(
+                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
+                "combined; collect it from each micro-batch's statistics instead"
+            )
+        if "var" in stats and "mean" not in stats:
+            raise ValueError(
+                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
+                "'var': accumulate 'mean' too"
+            )
+        zeros = jax.tree.map(
+            lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
+            params,
+        )
+        dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
+        if not dtypes:
+            raise ValueError("Accumulator.init: params has no floating array leaves")
+        dtype = _widest(dtypes)
+        return Accumulator(
+            count=jnp.zeros((), dtype),
+            loss=jnp.zeros((), dtype),
+            means={s: zeros for s in stats if s in _AVERAGED},
+            m2=zeros if "var" in stats else None,
+        )
+
+    @staticmethod
+    def value_and_grad_stats(
+        loss_fn: Callable[[PyTree, PyTree], Any], stats: str | Sequence[str], **options: Any
+    ) -> Callable[..., tuple[Any, Stats]]:
+        """`value_and_grad_stats(loss_fn, stats, **options)` for micro-batches of any size, in
+        or out of jit: "var" comes back as "m2" = Σ_u (g_u − ḡ_k)² over the kept units, which
+        `update` merges and which is 0 for one kept unit or none (where a micro-batch's variance
+        is undefined and value_and_grad_stats refuses it): `finalize` checks the union's N."""
+        names = _stat_names(stats)
+        with_var = value_and_grad_stats(loss_fn, names, **options)
+        if "var" not in names:
+            return with_var
+        if "mean" not in names:
+            raise ValueError("Accumulator: 'var' is merged with each micro-batch's 'mean': ask too")
+        without = value_and_grad_stats(loss_fn, [s for s in names if s != "var"], **options)
+        token = options.get("granularity") == "token"
+
+        def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
+            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else []
+            per_example = math.prod(shape[1:2]) if token else 1
+            try:  # the kept units where they are known before tracing: fewer than 2 have M2 0
+                kept = per_example * (shape[0] if mask is None else int(np.sum(np.asarray(mask))))
+            except (jax.errors.TracerArrayConversionError, IndexError):
+                kept = 2  # a traced mask: "var" is NaN below 2 kept units, read as M2 = 0 here
+            if kept < 2:
+                loss, out = without(params, batch, mask)
+                return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
+            loss, out = with_var(params, batch, mask)
+            n = out["batch_size"]
+            spread = lambda v: jnp.where(n > 1, v * (n - 1).astype(v.dtype), 0.0)  # noqa: E731
+            return loss, {**out, "m2": jax.tree.map(spread, out.pop("var"))}
+
+        return fn
+
+    def update(self, loss: Any, stats: Stats) -> "Accumulator":
+        """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
+        `value_and_grad_stats(...)(params, micro_batch)` returns them."""
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        spread = "m2" if "m2" in stats else "var"  # Accumulator's M2_k, or value_and_grad_stats'
+        missing = [
+            s for s in (*self.means, *([spread] if self.m2 is not None else [])) if s not in stats
+        ]
+        if missing:
+            raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
+        n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
+        total = self.count + n_k
+        share = n_k / jnp.maximum(total, 1.0)
+
+        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
+            x = jnp.asarray(x).astype(m.dtype)
+            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
+
+        m2 = self.m2
+        if m2 is not None:
+
+            def chan(s: Array, mean: Array, mean_k: Array, spread_k: Array) -> Array:
+                dtype = s.dtype
+                own = spread_k.astype(dtype)
+                own = own if spread == "m2" else own * (n_k - 1).astype(dtype)
+                own = jnp.where(n_k > 1, own, 0.0)  # one unit: M2_k = 0 (its var is NaN)
+                delta = mean_k.astype(dtype) - mean
+                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
+                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
+
+            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats[spread])
+        return Accumulator(
+            count=total,
+            loss=merge(self.loss, loss),
+            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
+            m2=m2,
+        )
+
+    def finalize(self) -> tuple[Array, Stats]:
+        """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
+        an error when N is concrete, NaN under jit (SPEC §6); N = 0 leaves every statistic
+        NaN, as value_and_grad_stats of a batch masked whole."""
+        if self.m2 is not None:
+            try:
+                n = int(np.asarray(self.count))
+            except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
+                n = 2
+            if n < 2:
+                raise ValueError(
+                    f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
+                    "micro-batches together; the union needs ≥ 2"
+                )
+        some = self.count > 0
+        defined = lambda x: jnp.where(some, x, jnp.asarray(jnp.nan, x.dtype))  # noqa: E731
+        out: Stats = {s: jax.tree.map(defined, m) for s, m in self.means.items()}
+        if self.m2 is not None:
+            var = lambda s: defined(s / (self.count - 1.0).astype(s.dtype))  # noqa: E731
+            out["var"] = jax.tree.map(var, self.m2)
+        out["batch_size"] = self.count.astype(jnp.int32)
+        return defined(self.loss), out
 
 
 # ============================================================================================
@@ -275,6 +413,7 @@ def explain(
 # φ ∈ {identity, square, sign} is multiplicative: φ(m·x) = φ(m)·φ(x) and φ(x/m) = φ(x)/φ(m),
 # which is what lets a scaling by a batch-independent m move out of a sum over units.
 
+
 _PHI: dict[str, Phi] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
 _INGREDIENTS = {
     "mean": ("sum",),
@@ -284,62 +423,6 @@ _INGREDIENTS = {
     "sq_norms": ("norms",),
     "clipped_mean": ("norms", "clipped"),
 }
-
-
-def _means_only(stats: Sequence[str]) -> bool:
-    """Whether every ingredient of `stats` is a mean of φ (what InScan forms inside a scan)."""
-    return set(_ingredients(stats)) <= set(_PHI)
-
-
-def _plain_mean(
-    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[Any]
-) -> bool:
-    """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
-    loss: (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i, by linearity of the gradient, with no
-    precondition. Backpropagation already sums over examples where each gradient is formed; a
-    rewrite forms the same sums in vmap's layout, at best as fast. Not with choose="first"
-    (which runs the routes), per-token units (whose split the rewrite proves) or parameters
-    narrower than their statistics (plain grad would sum them in their own precision); and
-    only where the loss has no backward rule of the user's (`_user_backward`)."""
-    return (
-        _ingredients(stats) == ("sum",)
-        and choose == "cheapest"
-        and granularity == "example"
-        and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
-    )
-
-
-# Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
-# jax.custom_transpose). JAX's own transposes are linear in the cotangent; these need not be.
-_USER_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_transpose_call"})
-
-
-def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
-    """Why plain grad of the mean loss is not proven to be the mean of the per-example
-    gradients, or "". Backpropagation through JAX's own operations is linear in the cotangent,
-    so ∇ Σ_i ℓ_i = Σ_i g_i whatever the seed's scale and wherever the examples' cotangents are
-    summed. A backward rule the user wrote is a function of its cotangent that need not be
-    linear (the gradient clipping of JAX's custom_vjp tutorial): plain grad of the mean loss
-    applies it to c_i/B, and once to Σ_i c_i where its inputs do not depend on the example,
-    where each g_i applies it to c_i; clip(Σ_i c_i) ≠ Σ_i clip(c_i). `loss_fn` returns
-    (loss, aux); its one-example jaxpr is searched, sub-jaxprs included."""
-    closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
-    todo = [closed.jaxpr]  # jax.extend.core.jaxprs_in_params would do: not in JAX 0.7.2
-    while todo:
-        for eqn in todo.pop().eqns:
-            if eqn.primitive.name in _USER_RULES:
-                return (
-                    f"the loss calls a {eqn.primitive.name} ({eqn.params.get('name', '?')}), a "
-                    "backward rule not proven linear in the cotangent: plain grad of the mean "
-                    "loss may differ from the mean of per-example gradients"
-                )
-            for value in eqn.params.values():
-                for inner in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(inner, jcore.ClosedJaxpr):
-                        todo.append(inner.jaxpr)
-                    elif isinstance(inner, jcore.Jaxpr):
-                        todo.append(inner)
-    return ""
 
 
 def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
@@ -581,9 +664,6 @@ def _check_inputs(
     return per_example
 
 
-# -- Models as they are, masks, auxiliary outputs. ------------------------------------------------
-
-
 def _is_parameter(x: Any) -> bool:
     """A floating array: what Equinox's `is_inexact_array` selects (keys, counters, integer
     buffers and Python values are held fixed)."""
@@ -810,7 +890,8 @@ def _one_example(batch: PyTree) -> PyTree:
 
 
 # ============================================================================================
-# §4 The exact reference: materialize per-unit gradients, apply φ, reduce.
+# §4 The exact references: per-unit gradients materialized in chunks, φ, reduce; per token,
+# the parameters untied (one copy per position).
 
 
 def _chunked(
@@ -951,9 +1032,6 @@ def _where_units(keep: Array, x: Array) -> Array:
     return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-# -- The token reference: untie the parameters, one copy per position. ---------------------------
-
-
 def _diagonal(stacked: Array, axis: int) -> Array:
     """out[..., t (at `axis`), ...] = stacked[t, ..., t, ...]: slice t computed with copy t."""
     return jnp.moveaxis(jnp.diagonal(stacked, axis1=0, axis2=axis + 1), -1, axis)
@@ -1064,7 +1142,9 @@ def _boundary_axes(eqn: Any, positions: Mapping[Any, Axes]) -> tuple[int, ...] |
 
 
 # ============================================================================================
-# §5 The graph.
+# §5 The interpreter and position tracing: one example's jaxpr flattened and re-evaluated,
+# and which axes of each value index positions (what `Untie` and the engine both read).
+
 
 # Call-like primitives whose body is evaluated in place, so that the rewrite sees one graph.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"})
@@ -1184,40 +1264,9 @@ def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
     return found
 
 
-def _producers(jaxpr: jcore.Jaxpr) -> dict[Any, jcore.JaxprEqn]:
-    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-
-
-def _users(jaxpr: jcore.Jaxpr) -> dict[Any, list[jcore.JaxprEqn]]:
-    """Per variable, the equations that read it (once per operand it is)."""
-    users: dict[Any, list[jcore.JaxprEqn]] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                users.setdefault(v, []).append(eqn)
-    return users
-
-
-def _needed_by(jaxpr: jcore.Jaxpr, wanted: Sequence[Any]) -> list[jcore.JaxprEqn]:
-    """The equations that `wanted` values need, in order (backward closure)."""
-    needed, eqns = {v for v in wanted if isinstance(v, jcore.Var)}, []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            eqns.append(eqn)
-            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-    return eqns[::-1]
-
-
 def _names(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
-
-# -- Position axes: which axes of a value index positions 0..T−1, traced from the example. --------
-#
-# Every example leaf's axis 0 is positional (granularity="token" says so). A label survives an
-# operation only where the operation maps index t of that axis to index t of an output axis:
-# elementwise ops, permutations, reshapes that keep the axis whole, dot_general batch and free
-# dims, full-size slices, gathers' index dims. Anything else drops it — never recognised by length.
 
 _ELEMENTWISE = _names(
     """
@@ -1239,39 +1288,6 @@ _CUMULATIVE = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"
 
 def _shape(v: Any) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
-
-
-def _dtype(v: Any) -> Any:
-    aval: Any = v.aval
-    return aval.dtype
-
-
-def _dot_dims(core: jcore.JaxprEqn) -> tuple[tuple[int, ...], ...]:
-    (lc, rc), (lb, rb) = core.params["dimension_numbers"]
-    return tuple(tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
-
-
-def _shift(axes: Sequence[int]) -> tuple[int, ...]:
-    return tuple(a + 1 for a in axes)
-
-
-def _over_examples(
-    lc: Sequence[int], rc: Sequence[int], lb: Sequence[int], rb: Sequence[int]
-) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Dimension numbers of a dot_general of two [B, ...] operands that contracts the leading
-    axis B (or the iterations of a scan) as well as `lc`/`rc`, batching `lb`/`rb`."""
-    return (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
-
-
-def _flops(eqn: jcore.JaxprEqn) -> float:
-    """A rough operation count of one equation (the planner's cost model)."""
-    out = sum(math.prod(_shape(v)) for v in eqn.outvars)
-    if eqn.primitive.name == "dot_general":
-        lc, _, _, _ = _dot_dims(eqn)
-        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in lc)
-    if eqn.primitive.name == "conv_general_dilated":
-        return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
-    return float(out)
 
 
 def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -> Axes:
@@ -1404,7 +1420,69 @@ def _axes_of(positions: Mapping[Any, Axes], var: Any) -> Axes:
     return positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
 
 
-# -- The gradient graph. ------------------------------------------------------------------------
+# ============================================================================================
+# Part II — the engine: impl="factorized". Nothing above this line reads what is below it but
+# `_factorized` and `Plan.build`.
+#
+# §6 The graph: grad of ONE example as a flat jaxpr, and what is proven about its values.
+
+
+def _producers(jaxpr: jcore.Jaxpr) -> dict[Any, jcore.JaxprEqn]:
+    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _users(jaxpr: jcore.Jaxpr) -> dict[Any, list[jcore.JaxprEqn]]:
+    """Per variable, the equations that read it (once per operand it is)."""
+    users: dict[Any, list[jcore.JaxprEqn]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                users.setdefault(v, []).append(eqn)
+    return users
+
+
+def _needed_by(jaxpr: jcore.Jaxpr, wanted: Sequence[Any]) -> list[jcore.JaxprEqn]:
+    """The equations that `wanted` values need, in order (backward closure)."""
+    needed, eqns = {v for v in wanted if isinstance(v, jcore.Var)}, []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            eqns.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    return eqns[::-1]
+
+
+def _dtype(v: Any) -> Any:
+    aval: Any = v.aval
+    return aval.dtype
+
+
+def _dot_dims(core: jcore.JaxprEqn) -> tuple[tuple[int, ...], ...]:
+    (lc, rc), (lb, rb) = core.params["dimension_numbers"]
+    return tuple(tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+
+
+def _shift(axes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(a + 1 for a in axes)
+
+
+def _over_examples(
+    lc: Sequence[int], rc: Sequence[int], lb: Sequence[int], rb: Sequence[int]
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Dimension numbers of a dot_general of two [B, ...] operands that contracts the leading
+    axis B (or the iterations of a scan) as well as `lc`/`rc`, batching `lb`/`rb`."""
+    return (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
+
+
+def _flops(eqn: jcore.JaxprEqn) -> float:
+    """A rough operation count of one equation (the planner's cost model)."""
+    out = sum(math.prod(_shape(v)) for v in eqn.outvars)
+    if eqn.primitive.name == "dot_general":
+        lc, _, _, _ = _dot_dims(eqn)
+        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in lc)
+    if eqn.primitive.name == "conv_general_dilated":
+        return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
+    return float(out)
+
 
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
 
@@ -1754,7 +1832,7 @@ def _factor_vars(post: Sequence[Post]) -> list[Any]:
 
 
 # ============================================================================================
-# §5′ Scan hoisting: weight-gradient contractions moved out of the backward scan.
+# §6′ Scan hoisting: weight-gradient contractions moved out of the backward scan.
 #
 # A weight stacked over layers and consumed by a scan gets its gradient as a stacked output of
 # the backward scan, one dot_general per iteration; a weight shared by all iterations (an RNN
@@ -1953,7 +2031,7 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
 
 
 # ============================================================================================
-# §6 Routes. A route is a class whose `match` proves on the jaxpr the mathematics it uses for a
+# §7 Routes. A route is a class whose `match` proves on the jaxpr the mathematics it uses for a
 # leaf's gradient and returns an instance owning what it proved (its operands), or a Refusal
 # saying why not. The instance computes the leaf's ingredients (§2) from values the batched
 # head provides ("env": a leading axis B on batched values); `per_unit` gives one example's
@@ -3660,7 +3738,7 @@ ROUTES: tuple[type[Route], ...] = (
 
 
 # ============================================================================================
-# §7 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
+# §8 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -3813,6 +3891,20 @@ class Plan(tuple):
         self.plain_flops = plain_flops
         return self
 
+    @staticmethod
+    def build(
+        loss: Callable,
+        params: PyTree,
+        batch: PyTree,
+        per_example: int,
+        stats: tuple[str, ...],
+        options: "Options",
+    ) -> "Plan":
+        """`explain`'s entry point into the engine: the graph and its plan, nothing run."""
+        graph = _graph(loss, params, batch, per_example, stats, options)
+        plans = plan(graph, stats, choose=options[1])
+        return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
+
     @property
     def summary(self) -> str:
         routes: dict[str, int] = {}
@@ -3916,7 +4008,7 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
 
 
 # ============================================================================================
-# §8 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
+# §9 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
 
 
 def _execute(
@@ -4019,36 +4111,6 @@ def _execute(
                 means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
     loss = loss.astype(stat_dtype(losses.dtype))
     return loss, _publish(stats, means, sq_norms, n_units), aux
-
-
-def _gradient_of_mean_loss(
-    loss: Callable, params: PyTree, batch: PyTree, keep: Array | None
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """The mean alone (every leaf "mean-loss"): plain grad of the mean loss over the kept
-    examples. Where 1/N would be rounded in the loss's dtype (a loss narrower than float32) or
-    a mask weighs the examples, the summed loss is differentiated and the gradient divided by
-    the count in its own dtype, as the routes do (no kept example: NaN); a masked example,
-    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss."""
-    summed = [keep is not None]  # set once the loss's dtype is known, inside the trace
-
-    def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
-        losses, aux = jax.vmap(loss, in_axes=(None, 0))(p, batch)
-        summed[0] = summed[0] or jnp.dtype(losses.dtype) != stat_dtype(losses.dtype)
-        if not summed[0]:
-            return jnp.mean(losses), (losses, aux)
-        kept = losses if keep is None else jnp.where(keep, losses, jnp.zeros((), losses.dtype))
-        return jnp.sum(kept), (losses, aux)
-
-    (total, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    n_units: Any = losses.shape[0] if keep is None else jnp.sum(keep)
-    if summed[0]:
-        grads = jax.tree.map(lambda g: _over(g, n_units), grads)
-    value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
-    return (
-        value.astype(stat_dtype(losses.dtype)),
-        _publish(("mean",), {"sum": grads}, None, n_units),
-        aux,
-    )
 
 
 def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]) -> dict:
@@ -4362,158 +4424,141 @@ def _chunk_loop(
 
 
 # ============================================================================================
-# §9 Accumulation over micro-batches: the statistics of k micro-batches combined exactly.
-
-_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
+# §10 The mean alone as plain backpropagation, and the entry point of impl="factorized".
 
 
-class Accumulator(NamedTuple):
-    """The statistics of k micro-batches combined into those of their union (gradient
-    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+def _means_only(stats: Sequence[str]) -> bool:
+    """Whether every ingredient of `stats` is a mean of φ (what InScan forms inside a scan)."""
+    return set(_ingredients(stats)) <= set(_PHI)
 
-        acc = Accumulator.init(params, ("mean", "var"))
-        for micro in batches:                       # or jax.lax.scan
-            acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
-        loss, stats = acc.finalize()
 
-    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
-    a clip factor depends on its own unit only) and the mean loss are count-weighted,
-    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
-    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no cancellation; it
-    needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may differ in size or be
-    masked (N_k = their "batch_size"; one with N_k = 0 changes nothing, one with N_k = 1
-    contributes its mean and M2_k = 0). `Accumulator.value_and_grad_stats` gives a
-    micro-batch's M2_k as "m2", defined for any N_k; `update` also takes the "var" of
-    `value_and_grad_stats` (M2_k = var_k·(N_k − 1)), which refuses a micro-batch of fewer than
-    2 units. Only the union needs N ≥ 2 for "var" (`finalize`); with N = 0 every statistic is
-    NaN, as for a batch masked whole. "sq_norms" (one entry per unit) is refused.
-    """
+def _plain_mean(
+    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[Any]
+) -> bool:
+    """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
+    loss: (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i, by linearity of the gradient, with no
+    precondition. Backpropagation already sums over examples where each gradient is formed; a
+    rewrite forms the same sums in vmap's layout, at best as fast. Not with choose="first"
+    (which runs the routes), per-token units (whose split the rewrite proves) or parameters
+    narrower than their statistics (plain grad would sum them in their own precision); and
+    only where the loss has no backward rule of the user's (`_user_backward`)."""
+    return (
+        _ingredients(stats) == ("sum",)
+        and choose == "cheapest"
+        and granularity == "example"
+        and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
+    )
 
-    count: Array  # N: units so far
-    loss: Array  # their mean loss
-    means: dict[str, PyTree]  # the averaged statistics so far
-    m2: PyTree  # Σ_u (g_u − ḡ)² so far when "var" is accumulated, else None
 
-    @staticmethod
-    def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
-        """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
-        stats = _stat_names(stats)
-        if "sq_norms" in stats:
-            raise ValueError(
-                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
-                "combined; collect it from each micro-batch's statistics instead"
-            )
-        if "var" in stats and "mean" not in stats:
-            raise ValueError(
-                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
-                "'var': accumulate 'mean' too"
-            )
-        zeros = jax.tree.map(
-            lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
-            params,
-        )
-        dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
-        if not dtypes:
-            raise ValueError("Accumulator.init: params has no floating array leaves")
-        dtype = _widest(dtypes)
-        return Accumulator(
-            count=jnp.zeros((), dtype),
-            loss=jnp.zeros((), dtype),
-            means={s: zeros for s in stats if s in _AVERAGED},
-            m2=zeros if "var" in stats else None,
-        )
+# Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
+# jax.custom_transpose). JAX's own transposes are linear in the cotangent; these need not be.
+_USER_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_transpose_call"})
 
-    @staticmethod
-    def value_and_grad_stats(
-        loss_fn: Callable[[PyTree, PyTree], Any], stats: str | Sequence[str], **options: Any
-    ) -> Callable[..., tuple[Any, Stats]]:
-        """`value_and_grad_stats(loss_fn, stats, **options)` for micro-batches of any size, in
-        or out of jit: "var" comes back as "m2" = Σ_u (g_u − ḡ_k)² over the kept units, which
-        `update` merges and which is 0 for one kept unit or none (where a micro-batch's variance
-        is undefined and value_and_grad_stats refuses it): `finalize` checks the union's N."""
-        names = _stat_names(stats)
-        with_var = value_and_grad_stats(loss_fn, names, **options)
-        if "var" not in names:
-            return with_var
-        if "mean" not in names:
-            raise ValueError("Accumulator: 'var' is merged with each micro-batch's 'mean': ask too")
-        without = value_and_grad_stats(loss_fn, [s for s in names if s != "var"], **options)
-        token = options.get("granularity") == "token"
 
-        def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
-            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else []
-            per_example = math.prod(shape[1:2]) if token else 1
-            try:  # the kept units where they are known before tracing: fewer than 2 have M2 0
-                kept = per_example * (shape[0] if mask is None else int(np.sum(np.asarray(mask))))
-            except (jax.errors.TracerArrayConversionError, IndexError):
-                kept = 2  # a traced mask: "var" is NaN below 2 kept units, read as M2 = 0 here
-            if kept < 2:
-                loss, out = without(params, batch, mask)
-                return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
-            loss, out = with_var(params, batch, mask)
-            n = out["batch_size"]
-            spread = lambda v: jnp.where(n > 1, v * (n - 1).astype(v.dtype), 0.0)  # noqa: E731
-            return loss, {**out, "m2": jax.tree.map(spread, out.pop("var"))}
-
-        return fn
-
-    def update(self, loss: Any, stats: Stats) -> "Accumulator":
-        """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
-        `value_and_grad_stats(...)(params, micro_batch)` returns them."""
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        spread = "m2" if "m2" in stats else "var"  # Accumulator's M2_k, or value_and_grad_stats'
-        missing = [
-            s for s in (*self.means, *([spread] if self.m2 is not None else [])) if s not in stats
-        ]
-        if missing:
-            raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
-        n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
-        total = self.count + n_k
-        share = n_k / jnp.maximum(total, 1.0)
-
-        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
-            x = jnp.asarray(x).astype(m.dtype)
-            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
-
-        m2 = self.m2
-        if m2 is not None:
-
-            def chan(s: Array, mean: Array, mean_k: Array, spread_k: Array) -> Array:
-                dtype = s.dtype
-                own = spread_k.astype(dtype)
-                own = own if spread == "m2" else own * (n_k - 1).astype(dtype)
-                own = jnp.where(n_k > 1, own, 0.0)  # one unit: M2_k = 0 (its var is NaN)
-                delta = mean_k.astype(dtype) - mean
-                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
-                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
-
-            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats[spread])
-        return Accumulator(
-            count=total,
-            loss=merge(self.loss, loss),
-            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
-            m2=m2,
-        )
-
-    def finalize(self) -> tuple[Array, Stats]:
-        """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
-        an error when N is concrete, NaN under jit (SPEC §6); N = 0 leaves every statistic
-        NaN, as value_and_grad_stats of a batch masked whole."""
-        if self.m2 is not None:
-            try:
-                n = int(np.asarray(self.count))
-            except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
-                n = 2
-            if n < 2:
-                raise ValueError(
-                    f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
-                    "micro-batches together; the union needs ≥ 2"
+def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
+    """Why plain grad of the mean loss is not proven to be the mean of the per-example
+    gradients, or "". Backpropagation through JAX's own operations is linear in the cotangent,
+    so ∇ Σ_i ℓ_i = Σ_i g_i whatever the seed's scale and wherever the examples' cotangents are
+    summed. A backward rule the user wrote is a function of its cotangent that need not be
+    linear (the gradient clipping of JAX's custom_vjp tutorial): plain grad of the mean loss
+    applies it to c_i/B, and once to Σ_i c_i where its inputs do not depend on the example,
+    where each g_i applies it to c_i; clip(Σ_i c_i) ≠ Σ_i clip(c_i). `loss_fn` returns
+    (loss, aux); its one-example jaxpr is searched, sub-jaxprs included."""
+    closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
+    todo = [closed.jaxpr]  # jax.extend.core.jaxprs_in_params would do: not in JAX 0.7.2
+    while todo:
+        for eqn in todo.pop().eqns:
+            if eqn.primitive.name in _USER_RULES:
+                return (
+                    f"the loss calls a {eqn.primitive.name} ({eqn.params.get('name', '?')}), a "
+                    "backward rule not proven linear in the cotangent: plain grad of the mean "
+                    "loss may differ from the mean of per-example gradients"
                 )
-        some = self.count > 0
-        defined = lambda x: jnp.where(some, x, jnp.asarray(jnp.nan, x.dtype))  # noqa: E731
-        out: Stats = {s: jax.tree.map(defined, m) for s, m in self.means.items()}
-        if self.m2 is not None:
-            var = lambda s: defined(s / (self.count - 1.0).astype(s.dtype))  # noqa: E731
-            out["var"] = jax.tree.map(var, self.m2)
-        out["batch_size"] = self.count.astype(jnp.int32)
-        return defined(self.loss), out
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(inner, jcore.ClosedJaxpr):
+                        todo.append(inner.jaxpr)
+                    elif isinstance(inner, jcore.Jaxpr):
+                        todo.append(inner)
+    return ""
+
+
+def _gradient_of_mean_loss(
+    loss: Callable, params: PyTree, batch: PyTree, keep: Array | None
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The mean alone (every leaf "mean-loss"): plain grad of the mean loss over the kept
+    examples. Where 1/N would be rounded in the loss's dtype (a loss narrower than float32) or
+    a mask weighs the examples, the summed loss is differentiated and the gradient divided by
+    the count in its own dtype, as the routes do (no kept example: NaN); a masked example,
+    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss."""
+    summed = [keep is not None]  # set once the loss's dtype is known, inside the trace
+
+    def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
+        losses, aux = jax.vmap(loss, in_axes=(None, 0))(p, batch)
+        summed[0] = summed[0] or jnp.dtype(losses.dtype) != stat_dtype(losses.dtype)
+        if not summed[0]:
+            return jnp.mean(losses), (losses, aux)
+        kept = losses if keep is None else jnp.where(keep, losses, jnp.zeros((), losses.dtype))
+        return jnp.sum(kept), (losses, aux)
+
+    (total, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    n_units: Any = losses.shape[0] if keep is None else jnp.sum(keep)
+    if summed[0]:
+        grads = jax.tree.map(lambda g: _over(g, n_units), grads)
+    value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
+    return (
+        value.astype(stat_dtype(losses.dtype)),
+        _publish(("mean",), {"sum": grads}, None, n_units),
+        aux,
+    )
+
+
+Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
+
+
+def _graph(
+    loss: Callable,
+    params: PyTree,
+    batch: PyTree,
+    per_example: int,
+    stats: Sequence[str],
+    options: Options,
+    weighted: bool = False,
+) -> Graph:
+    """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
+    loss is not proven its value ("" where it is)."""
+    granularity, choose, chunk_size, memory_budget = options
+    graph = Graph.build(loss, params, batch, per_example, _means_only(stats), memory_budget)
+    plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
+    return dataclasses.replace(
+        graph,
+        weighted=weighted,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        user_backward=_user_backward(loss, params, batch) if plain else None,
+    )
+
+
+def _factorized(
+    loss: Callable,
+    params: PyTree,
+    batch: PyTree,
+    per_example: int,
+    stats: tuple[str, ...],
+    options: Options,
+    clip_norm: float | None,
+    keep: Array | None,
+    drop: bool,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """impl="factorized", Part I's entry point: the mean alone as plain grad of the mean loss
+    where that is proven, else the graph, its plan and the executor."""
+    granularity, choose = options[:2]
+    dtypes = [x.dtype for x in jax.tree.leaves(params)]
+    plain = not drop and _plain_mean(stats, choose, granularity, dtypes)
+    if plain and not _user_backward(loss, params, batch):
+        return _gradient_of_mean_loss(loss, params, batch, keep)
+    wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
+    graph = _graph(loss, params, batch, per_example, wanted, options, keep is not None or drop)
+    return _execute(
+        graph, plan(graph, wanted, choose=choose), stats, clip_norm, params, batch, keep, drop
+    )

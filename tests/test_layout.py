@@ -1,0 +1,65 @@
+"""pegrad.py's layout as an invariant (issue 37): Part I — the public API, the statistics, the
+checks, the exact references and the interpreter they run on — is closed: it names nothing
+defined in Part II (the engine, below the banner line containing "Part II") but the two entry
+points, and it stays within its line budget, so that a reader can check the definition
+without reading the engine. Pure parsing, no JAX."""
+
+import ast
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent / "pegrad.py"
+ENTRY_POINTS = frozenset({"_factorized", "Plan"})
+
+
+def _parts() -> tuple[list[ast.stmt], list[ast.stmt], int, int]:
+    text = SOURCE.read_text()
+    lines = text.splitlines()
+    banners = [i + 1 for i, line in enumerate(lines) if line.startswith("# Part II")]
+    assert len(banners) == 1, f"one line starting '# Part II', found {banners}"
+    banner = banners[0]
+    body = ast.parse(text).body
+    return (
+        [n for n in body if n.lineno < banner],
+        [n for n in body if n.lineno > banner],
+        banner,
+        len(lines),
+    )
+
+
+def _defined(nodes: list[ast.stmt]) -> set[str]:
+    names = set()
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        for target in getattr(node, "targets", [getattr(node, "target", None)]):
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+    return names
+
+
+def _named(nodes: list[ast.stmt]) -> set[str]:
+    """Every name Part I reads, string annotations ("Plan") included."""
+    found = set()
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                found.add(sub.id)
+            elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                try:
+                    expr = ast.parse(sub.value, mode="eval")
+                except SyntaxError:
+                    continue
+                found |= {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    return found
+
+
+def test_part_one_names_no_engine_definition_but_the_entry_points() -> None:
+    part_one, part_two, _, _ = _parts()
+    reached = _named(part_one) & (_defined(part_two) - _defined(part_one))
+    assert reached <= ENTRY_POINTS, sorted(reached - ENTRY_POINTS)
+    assert _defined(part_two) >= ENTRY_POINTS, "the entry points live in Part II"
+
+
+def test_part_two_defines_nothing_part_one_defines() -> None:
+    part_one, part_two, _, _ = _parts()
+    assert not _defined(part_one) & _defined(part_two)
