@@ -15,6 +15,13 @@ computed on seeds its learning rates were not chosen on.
     python experiments.py sign --seeds 0-4                  # leave-one-seed-out on seeds 0..4
     python experiments.py sign --seeds 20-24 --lrs-from results/sign/summary.json
                                                             # re-check committed settings, new seeds
+    python experiments.py noise-floor --task lm --seeds 3-10 --lrs-from \
+        results/precond-lm/summary.json,results/clipping-lm/summary.json,results/sign/summary.json \
+        --out results/noise-floor-lm                        # the spread a null perturbation gives
+    python experiments.py sign-decided --select-seeds 0-2 --seeds 3-12 \
+        --noise-floor results/noise-floor-lm/summary.json --out results/sign-lm-decided
+                                                            # SignEMA, SignSGD β 0.9 and β 0 on
+                                                            #   √2-step grids, against the floor
 
 This is the studies' one entry point (train.py trains one run). In Python: `experiments.run(name,
 scale=..., out=..., seeds=(3, 4, 5), select_seeds=(0, 1, 2)) -> summary dict`.
@@ -31,7 +38,9 @@ Selection protocol (every training study but batch-scaling):
 * leave-one-seed-out (`--seeds` only): the whole grid on every seed; seed s is scored at the lr
   chosen on the other seeds.
 * fixed (`--lrs-from SUMMARY --seeds ...`): no selection; each variant at the lr a committed
-  summary chose, on the given (unseen) seeds. This is the independent re-check.
+  summary chose, on the given (unseen) seeds. This is the independent re-check. SUMMARY may be
+  several summaries, comma-separated (noise-floor reads each optimizer's lr from its own study);
+  where two name the same family, the later one's lr is used.
 A family of variants (e.g. MicroAdamMSQ at every ε) is chosen the same way: the member and its
 lr with the lowest selection mean. Summaries record the protocol, the real seed numbers, every
 grid tried and its extensions, the command line and the git commit; a chosen lr still at an edge
@@ -67,6 +76,21 @@ Definitions used in the summaries:
   from their own per-seed numbers, results/restate.py.) A seed on which either diverged or blew
   up is left out of d and named. Beside it, the "same-seed" verdict of the old protocol (lr
   chosen and scored on the selection seeds) shows what held-out selection changed.
+* noise floor (`noise-floor`, issue 39): each optimizer at the lr a committed summary chose, on
+  each seed trained twice: as chosen, and with its lr moved by one float32 ulp (lr·(1 + 2⁻²³):
+  a perturbation that should not matter, as a last-bit change of the initial parameters would;
+  it applies to every optimizer, where a clipping threshold no step reaches would not: the sign
+  rules refuse clipping). The null differences δ_s = loss(perturbed) − loss(as chosen) measure
+  how far chaos alone moves one run's final loss: per optimizer σ = RMS(δ)/√2 (δ is the
+  difference of two runs, each carrying that noise; the RMS, not the sd, because δ's mean is 0
+  under the null and a bias would be noise too). The floor of a verdict A vs B on n paired seeds
+  is then 1.96·√((σ_A² + σ_B²)/n), the 95 % half-width that this noise alone gives a mean of n
+  paired differences (a side written "X − Y", the clipping gap, counts σ_X² + σ_Y²); a variant's
+  σ is its optimizer's, the label up to its first ", " or " [" (clipped MicroAdam: MicroAdam's),
+  and an optimizer not measured gets the largest σ measured. With `--noise-floor SUMMARY` (a
+  noise-floor summary.json of the study's task) every verdict is "undecided" where |mean d| ≤
+  its floor, whatever the interval says (an interval narrower than the floor comes from a few
+  seeds agreeing by chance), and states the floor where it is above it.
 * code: every run records the code version that trained it (sweep.code_version, a hash of the
   files it depends on; the cache reuses a run only at the same version, or from before versions
   were recorded: "unknown"); a summary that holds runs of more than one version says so and
@@ -117,6 +141,8 @@ import train
 
 EXPERIMENTS = (
     "sign",
+    "sign-decided",
+    "noise-floor",
     "precond",
     "msq",
     "clipping",
@@ -125,7 +151,17 @@ EXPERIMENTS = (
     "overhead",
     "vectorize",
 )
-TRAINING = ("sign", "precond", "msq", "clipping", "batch-scaling", "windows")  # seeded studies
+# seeded studies
+TRAINING = (
+    "sign",
+    "sign-decided",
+    "noise-floor",
+    "precond",
+    "msq",
+    "clipping",
+    "batch-scaling",
+    "windows",
+)
 TASK_NAMES = {"mlp": "MLP teacher-student", "lm": "byte-level LM"}  # in figure titles
 SIGN_METHODS = ("micro_sign_sgd", "sign_sgd", "sign_ema")
 PRECOND_METHODS = ("adam", "micro_adam", "micro_adam_var")
@@ -138,6 +174,8 @@ LABELS = {
     "micro_adam_var": "MicroAdamVar",
     "micro_adam_msq": "MicroAdamMSQ",
 }
+PLAIN_SIGN = "plain SignSGD (β 0)"  # the paper's SignSGD: sign(ḡ), no EMA (sign_sgd at β = 0)
+ULP = " lr +1 ulp"  # the noise floor's perturbed twin of a variant: its label plus this
 UNKNOWN_CODE = "unknown"  # a run's code version, where its cache entry predates versions
 SPIKE_FACTOR = 2.0
 SPIKE_WINDOW = 50  # steps of the median a spike is measured against
@@ -176,6 +214,9 @@ class Scale:
     max_extensions: int  # per variant: grid points added past an edge before giving up
     sign_lrs: dict[str, tuple[float, ...]]  # starting grid per sign rule
     sign_momentum: float  # β of every sign rule's EMA
+    # sign-decided's starting grids (√2 steps), per SignEMA, SignSGD (β = sign_momentum) and
+    # PLAIN_SIGN (β = 0), keyed by label
+    sign_decided_lrs: dict[str, tuple[float, ...]]
     # (name, task, config overrides): the regimes of precond (those of the study's task);
     # μ̂²/σ̂² is measured in each.
     precond_regimes: tuple[tuple[str, str, dict[str, Any]], ...]
@@ -218,6 +259,20 @@ def _lm(size: str, **kw: Any) -> train.Config:
 
 GRID3 = (1e-3, 3e-3, 1e-2)
 
+
+def sqrt2_grid(center: float, half: int = 2) -> tuple[float, ...]:
+    """center·√2^k for k = −half … half (3 significant digits): a grid around a known optimum."""
+    return tuple(float(f"{center * 2 ** (k / 2):.3g}") for k in range(-half, half + 1))
+
+
+def sign_decided_grids(ema: float, sgd: float, plain: float) -> dict[str, tuple[float, ...]]:
+    return {
+        LABELS["sign_ema"]: sqrt2_grid(ema),
+        LABELS["sign_sgd"]: sqrt2_grid(sgd),
+        PLAIN_SIGN: sqrt2_grid(plain),
+    }
+
+
 # fmt: off
 SCALES: dict[str, Scale] = {
     "smoke": Scale(  # seconds per program, MLP: for tests
@@ -227,6 +282,8 @@ SCALES: dict[str, Scale] = {
                eval_batches=1),
         select_seeds=(0, 1), eval_seeds=(2, 3), max_extensions=1,
         sign_lrs={m: (1e-3, 1e-2) for m in SIGN_METHODS}, sign_momentum=0.9,
+        sign_decided_lrs={LABELS["sign_ema"]: (1e-3, 1e-2), LABELS["sign_sgd"]: (1e-3, 1e-2),
+                          PLAIN_SIGN: (1e-3, 1e-2)},
         precond_regimes=(("MLP", "mlp", {}), ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={m: (1e-3, 1e-2) for m in PRECOND_METHODS},
         msq_eps=(1e-8, 1e-2), msq_lrs=(1e-3, 1e-2), msq_max_extensions=1,
@@ -252,6 +309,9 @@ SCALES: dict[str, Scale] = {
         sign_lrs={"micro_sign_sgd": (3e-4, 1e-3, 3e-3), "sign_sgd": GRID3,
                   "sign_ema": (3e-4, 1e-3, 3e-3)},
         sign_momentum=0.9,
+        # Around the sign study's chosen lrs (results/sign: SignEMA 1e-3, SignSGD 1e-2); the
+        # plain rule around 5e-3 (on seed 0 its loss still falls from 2e-3 to 2.8e-3).
+        sign_decided_lrs=sign_decided_grids(1e-3, 1e-2, 5e-3),
         precond_regimes=(("LM, 32 tokens", "lm", {}), ("MLP, noise 1", "mlp", {"noise": 1.0}),
                          ("MLP, noise 0", "mlp", {"noise": 0.0})),
         precond_lrs={"adam": GRID3, "micro_adam": (3e-3, 1e-2, 3e-2),
@@ -278,6 +338,7 @@ SCALES: dict[str, Scale] = {
         sign_lrs={"micro_sign_sgd": (3e-3, 1e-2, 3e-2), "sign_sgd": (3e-4, 1e-3, 3e-3),
                   "sign_ema": (3e-4, 1e-3, 3e-3)},
         sign_momentum=0.9,
+        sign_decided_lrs=sign_decided_grids(1e-3, 1e-3, 1e-3),
         precond_regimes=(("LM, 64 tokens", "lm", {}),
                          ("LM, 128 tokens", "lm", {"seq_len": 128, "context_length": 128}),
                          ("MLP, noise 0", "mlp", {"noise": 0.0})),
@@ -302,6 +363,7 @@ SCALES: dict[str, Scale] = {
         sign_lrs={"micro_sign_sgd": (1e-3, 3e-3, 1e-2), "sign_sgd": (3e-5, 1e-4, 3e-4),
                   "sign_ema": (3e-5, 1e-4, 3e-4)},
         sign_momentum=0.9,
+        sign_decided_lrs=sign_decided_grids(1e-4, 1e-4, 1e-4),
         precond_regimes=(("LM, 512 tokens", "lm", {}),),
         precond_lrs={m: (1e-4, 3e-4, 1e-3) for m in PRECOND_METHODS},
         msq_eps=(1e-8, 1e-6, 1e-4, 1e-2), msq_lrs=(1e-4, 3e-4, 1e-3), msq_max_extensions=6,
@@ -404,15 +466,18 @@ def make_protocol(
             raise ValueError("--lrs-from takes the lrs from a summary: no --select-seeds")
         if not seeds or len(seeds) < 2:
             raise ValueError("--lrs-from needs --seeds with two or more (unseen) seeds")
-        data = json.loads(Path(lrs_from).read_text())
-        chosen = tuple(
-            (c["family"], c["method"], float(c["lr"]))
-            for c in data.get("chosen", ())
-            if c.get("lr") is not None
-        )
-        if not chosen:
-            raise ValueError(f"--lrs-from {lrs_from}: no chosen lrs in it (is it a summary.json?)")
-        return Protocol((), tuple(seeds), chosen, lrs_from)
+        found: dict[str, tuple[str, str, float]] = {}  # family -> choice; a later file wins
+        for path in filter(None, (p.strip() for p in lrs_from.split(","))):
+            data = json.loads(Path(path).read_text())
+            chosen = [
+                (c["family"], c["method"], float(c["lr"]))
+                for c in data.get("chosen", ())
+                if c.get("lr") is not None
+            ]
+            if not chosen:
+                raise ValueError(f"--lrs-from {path}: no chosen lrs in it (is it a summary.json?)")
+            found |= {c[0]: c for c in chosen}
+        return Protocol((), tuple(seeds), tuple(found.values()), lrs_from)
     if select_seeds is None and seeds is None:
         select, evaluate = scale.select_seeds, scale.eval_seeds
     elif select_seeds is None:
@@ -439,6 +504,7 @@ def provenance(
     cache: Path,
     task: str | None = None,
     only: Sequence[str] | None = None,
+    noise_floor: str | None = None,
 ) -> dict[str, Any]:
     """What regenerates this summary: the command and the commit (with whether the code
     differed from it), the seeds, the machine."""
@@ -462,6 +528,8 @@ def provenance(
         command += ["--task", task]
     for name_ in only or ():
         command += ["--only", shlex.quote(name_)]
+    if noise_floor is not None:
+        command += ["--noise-floor", noise_floor]
     if cache != out / "cache":
         command += ["--cache", str(cache)]
     return {
@@ -808,15 +876,67 @@ def strength(d: Sequence[float] | np.ndarray) -> str:
     return "consistent" if agree == n and abs(mean) > t975(n - 1) * se else "weak"
 
 
+Z975 = 1.959964  # the normal 97.5 % quantile: the noise floor's σ are measured, not estimated here
+
+
+def optimizer_of(label: str) -> str:
+    """A variant's optimizer for the noise floor: its label up to the first ", " or " ["
+    ("MicroAdam, clip 0.01" and "MicroAdam [LM, 32 tokens]" -> "MicroAdam")."""
+    for sep in (", ", " ["):
+        label = label.split(sep)[0]
+    return label.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseFloor:
+    """The spread chaos alone gives one run's final loss, per optimizer (a noise-floor study's
+    "noise_floor"), and the floor it sets each verdict (module docstring)."""
+
+    sigma: dict[str, float]  # optimizer label -> σ = RMS(δ)/√2 of one run's final loss
+    source: str  # the summary it was read from
+    task: str | None = None  # the task it was measured on
+
+    def sigma_of(self, label: str) -> tuple[float, str]:
+        """σ of a variant (its optimizer's; the largest measured where that was not measured)
+        and the optimizer it was taken from."""
+        name = optimizer_of(label)
+        if name in self.sigma:
+            return self.sigma[name], name
+        top = max(self.sigma, key=lambda k: self.sigma[k])
+        return self.sigma[top], f"{top} (largest measured; {name} not measured)"
+
+    def variance(self, side: str) -> float:
+        """σ² of one side of a verdict: a variant, or a difference "X − Y" of two (σ_X² + σ_Y²)."""
+        return sum(self.sigma_of(part)[0] ** 2 for part in side.split(" − "))
+
+    def floor(self, a: str, b: str, n: int) -> float:
+        """The floor of A vs B on n paired seeds: 1.96·√((σ_A² + σ_B²)/n)."""
+        return Z975 * math.sqrt((self.variance(a) + self.variance(b)) / n)
+
+
+def read_noise_floor(path: str | Path) -> NoiseFloor:
+    """The NoiseFloor of a committed noise-floor summary.json."""
+    data = json.loads(Path(path).read_text())
+    if data.get("experiment") != "noise-floor" or "noise_floor" not in data:
+        raise ValueError(f"--noise-floor {path}: not a noise-floor summary.json")
+    sigma = {k: float(v["sigma"]) for k, v in data["noise_floor"].items() if v["sigma"] is not None}
+    if not sigma:
+        raise ValueError(f"--noise-floor {path}: no optimizer's floor was measured")
+    return NoiseFloor(sigma, str(path), data.get("task"))
+
+
 def compare(
     a: dict[str, Any] | None,
     b: dict[str, Any] | None,
     name_a: str,
     name_b: str,
     lower: str = "better",
+    floor: NoiseFloor | None = None,
 ) -> dict[str, Any]:
     """The paired verdict of A vs B (module docstring): lower loss is better (`lower`: the word
-    for it). `a` and `b` carry "per_seed" ({seed: final loss or None}), optionally "lr", "edge"."""
+    for it). `a` and `b` carry "per_seed" ({seed: final loss or None}), optionally "lr", "edge".
+    With a noise floor, a difference within it is "undecided" (and the verdict records the
+    floor, whether it is above it, and the strength the interval alone gives)."""
     if a is None or b is None:
         missing = name_a if a is None else name_b
         return {"a": name_a, "b": name_b, "verdict": f"no verdict: {missing} has no stable lr"}
@@ -849,7 +969,25 @@ def compare(
     better, worse = (name_a, name_b) if mean < 0 else (name_b, name_a)
     interval = f"95% CI of {name_a} − {name_b}: [{mean - half:+.3f}, {mean + half:+.3f}]"
     kind = strength(d)
-    if kind == "no difference":
+    floor_info: dict[str, Any] = {}
+    if floor is not None:
+        f = floor.floor(name_a, name_b, n)
+        above = abs(mean) > f
+        floor_info = {
+            "noise_floor": f,
+            "above_noise_floor": above,
+            "strength_without_floor": kind,
+            "noise_floor_from": floor.source,
+        }
+        interval += f"; noise floor {f:.3f}"
+        if not above:
+            kind = "undecided"
+    if kind == "undecided":
+        verdict = (
+            f"undecided: {name_a} − {name_b} = {mean:+.4f}, within the noise floor "
+            f"({agree}/{n} seeds agree; {interval})"
+        )
+    elif kind == "no difference":
         verdict = f"no difference: {name_a} − {name_b} = {mean:+.4f} ({interval}, n={n})"
     else:
         verdict = (
@@ -868,6 +1006,7 @@ def compare(
         "seeds_agreeing": agree,
         "per_seed_diff": dict(zip(seeds, d.tolist(), strict=True)),
         "edge": bool(edges),
+        **floor_info,
         "verdict": verdict + note,
     }
 
@@ -1037,14 +1176,17 @@ def tune_and_score(
     return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
 
 
-def verdicts_of(study: Study, pairs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
-    """Each pair's held-out verdict, with the same-seed verdict of the old protocol beside it."""
+def verdicts_of(
+    study: Study, pairs: Sequence[tuple[str, str]], floor: NoiseFloor | None = None
+) -> list[dict[str, Any]]:
+    """Each pair's held-out verdict, with the same-seed verdict of the old protocol beside it
+    (both against `floor` where one is given)."""
     out = []
     for a, b in pairs:
         if a not in study.families or b not in study.families:
             continue  # left out of this run (`--only`)
-        v = compare(study.held.get(a), study.held.get(b), a, b)
-        old = compare(study.same_seed.get(a), study.same_seed.get(b), a, b)
+        v = compare(study.held.get(a), study.held.get(b), a, b, floor=floor)
+        old = compare(study.same_seed.get(a), study.same_seed.get(b), a, b, floor=floor)
         out.append(v | {"same_seed_verdict": old["verdict"]})
     return out
 
@@ -1362,6 +1504,7 @@ class Context:
     cache: Path
     prov: dict[str, Any]
     only: tuple[str, ...] | None = None  # `--only`: these families of the study, no others
+    floor: NoiseFloor | None = None  # `--noise-floor`: every verdict against it
 
     def families(self, variants: Sequence[Variant], families: Mapping[str, Sequence[str]]):
         """(variants, families) restricted to `only` (every name must be a family)."""
@@ -1391,7 +1534,9 @@ def run_sign(ctx: Context) -> dict[str, Any]:
         scale.max_extensions,
     )
     verdicts = verdicts_of(
-        study, [("SignEMA", "SignSGD"), ("SignSGD", "MicroSignSGD"), ("SignEMA", "MicroSignSGD")]
+        study,
+        [("SignEMA", "SignSGD"), ("SignSGD", "MicroSignSGD"), ("SignEMA", "MicroSignSGD")],
+        ctx.floor,
     )
     say(verdicts)
     # The SNR model per scored seed: at init and at each rule's scored run.
@@ -1449,6 +1594,210 @@ def run_sign(ctx: Context) -> dict[str, Any]:
     )
 
 
+def sign_variant(scale: Scale, label: str) -> train.Config:
+    """The config of a sign rule by its label: SignEMA and SignSGD with the scale's β, the
+    paper's plain SignSGD with β = 0 (the sign of the batch-mean gradient, no EMA)."""
+    base = task_config(scale)
+    if label == PLAIN_SIGN:
+        return dataclasses.replace(base, optimizer="sign_sgd", momentum=0.0)
+    method = next(m for m in SIGN_METHODS if LABELS[m] == label)
+    return dataclasses.replace(base, optimizer=method, momentum=scale.sign_momentum)
+
+
+def run_sign_decided(ctx: Context) -> dict[str, Any]:
+    """SignEMA against SignSGD (β = sign_momentum) and the paper's plain SignSGD (β = 0), each
+    on a √2-step grid around its optimum (Scale.sign_decided_lrs, grown at edges), meant for
+    ten or more evaluation seeds and a noise floor (issue 39: the sign study's 3×-step grids
+    left the LM's SignEMA vs SignSGD undecided)."""
+    scale, beta = ctx.scale, ctx.scale.sign_momentum
+    base = task_config(scale)
+    variants = [
+        Variant(label, sign_variant(scale, label), lrs)
+        for label, lrs in scale.sign_decided_lrs.items()
+    ]
+    variants, families = ctx.families(variants, {v.label: [v.label] for v in variants})
+    study = tune_and_score(
+        "sign-decided", variants, families, ctx.proto, ctx.cache, scale.max_extensions
+    )
+    ema, sgd = LABELS["sign_ema"], LABELS["sign_sgd"]
+    verdicts = verdicts_of(study, [(ema, sgd), (ema, PLAIN_SIGN), (sgd, PLAIN_SIGN)], ctx.floor)
+    say(verdicts)
+    if ctx.floor is None:
+        floor = ["No noise floor given (`--noise-floor`): the verdicts use the interval alone."]
+    else:
+        sigmas = ", ".join(f"{k} {v:.3f}" for k, v in ctx.floor.sigma.items())
+        floor = [
+            f"Noise floor: {ctx.floor.source} (σ of one run per optimizer: {sigmas}); a verdict "
+            "within its floor is undecided."
+        ]
+    return write_study(
+        ctx.out,
+        "sign-decided",
+        f"Sign placement decided ({TASK_NAMES[task_of(base)]}: SignEMA and SignSGD at β = "
+        f"{beta:g}, plain SignSGD at β = 0; √2-step lr grids; B = {base.batch_size}, "
+        f"{base.steps} steps)",
+        study,
+        verdicts,
+        ctx.prov,
+        floor,
+        {"momentum": beta, "noise_floor_from": None if ctx.floor is None else ctx.floor.source},
+    )
+
+
+def noise_floor_config(scale: Scale, family: str) -> train.Config | None:
+    """The config of a family a summary chose, by its optimizer (`optimizer_of`), or None
+    where the noise floor does not measure it: a clipped variant, MSQ, another regime."""
+    name = optimizer_of(family)
+    if name == PLAIN_SIGN or name in (LABELS[m] for m in SIGN_METHODS):
+        return sign_variant(scale, name) if family == name else None
+    method = next((m for m in PRECOND_METHODS if LABELS[m] == name), None)
+    if method is None:
+        return None
+    if family == name:
+        return dataclasses.replace(task_config(scale), optimizer=method)
+    regimes = [
+        o for r, t, o in scale.precond_regimes if family == f"{name} [{r}]" and t == scale.task
+    ]
+    if not regimes:
+        return None  # "MicroAdam, clip 0.01", or a regime of the other task
+    return dataclasses.replace(task_config(scale), optimizer=method, **regimes[0])
+
+
+def ulp_up(lr: float) -> float:
+    """lr moved up by one float32 ulp (the optimizer reads its lr in float32)."""
+    return float(np.nextafter(np.float32(lr), np.float32(np.inf)))
+
+
+def floor_table(floors: Mapping[str, dict[str, Any]]) -> list[str]:
+    """The noise-floor summary's table: per optimizer its null differences and σ, and the floor
+    of each pair of them at 5 and 10 seeds."""
+    lines = [
+        "Null differences δ = final loss with the lr one float32 ulp up − as chosen, per seed "
+        "(the same initialisation, batches and held-out set): σ = RMS(δ)/√2 is the spread chaos "
+        "alone gives one run's final loss. The floor of a verdict A vs B on n paired seeds is "
+        "1.96·√((σ_A² + σ_B²)/n).",
+        "",
+        "| optimizer | lr | seeds | mean δ | sd δ | max abs δ | σ (one run) | sd of the loss "
+        "over seeds | floor of itself vs itself, n = 5 | n = 10 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in floors.items():
+        s = f["sigma"]
+        at = {n: "–" if s is None else f"{Z975 * math.sqrt(2 * s**2 / n):.3f}" for n in (5, 10)}
+        lines.append(
+            f"| {name} | {fmt_lr(f['lr'])} | {f['seeds']} | {fmt_num(f['mean'], '+.4f')} | "
+            f"{fmt_num(f['sd'], '.4f')} | {fmt_num(f['max_abs'], '.4f')} | {fmt_num(s, '.4f')} | "
+            f"{fmt_num(f['loss_sd_over_seeds'], '.4f')} | {at[5]} | {at[10]} |"
+        )
+    sig = {k: f["sigma"] for k, f in floors.items() if f["sigma"] is not None}
+    if len(sig) > 1:
+        nf = NoiseFloor(sig, "")
+        names = list(sig)
+        lines += ["", "The floor of a pair (A vs B) at n = 5 and n = 10 paired seeds:", ""]
+        lines += [
+            f"- {a} vs {b}: {nf.floor(a, b, 5):.3f}, {nf.floor(a, b, 10):.3f}"
+            for i, a in enumerate(names)
+            for b in names[i + 1 :]
+        ]
+    return lines
+
+
+def run_noise_floor(ctx: Context) -> dict[str, Any]:
+    """The noise floor (module docstring): each optimizer a summary chose (`--lrs-from`), at
+    its chosen lr and one float32 ulp above, on every seed; per optimizer the null differences
+    and σ, and a verdict of each twin against its original (which should be no difference)."""
+    if ctx.proto.name != "fixed":
+        raise ValueError("noise-floor takes each optimizer's lr from summaries: give --lrs-from")
+    scale = ctx.scale
+    picked: dict[str, tuple[train.Config, float]] = {}  # optimizer -> config, lr
+    for fam, _member, lr in ctx.proto.fixed:
+        cfg = noise_floor_config(scale, fam)
+        if cfg is not None:
+            picked[optimizer_of(fam)] = (cfg, lr)
+    if ctx.only is not None:
+        if unknown := [f for f in ctx.only if f not in picked]:
+            raise ValueError(f"--only: {unknown} not among the optimizers found: {list(picked)}")
+        picked = {k: v for k, v in picked.items() if k in ctx.only}
+    if not picked:
+        raise ValueError(f"--lrs-from {ctx.proto.source}: no optimizer the noise floor measures")
+    seeds = ctx.proto.evaluate
+    twins = {
+        name: (
+            (name, dataclasses.replace(cfg, lr=lr)),
+            (name + ULP, dataclasses.replace(cfg, lr=ulp_up(lr))),
+        )
+        for name, (cfg, lr) in picked.items()
+    }
+    runs = Runs("noise-floor", ctx.cache)
+    runs.train(
+        "evaluate",
+        [(Point(lb, c), s) for pair in twins.values() for lb, c in pair for s in seeds],
+    )
+    held: dict[str, dict[str, Any]] = {}
+    held_traces: dict[str, dict[int, sweep.Trace]] = {}
+    record: dict[str, dict[str, Any]] = {}
+    for pair in twins.values():
+        for lb, c in pair:
+            per = {
+                s: next(
+                    r["final_loss"]
+                    for r in runs.rows
+                    if (r["method"], r["lr"], r["seed"]) == (lb, c.lr, s)
+                )
+                for s in seeds
+            }
+            held[lb] = scored(lb, c.lr, per) | {"member": lb}
+            held_traces[lb] = {s: t for s in seeds if (t := runs.trace(lb, c.lr, s)) is not None}
+            record[lb] = {
+                "grid": [c.lr],
+                "extended_with": [],
+                "chosen": None,
+                "edge": None,
+                "lr_from": ctx.proto.source,
+            }
+    floors: dict[str, dict[str, Any]] = {}
+    for name in twins:
+        a, b = held[name]["per_seed"], held[name + ULP]["per_seed"]
+        delta = {s: b[s] - a[s] for s in seeds if a[s] is not None and b[s] is not None}
+        d = np.array(list(delta.values()), np.float64)
+        rms = float(np.sqrt(np.mean(d**2))) if d.size else None
+        floors[name] = {
+            "lr": held[name]["lr"],
+            "lr_perturbed": held[name + ULP]["lr"],
+            "perturbation": "lr + 1 float32 ulp",
+            "seeds": len(delta),
+            "null_diffs": delta,
+            "mean": float(d.mean()) if d.size else None,
+            "sd": float(d.std(ddof=1)) if d.size > 1 else None,
+            "rms": rms,
+            "max_abs": float(np.abs(d).max()) if d.size else None,
+            "sigma": None if rms is None else rms / math.sqrt(2),
+            "loss_sd_over_seeds": held[name]["sd"],
+        }
+        print(f"  {name}: σ {fmt_num(floors[name]['sigma'], '.4f')}", flush=True)
+    study = Study(runs, ctx.proto, record, held, {}, held_traces, tuple(held))
+    verdicts = [compare(held[name + ULP], held[name], name + ULP, name) for name in twins]
+    say(verdicts)
+    task = task_of(task_config(scale))
+    return write_study(
+        ctx.out,
+        "noise-floor",
+        f"Noise floor ({TASK_NAMES[task]}): the final loss's spread under a last-bit change of "
+        "the lr",
+        study,
+        verdicts,
+        ctx.prov,
+        floor_table(floors),
+        {
+            "noise_floor": floors,
+            "task": task,
+            "floor_rule": "floor(A vs B, n seeds) = 1.96 * sqrt((sigma_A^2 + sigma_B^2) / n), "
+            "sigma = RMS(null differences) / sqrt(2); a variant's sigma is its optimizer's (its "
+            "label up to ', ' or ' ['), the largest measured where that was not measured",
+        },
+    )
+
+
 def run_precond(ctx: Context) -> dict[str, Any]:
     scale = ctx.scale
     variants: list[Variant] = []
@@ -1481,7 +1830,7 @@ def run_precond(ctx: Context) -> dict[str, Any]:
         for r in regimes
         for a, b in (("Adam", "MicroAdam"), ("MicroAdamVar", "MicroAdam"), ("MicroAdamVar", "Adam"))
     ]
-    verdicts = verdicts_of(study, pairs)
+    verdicts = verdicts_of(study, pairs, ctx.floor)
     say(verdicts)
     # μ̂²/σ̂² per regime: at init and at the final parameters of each variant's scored runs.
     ratios: list[dict[str, Any]] = []
@@ -1594,7 +1943,7 @@ def run_msq(ctx: Context) -> dict[str, Any]:
     )
     outside, *others = (arm.family for arm in MSQ_ARMS)
     pairs = [(f, "Adam") for f in (outside, *others)] + [(f, outside) for f in others]
-    verdicts = verdicts_of(study, pairs)
+    verdicts = verdicts_of(study, pairs, ctx.floor)
     say(verdicts)
     fracs = frac_mu2_nonpositive(base, scored_seeds(ctx.proto))
     per_eps = []
@@ -1682,7 +2031,9 @@ def clip_gap(held: Mapping[str, dict[str, Any]], c: float | None) -> dict[str, A
     return {"per_seed": per, "edge": a["edge"] or b["edge"]}
 
 
-def clip_gap_verdict(held: Mapping[str, dict[str, Any]], c: float) -> dict[str, Any]:
+def clip_gap_verdict(
+    held: Mapping[str, dict[str, Any]], c: float, floor: NoiseFloor | None = None
+) -> dict[str, Any]:
     """Whether clipping both at c shrinks MicroAdam's gap to Adam: the paired verdict of the
     clipped gap against the unclipped one."""
     return compare(
@@ -1691,6 +2042,7 @@ def clip_gap_verdict(held: Mapping[str, dict[str, Any]], c: float) -> dict[str, 
         f"MicroAdam − Adam, both clipped at {c:g}",
         "MicroAdam − Adam, unclipped",
         lower="smaller",
+        floor=floor,
     )
 
 
@@ -1723,10 +2075,10 @@ def run_clipping(ctx: Context) -> dict[str, Any]:
             (clip_label("adam", c), "Adam"),
             (clip_label("micro_adam", c), clip_label("adam", c)),
         ]
-    verdicts = verdicts_of(study, pairs)
+    verdicts = verdicts_of(study, pairs, ctx.floor)
     # Does clipping close MicroAdam's gap to Adam? The gap per seed, clipped vs not.
     held = study.held
-    verdicts += [clip_gap_verdict(held, c) for c in scale.clip_thresholds]
+    verdicts += [clip_gap_verdict(held, c, ctx.floor) for c in scale.clip_thresholds]
     say(verdicts)
     clipped = []  # how often the threshold acts: steps with ‖ḡ‖ above it, in the scored runs
     for fam, per_seed in study.held_traces.items():
@@ -2256,6 +2608,8 @@ def run_vectorize(ctx: Context) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sign": run_sign,
+    "sign-decided": run_sign_decided,
+    "noise-floor": run_noise_floor,
     "precond": run_precond,
     "msq": run_msq,
     "clipping": run_clipping,
@@ -2277,13 +2631,15 @@ def run(
     cache: str | None = None,
     task: str | None = None,
     only: Sequence[str] | None = None,
+    noise_floor: str | None = None,
 ) -> dict[str, Any]:
     """Run study `name` (EXPERIMENTS or "all") at `scale` ("smoke", "tiny", "small", "paper")
     into `out`. Seeds (module docstring): `select_seeds` and `seeds` disjoint (held-out),
     `seeds` alone (leave-one-seed-out), `lrs_from` a summary.json and `seeds` (fixed); None
     everywhere: the scale's held-out defaults. `task` ("lm" or "mlp") replaces the scale's task
     of sign, precond, msq and clipping (and batch-scaling's, with its settings for that task);
-    `only` keeps these families (variants) of the study.
+    `only` keeps these families (variants) of the study; `noise_floor` (a noise-floor
+    summary.json of the same task) holds every verdict against its floor.
     Returns its summary (for "all": a dict)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
@@ -2298,6 +2654,7 @@ def run(
                 cache=cache,
             )
             for n in EXPERIMENTS
+            if n != "noise-floor"  # it reads its lrs from committed summaries (--lrs-from)
         }
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {(*EXPERIMENTS, 'all')}")
@@ -2309,13 +2666,21 @@ def run(
             raise ValueError(f"scale {scale!r} has no batch-scaling settings for task {task!r}")
         the_scale = dataclasses.replace(the_scale, **the_scale.batch_other_task)
     proto = make_protocol(seeds, select_seeds, lrs_from, the_scale)
+    floor = None if noise_floor is None else read_noise_floor(noise_floor)
+    if floor is not None and floor.task != task_of(task_config(the_scale)):
+        raise ValueError(
+            f"--noise-floor {noise_floor} was measured on the {floor.task} task, this study "
+            f"trains the {task_of(task_config(the_scale))} task"
+        )
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache) if cache else path / "cache"
-    prov = provenance(name, scale, path, proto, cache_dir, task, only)
+    prov = provenance(name, scale, path, proto, cache_dir, task, only, noise_floor)
     print(f"experiment {name}, scale {scale}, {proto.describe()} -> {path}", flush=True)
     t0 = time.perf_counter()
-    ctx = Context(the_scale, path, proto, cache_dir, prov, None if only is None else tuple(only))
+    ctx = Context(
+        the_scale, path, proto, cache_dir, prov, None if only is None else tuple(only), floor
+    )
     summary = RUNNERS[name](ctx)
     seconds = time.perf_counter() - t0
     summary = {**summary, **prov, "scale": scale, "total_seconds": round(seconds, 1)}
@@ -2349,7 +2714,8 @@ def cli() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lrs-from",
         default=None,
-        help="a summary.json: its chosen lrs, evaluated on --seeds without selection (a re-check)",
+        help="a summary.json (or several, comma-separated): its chosen lrs, evaluated on --seeds "
+        "without selection (a re-check; noise-floor's lrs)",
     )
     parser.add_argument(
         "--task",
@@ -2363,6 +2729,12 @@ def cli() -> argparse.ArgumentParser:
         default=None,
         help="run this variant (family) of the study and not the others; repeat for more, "
         "e.g. --only SignSGD --only SignEMA",
+    )
+    parser.add_argument(
+        "--noise-floor",
+        default=None,
+        help="a noise-floor summary.json of the study's task: a verdict within its floor is "
+        "undecided",
     )
     parser.add_argument(
         "--cache",
@@ -2389,6 +2761,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cache=args.cache,
             task=args.task,
             only=args.only,
+            noise_floor=args.noise_floor,
         )
     except (train.ConfigError, ValueError) as err:
         sys.exit(f"error: {err}")

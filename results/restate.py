@@ -14,8 +14,19 @@ so) and prints each change of strength:
 
     python results/restate.py > results/restated.md    # its record; run again, it changes nothing
     python results/recheck/pool.py > results/recheck/summary.md    # the pooled table, re-stated
+
+With a noise floor (issue 39), every verdict of the LM's summaries is also held against it
+(`experiments.NoiseFloor`: "undecided" where |mean difference| is within the floor of its pair
+and seed count); the summaries of the other task are left as they are, and so is the noise-floor
+study's own. The record of that pass is appended to restated.md:
+
+    python results/restate.py --noise-floor results/noise-floor-lm/summary.json \
+        >> results/restated.md
+
+A summary whose verdicts already hold a floor keeps it when re-stated without one.
 """
 
+import argparse
 import json
 import math
 import sys
@@ -27,7 +38,10 @@ sys.path.insert(0, str(ROOT))
 import experiments  # noqa: E402
 
 NOTE = "Verdicts re-stated (issue 39)"
+FLOOR_NOTE = "Verdicts held against the noise floor (issue 39)"
 GAP = "MicroAdam − Adam, both clipped at "
+# what a verdict holds only when it was computed against a noise floor
+FLOOR_KEYS = {"noise_floor", "above_noise_floor", "strength_without_floor", "noise_floor_from"}
 
 
 def ints(per_seed: dict[str, Any] | None) -> dict[int, Any] | None:
@@ -58,38 +72,67 @@ def kind(verdict: str | None) -> str:
     return "no verdict" if verdict is None else verdict.split(":")[0]
 
 
-def restate(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """The summary's verdicts recomputed under today's rule, each checked against the committed
-    numbers (and, under the old rule, against the committed strength)."""
+def task_of(data: dict[str, Any]) -> str | None:
+    """The task every run of a summary trained ("lm", "mlp"), or None where they mix."""
+    tasks = {r.get("task") for r in data.get("runs", ())}
+    return tasks.pop() if len(tasks) == 1 else None
+
+
+def floor_for(
+    data: dict[str, Any], floor: experiments.NoiseFloor | None
+) -> experiments.NoiseFloor | None:
+    """The floor a summary's verdicts are held against: `floor` for an LM study (not the
+    noise-floor study itself), else the one its verdicts already name, else none."""
+    if data["experiment"] == "noise-floor":
+        return None
+    if floor is not None and task_of(data) == floor.task:
+        return floor
+    named = {v["noise_floor_from"] for v in data["verdicts"] if "noise_floor_from" in v}
+    return experiments.read_noise_floor(ROOT / named.pop()) if named else None
+
+
+def restate(
+    data: dict[str, Any], floor: experiments.NoiseFloor | None = None
+) -> list[dict[str, Any]]:
+    """The summary's verdicts recomputed under today's rule (against `floor` where given), each
+    checked against the committed numbers (and, under the old rule, against the committed
+    strength, the one without a floor where the verdict had one)."""
     held, same = scores(data["held_out"]), scores(data.get("same_seed"))
     restated = "verdict_rule" in data  # already re-stated: the rule is today's
     out = []
     for v in data["verdicts"]:
         a, b = v["a"], v["b"]
         if a in held and b in held:
-            new = experiments.compare(held[a], held[b], a, b)
+            new = experiments.compare(held[a], held[b], a, b, floor=floor)
             if "same_seed_verdict" in v:
-                new["same_seed_verdict"] = experiments.compare(same.get(a), same.get(b), a, b)[
-                    "verdict"
-                ]
+                new["same_seed_verdict"] = experiments.compare(
+                    same.get(a), same.get(b), a, b, floor=floor
+                )["verdict"]
         elif a.startswith(GAP):
-            new = experiments.clip_gap_verdict(held, float(a.removeprefix(GAP)))
+            new = experiments.clip_gap_verdict(held, float(a.removeprefix(GAP)), floor)
         else:
             raise ValueError(f"{a} vs {b}: neither two scored families nor a clipping gap")
-        assert set(new) == set(v), (set(new) ^ set(v), a, b)
+        assert set(new) - FLOOR_KEYS == set(v) - FLOOR_KEYS, (set(new) ^ set(v), a, b)
         if "mean_diff" in v:
             assert math.isclose(new["mean_diff"], v["mean_diff"], rel_tol=1e-12, abs_tol=1e-15)
             assert new["seeds_agreeing"] == v["seeds_agreeing"] and new["seeds"] == v["seeds"]
             assert {str(s): x for s, x in new["per_seed_diff"].items()} == v["per_seed_diff"]
             rule = experiments.strength if restated else old_strength
-            assert rule(list(v["per_seed_diff"].values())) == kind(v["verdict"]), (a, b)
+            committed = v.get("strength_without_floor", kind(v["verdict"]))
+            assert rule(list(v["per_seed_diff"].values())) == committed, (a, b)
         else:
             assert new["verdict"] == v["verdict"]
         out.append(new)
     return out
 
 
-def rewrite_md(path: Path, old: list[dict[str, Any]], new: list[dict[str, Any]], note: str) -> None:
+def rewrite_md(
+    path: Path,
+    old: list[dict[str, Any]],
+    new: list[dict[str, Any]],
+    note: str,
+    marker: str = NOTE,
+) -> None:
     text = path.read_text()
     lines = text.split("\n")
     for v, w in zip(old, new, strict=True):
@@ -100,7 +143,7 @@ def rewrite_md(path: Path, old: list[dict[str, Any]], new: list[dict[str, Any]],
             sub = "  - same seeds as the selection: "
             assert lines[i + 1] == sub + v["same_seed_verdict"], (path, lines[i + 1])
             lines[i + 1] = sub + w["same_seed_verdict"]
-    if not any(line.startswith(NOTE) for line in lines):  # once: the first re-statement's
+    if not any(line.startswith(marker) for line in lines):  # once: the first re-statement's
         first = min(
             lines.index(f"- **{v['a']} vs {v['b']}**: {w['verdict']}")
             for v, w in zip(old, new, strict=True)
@@ -109,7 +152,69 @@ def rewrite_md(path: Path, old: list[dict[str, Any]], new: list[dict[str, Any]],
     path.write_text("\n".join(lines))
 
 
+def main_floor(floor: experiments.NoiseFloor) -> None:
+    """Hold every LM verdict against `floor`: rewrite the summaries, print the record."""
+    print("\n## The LM's verdicts against the noise floor (issue 39)\n")
+    print(
+        f"`python results/restate.py --noise-floor {floor.source}`: each verdict of an LM "
+        "summary held against the floor of its pair at its seed count, 1.96·√((σ_A² + σ_B²)/n) "
+        "with σ per optimizer "
+        + ", ".join(f"{k} {v:.3f}" for k, v in floor.sigma.items())
+        + " (the largest where the optimizer was not measured); within it a verdict is "
+        "undecided. No run retrained.\n"
+    )
+    print("| study | A vs B | scored on | mean A − B | floor | before | now |")
+    print("|---|---|---|---|---|---|---|")
+    total = changed = 0
+    for path in sorted((ROOT / "results").rglob("summary.json")):
+        data = json.loads(path.read_text())
+        if not data.get("verdicts") or "held_out" not in data:
+            continue
+        mine = floor_for(data, floor)
+        if mine is None or task_of(data) != floor.task:
+            continue
+        study = str(path.parent.relative_to(ROOT / "results"))
+        new = restate(data, mine)
+        changes = []
+        for v, w in zip(data["verdicts"], new, strict=True):
+            if kind(v["verdict"]) == "no verdict":
+                continue
+            total += 1
+            shown = f"{w['mean_diff']:+.3f}" if "mean_diff" in w else "–"
+            cut = f"{w['noise_floor']:.3f}" if "noise_floor" in w else "–"
+            if kind(v["verdict"]) != kind(w["verdict"]):
+                changed += 1
+                changes.append(f"{v['a']} vs {v['b']}")
+            cells = (study, f"{v['a']} vs {v['b']}", "evaluation seeds", shown, cut)
+            print("| " + " | ".join((*cells, kind(v["verdict"]), kind(w["verdict"]))) + " |")
+            before, after = v.get("same_seed_verdict"), w.get("same_seed_verdict")
+            if kind(before) != "no verdict" and kind(before) != kind(after):
+                changes.append(f"{v['a']} vs {v['b']} (same-seed)")
+        note = (
+            f"{FLOOR_NOTE} by `python results/restate.py --noise-floor {mine.source}`, from this "
+            "summary's own per-seed numbers, no run retrained: a verdict within 1.96·√((σ_A² + "
+            "σ_B²)/n) is undecided. "
+            + (f"Changed: {'; '.join(changes)}." if changes else "No strength changed.")
+        )
+        rewrite_md(path.parent / "summary.md", data["verdicts"], new, note, FLOOR_NOTE)
+        data["verdicts"] = new
+        data.setdefault("verdict_rule", {})["noise_floor"] = (
+            f"{mine.source}: within 1.96 * sqrt((sigma_A^2 + sigma_B^2) / n) a verdict is undecided"
+        )
+        path.write_text(json.dumps(data, indent=1))
+    print(
+        f"\n{changed} of {total} LM verdicts on their scored seeds become undecided; the "
+        "same-seed verdicts (seeds 0–2) are held against it too, in each summary.md."
+    )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--noise-floor", default=None, help="a noise-floor summary.json")
+    args = parser.parse_args()
+    if args.noise_floor is not None:
+        main_floor(experiments.read_noise_floor(args.noise_floor))
+        return
     print("# Verdicts re-stated under the 95 %-interval rule (issue 39)\n")
     print((__doc__ or "").split("\n\n")[0].replace("\n", " ") + "\n")
     print("| study | A vs B | scored on | committed (2·se rule) | now |")
@@ -120,7 +225,7 @@ def main() -> None:
         if not data.get("verdicts") or "held_out" not in data:
             continue
         study = str(path.parent.relative_to(ROOT / "results"))
-        new = restate(data)
+        new = restate(data, floor_for(data, None))
         changes = []
         for v, w in zip(data["verdicts"], new, strict=True):
             for which, before, after in (

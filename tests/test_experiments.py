@@ -832,3 +832,112 @@ def test_the_accelerator_scales_are_ready_to_run(
     for c in shapes.values():
         _, _, loss, diagnostics = abstract_step(c)  # (params, state, loss, diagnostics)
         assert loss.shape == () and diagnostics["grad_norm"].shape == ()
+
+
+# --------------------------------------------------------------------------------------------
+# The noise floor (issue 39): a difference within it is undecided, whatever the interval says.
+
+AGREE = {3: 0.05, 4: 0.06, 5: 0.04, 6: 0.05, 7: 0.05}  # A − B: 5/5 agree, CI far from 0
+
+
+@pytest.mark.parametrize(
+    "sigma, starts, above",
+    [
+        (0.001, "consistent: B better than A by 0.0500", True),  # floor 0.0012: unchanged
+        (0.03, "consistent: B better than A by 0.0500", True),  # floor 0.037 < 0.05
+        (0.05, "undecided: A − B = +0.0500, within the noise floor", False),  # floor 0.062
+    ],
+)
+def test_a_verdict_within_the_noise_floor_is_undecided(sigma: float, starts: str, above: bool):
+    a = {"per_seed": {s: 1.0 + d for s, d in AGREE.items()}}
+    b = {"per_seed": dict.fromkeys(AGREE, 1.0)}
+    plain = experiments.compare(a, b, "A", "B")
+    assert plain["verdict"].startswith("consistent: B better than A by 0.0500")
+    floor = experiments.NoiseFloor({"A": sigma, "B": sigma}, "constructed")
+    v = experiments.compare(a, b, "A", "B", floor=floor)
+    assert v["noise_floor"] == pytest.approx(1.959964 * math.sqrt(2 * sigma**2 / 5))
+    assert v["verdict"].startswith(starts), v["verdict"]
+    assert v["above_noise_floor"] is above and v["strength_without_floor"] == "consistent"
+    assert (v["mean_diff"], v["ci95"]) == (plain["mean_diff"], plain["ci95"])  # numbers unchanged
+
+
+def test_the_noise_floor_of_variants_differences_and_unmeasured_optimizers():
+    floor = experiments.NoiseFloor({"Adam": 0.1, "MicroAdam": 0.2, "SignSGD": 0.05}, "x")
+    assert floor.sigma_of("MicroAdam, clip 0.01") == (0.2, "MicroAdam")  # its optimizer's
+    assert floor.sigma_of("Adam [LM, 32 tokens]") == (0.1, "Adam")
+    assert floor.sigma_of("MicroAdamVar [LM, 32 tokens]")[0] == 0.2  # not measured: the largest
+    assert floor.sigma_of(experiments.PLAIN_SIGN)[0] == 0.2  # not SignSGD's (β 0.9)
+    gap = floor.variance("MicroAdam − Adam, both clipped at 0.01")  # a side that is a difference
+    assert gap == pytest.approx(0.2**2 + 0.1**2)
+    assert floor.floor("SignSGD", "Adam", 4) == pytest.approx(1.959964 * math.sqrt(0.0125 / 4))
+    # A no-difference verdict within the floor is undecided too.
+    a, b = {"per_seed": {0: 1.0, 1: 1.2}}, {"per_seed": {0: 1.1, 1: 1.1}}
+    v = experiments.compare(a, b, "Adam", "SignSGD", floor=floor)
+    assert v["verdict"].startswith("undecided") and v["strength_without_floor"] == "no difference"
+
+
+def test_noise_floor_study_and_a_study_against_it(tmp_path: Path):
+    """noise-floor at --scale smoke: each optimizer the summaries chose, at its lr and one
+    float32 ulp above, on every seed; a clipped variant and MSQ are not measured. Its summary is
+    then a floor for the verdicts of a study on its task, and refused on the other task."""
+    chosen = [
+        {"family": "Adam [MLP]", "method": "Adam [MLP]", "lr": 0.01},
+        {"family": "MicroAdam, clip 0.01", "method": "MicroAdam, clip 0.01", "lr": 0.01},
+        {"family": "MicroAdamMSQ ε=0.001", "method": "MicroAdamMSQ ε=0.001", "lr": 0.01},
+    ]
+    (tmp_path / "a.json").write_text(json.dumps({"chosen": chosen}))
+    (tmp_path / "b.json").write_text(json.dumps({"chosen": [chosen[0] | {"lr": 0.003}]}))
+    lrs_from = f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}"  # the later summary's lr wins
+    smoke("noise-floor", tmp_path / "nf", seeds=(2, 3), lrs_from=lrs_from)
+    rows, data = check_files(tmp_path / "nf", "noise-floor")
+    assert {r["method"] for r in rows} == {"Adam", "Adam" + experiments.ULP}
+    (f,) = data["noise_floor"].values()
+    assert f["lr"] == 0.003 and np.float32(f["lr_perturbed"]) == np.nextafter(
+        np.float32(0.003), np.float32(1)
+    )
+    assert f["seeds"] == 2 and f["sigma"] == pytest.approx(f["rms"] / math.sqrt(2))
+    assert f"--lrs-from {lrs_from}" in data["command"]
+    floor = experiments.read_noise_floor(tmp_path / "nf" / "summary.json")
+    assert floor.task == "mlp" and set(floor.sigma) == {"Adam"}
+    with pytest.raises(ValueError, match="measured on the mlp task"):
+        smoke("sign", tmp_path / "x", task="lm", noise_floor=str(tmp_path / "nf" / "summary.json"))
+    with pytest.raises(ValueError, match="give --lrs-from"):
+        smoke("noise-floor", tmp_path / "y", seeds=(2, 3))
+
+
+@pytest.mark.parametrize("sigma, kind", [(1e-4, "consistent"), (0.1, "undecided")])
+def test_sign_decided_states_its_verdicts_against_the_floor(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sigma: float, kind: str
+):
+    """sign-decided's three rules (plain SignSGD: sign_sgd at β 0) on synthetic losses: SignEMA
+    ahead of SignSGD by 0.05 on every seed is consistent above a small floor, undecided within
+    a large one; the command records the floor it was given."""
+    gap = {"sign_ema": 0.0, "sign_sgd": 0.05}
+    fake_sweep(
+        monkeypatch,
+        lambda c: (
+            1.0
+            + gap.get(c.optimizer, 0.2) * (c.momentum != 0)
+            + 0.01 * (c.seed % 3)
+            + (math.log10(c.lr) + 2.5) ** 2
+        ),
+    )
+    floor = tmp_path / "floor.json"
+    floor.write_text(
+        json.dumps(
+            {
+                "experiment": "noise-floor",
+                "task": "mlp",
+                "noise_floor": {"SignEMA": {"sigma": sigma}, "SignSGD": {"sigma": sigma}},
+            }
+        )
+    )
+    out = tmp_path / "sd"
+    experiments.run("sign-decided", scale="smoke", out=str(out), noise_floor=str(floor))
+    data = json.loads((out / "summary.json").read_text())
+    assert {v["method"]: v["optimizer"] for v in data["runs"]}[experiments.PLAIN_SIGN] == "sign_sgd"
+    assert {r["momentum"] for r in data["runs"] if r["method"] == experiments.PLAIN_SIGN} == {0.0}
+    ema_sgd = data["verdicts"][0]
+    assert (ema_sgd["a"], ema_sgd["b"]) == ("SignEMA", "SignSGD")
+    assert ema_sgd["verdict"].startswith(kind) and ema_sgd["strength_without_floor"] == "consistent"
+    assert f"--noise-floor {floor}" in data["command"]
