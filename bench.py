@@ -83,7 +83,9 @@ import models
 import pegrad
 
 IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token", "micro_grad")
-SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families")
+SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families", "scale")
+SCALE_MODELS = ("gpt2", "resnet18")
+SCALE_IMPLS = ("factorized", "vmap", "vmap-chunked", "micro_grad", "jax-privacy")
 FAMILIES = (
     "mlp",
     "transformer",
@@ -149,6 +151,24 @@ class Config:
     family_layers: int = 4  # transformer blocks
     family_stat_sets: tuple[str, ...] = ("mean", "mean+sq_mean")  # statistic sets of "families"
     family_impls: tuple[str, ...] = ("vmap", "factorized", "micro_grad")  # their implementations
+    scale_models: tuple[str, ...] = SCALE_MODELS  # models of the "scale" section
+    scale_stat_sets: tuple[str, ...] = (  # statistic sets of "scale"
+        "mean+sq_mean",
+        "mean+var",
+        "mean+sq_norms",
+        "clipped_mean+sq_norms",
+    )
+    scale_impls: tuple[str, ...] = SCALE_IMPLS  # implementations of "scale" beside plain grad
+    scale_batches: tuple[int, ...] = (2, 4)  # batch sizes the footprint's affine fit reads
+    scale_budgets_gib: tuple[float, ...] = (16.0, 40.0, 80.0)  # the largest B that fits each
+    scale_verify: bool = True  # compile at each predicted largest B (no: the prediction only)
+    scale_chunk_size: int = 1  # examples per chunk of "vmap-chunked" in "scale" (fixed in B)
+    scale_microbatches: tuple[int, ...] = (1, 2)  # micro_grad / jax-privacy: the best is kept
+    scale_layers: int = 12  # gpt2 blocks (12: GPT-2 small)
+    scale_seq: int = 1024  # gpt2 sequence length
+    scale_image: int = 224  # resnet18 image side (3 channels)
+    scale_norm: str = "group"  # resnet18 normalization: "group" (GroupNorm, 32 groups) or "none"
+    scale_out: str = "results/bench/scale"  # "scale" writes PATH.md and PATH.json ("": do not)
     json: str = ""  # write the records here as a JSON list ("": do not)
 
 
@@ -193,6 +213,7 @@ class Program:
     granularity: str = "example"
     chunk_size: int | None = None
     written: Callable | None = None  # "hand-written": the program itself
+    microbatch: int | None = None  # "micro_grad", "jax-privacy": examples per microbatch
 
     def build(self, loss_fn: Callable, clip_norm: float) -> Callable:
         """`fn(params, batch) -> (loss, gradient or statistics)`."""
@@ -202,7 +223,9 @@ class Program:
             return plain_value_and_grad(loss_fn)
         names = tuple(self.stats.split("+"))
         if self.impl == "micro_grad":
-            return optax_micro_grad(loss_fn, names)
+            return optax_micro_grad(loss_fn, names, self.microbatch, clip_norm)
+        if self.impl == "jax-privacy":
+            return jax_privacy_clipped_grad(loss_fn, names, self.microbatch, clip_norm)
         return pegrad.value_and_grad_stats(
             loss_fn,
             names,
@@ -266,22 +289,86 @@ def hand_written_mlp(static: PyTree) -> Callable:
     return fn
 
 
-def optax_micro_grad(loss_fn: Callable, names: tuple[str, ...]) -> Callable:
-    """optax's per-example gradients (the paper's first author's tool): each example's gradient
-    transformed to what `names` needs — g for "mean", g² for "sq_mean" — and averaged."""
-    if not set(names) <= {"mean", "sq_mean"}:
-        raise ValueError(f"micro_grad is benchmarked on mean and sq_mean only, not {names}")
+def optax_micro_grad(
+    loss_fn: Callable,
+    names: tuple[str, ...],
+    microbatch: int | None = None,
+    clip_norm: float = 1.0,
+) -> Callable:
+    """optax's per-example gradients (the paper's first author's tool), `microbatch` examples at
+    a time (None: the whole batch in one vmap): each example's gradient g transformed to what
+    `names` needs — g for "mean", g² for "sq_mean", both for "var" (N/(N−1)(q − ḡ²) afterwards),
+    g·min(1, C/‖g‖) for "clipped_mean" — and averaged; ‖g‖² per example (optax's `metrics_fn`)
+    for "sq_norms". Returns (mean loss, {name: statistic}) as pegrad does."""
+    if unknown := set(names) - {"mean", "sq_mean", "var", "sq_norms", "clipped_mean"}:
+        raise ValueError(f"micro_grad is not benchmarked on {sorted(unknown)}")
+    moments = [n for n in ("mean", "sq_mean") if n in names or "var" in names]
 
-    def transform(g: PyTree) -> tuple[PyTree, ...]:
-        return tuple(g if name == "mean" else jax.tree.map(jnp.square, g) for name in names)
+    def sq_norm(g: PyTree) -> Array:
+        return jnp.sum(jnp.stack([jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)]))
 
-    return optax.microbatching.micro_grad(
+    def transform(g: PyTree) -> dict[str, PyTree]:
+        out = {n: g if n == "mean" else jax.tree.map(jnp.square, g) for n in moments}
+        if "clipped_mean" in names:
+            factor = jnp.minimum(1.0, clip_norm / jnp.sqrt(sq_norm(g)))
+            out["clipped_mean"] = jax.tree.map(lambda x: x * factor.astype(x.dtype), g)
+        return out
+
+    grad_fn = optax.microbatching.micro_grad(
         loss_fn,
         batch_argnums=1,
         keep_batch_dim=False,
+        microbatch_size=microbatch,
         accumulator=optax.microbatching.AccumulationType.MEAN,
         transform_fn=transform,
+        metrics_fn=sq_norm if "sq_norms" in names else lambda g: (),
     )
+
+    def fn(params: PyTree, batch: PyTree) -> tuple[Array, dict[str, PyTree]]:
+        out, aux = grad_fn(params, batch)
+        stats = {n: out[n] for n in out if n in names}
+        if "var" in names:
+            n = jax.tree.leaves(batch)[0].shape[0]
+            centred = lambda q, m: n / (n - 1) * (q - m * m)  # noqa: E731
+            stats["var"] = jax.tree.map(centred, out["sq_mean"], out["mean"])
+        if "sq_norms" in names:
+            stats["sq_norms"] = aux.metrics
+        return jnp.mean(aux.values), stats
+
+    return fn
+
+
+def jax_privacy_clipped_grad(
+    loss_fn: Callable, names: tuple[str, ...], microbatch: int | None, clip_norm: float
+) -> Callable:
+    """jax-privacy's `clipped_grad` (the DP library's per-example clipped sum, `microbatch`
+    examples at a time), divided by N: the clipped mean, and ‖g_i‖² from its grad norms.
+    Needs jax-privacy (not a dependency of this project: a separate environment)."""
+    if not {"clipped_mean"} <= set(names) <= {"clipped_mean", "sq_norms"}:
+        raise ValueError(f"jax-privacy's clipped_grad gives clipped_mean (+ sq_norms), not {names}")
+    try:
+        from jax_privacy import clipping  # type: ignore[import-not-found]
+    except ImportError as error:
+        raise ValueError("jax-privacy is not installed in this environment") from error
+    grad_fn = clipping.clipped_grad(
+        loss_fn,
+        l2_clip_norm=clip_norm,
+        batch_argnums=1,
+        keep_batch_dim=False,
+        return_values=True,
+        return_grad_norms="sq_norms" in names,
+        microbatch_size=microbatch,
+    )
+
+    def fn(params: PyTree, batch: PyTree) -> tuple[Array, dict[str, PyTree]]:
+        n = jax.tree.leaves(batch)[0].shape[0]
+        total, aux = grad_fn(params, batch)
+        stats = {"clipped_mean": jax.tree.map(lambda x: x / n, total)}
+        if "sq_norms" in names:
+            stats["sq_norms"] = jnp.square(aux.grad_norms)
+        return jnp.mean(aux.values), stats
+
+    return fn
 
 
 def programs_for(
@@ -858,6 +945,448 @@ def markdown_table(records: Sequence[Record]) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Scale: GPT-2 small and a ResNet-18 compiled, never run; the largest batch that fits.
+
+
+class _BasicBlock(eqx.Module):
+    """ResNet's basic block: two 3×3 convolutions, each normalized, and a (projected) skip."""
+
+    conv1: eqx.nn.Conv2d
+    norm1: Callable[[Array], Array]
+    conv2: eqx.nn.Conv2d
+    norm2: Callable[[Array], Array]
+    project: eqx.nn.Conv2d | None
+    norm_project: Callable[[Array], Array]
+
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: Callable, *, key: Any):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(c_in, c_out, 3, stride, padding=1, use_bias=False, key=k1)
+        self.norm1 = norm(c_out)
+        self.conv2 = eqx.nn.Conv2d(c_out, c_out, 3, padding=1, use_bias=False, key=k2)
+        self.norm2 = norm(c_out)
+        down = stride != 1 or c_in != c_out
+        self.project = (
+            eqx.nn.Conv2d(c_in, c_out, 1, stride, use_bias=False, key=k3) if down else None
+        )
+        self.norm_project = norm(c_out)
+
+    def __call__(self, x: Array) -> Array:
+        h = self.norm2(self.conv2(jax.nn.relu(self.norm1(self.conv1(x)))))
+        skip = x if self.project is None else self.norm_project(self.project(x))
+        return jax.nn.relu(h + skip)
+
+
+class ResNet18(eqx.Module):
+    """ResNet-18 (He et al. 2016, ImageNet layout: 7×7/2 stem, 3×3/2 max pool, four stages of
+    two basic blocks at 64-128-256-512 channels, global average pool, linear head) on one
+    image `[3, H, W]`, with GroupNorm (32 groups) where the original has BatchNorm (pegrad
+    refuses layers that couple the examples), or no normalization (`norm="none"`)."""
+
+    stem: eqx.nn.Conv2d
+    stem_norm: Callable[[Array], Array]
+    blocks: list[_BasicBlock]
+    head: eqx.nn.Linear
+
+    def __init__(self, classes: int = 1000, norm: str = "group", *, key: Any):
+        if norm not in ("group", "none"):
+            raise ValueError(f"norm must be 'group' or 'none', got {norm!r}")
+
+        def make_norm(c: int) -> Callable[[Array], Array]:
+            return eqx.nn.GroupNorm(32, c) if norm == "group" else eqx.nn.Identity()
+
+        keys = jax.random.split(key, 10)
+        self.stem = eqx.nn.Conv2d(3, 64, 7, 2, padding=3, use_bias=False, key=keys[0])
+        self.stem_norm = make_norm(64)
+        self.blocks, c_in = [], 64
+        for stage, c_out in enumerate((64, 128, 256, 512)):
+            for i in range(2):
+                stride = 2 if stage and not i else 1
+                block_key = keys[1 + 2 * stage + i]
+                self.blocks.append(_BasicBlock(c_in, c_out, stride, make_norm, key=block_key))
+                c_in = c_out
+        self.head = eqx.nn.Linear(512, classes, key=keys[9])
+
+    def __call__(self, image: Array) -> Array:
+        x = jax.nn.relu(self.stem_norm(self.stem(image)))
+        x = eqx.nn.MaxPool2d(3, 2, padding=1)(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def _classify_loss(model: Any, example: tuple[Array, Array]) -> Array:
+    return _cross_entropy(model(example[0]), example[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleModel:
+    name: str  # e.g. "gpt2-small d768 L12 T1024 V50257, tied head (124M)"
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]]
+    params: PyTree  # jax.ShapeDtypeStruct leaves: nothing model-sized is allocated
+    batch: Callable[[int], PyTree]  # B -> the batch's shapes
+
+
+def scale_model(config: Config, name: str) -> ScaleModel:
+    """A model of the "scale" section, as shapes only (`eqx.filter_eval_shape`)."""
+    key = jax.random.key(config.seed)
+    if name == "gpt2":
+        lm = models.TransformerConfig.paper(
+            n_layers=config.scale_layers, context_length=config.scale_seq
+        )
+        model = eqx.filter_eval_shape(models.TransformerLM, lm, key=key)
+        loss: Callable = models.lm_loss
+        seq = config.scale_seq
+
+        def batch(b: int) -> PyTree:
+            tokens = jax.ShapeDtypeStruct((b, seq), jnp.int32)
+            return (tokens, tokens)
+
+        head = "tied head" if lm.tied_head else "separate head"
+        label = f"gpt2-small d{lm.d_model} L{lm.n_layers} T{seq} V{lm.vocab_size}, {head}"
+    elif name == "resnet18":
+        model = eqx.filter_eval_shape(ResNet18, 1000, config.scale_norm, key=key)
+        side = config.scale_image
+
+        loss = _classify_loss
+
+        def batch(b: int) -> PyTree:
+            images = jax.ShapeDtypeStruct((b, 3, side, side), jnp.float32)
+            return (images, jax.ShapeDtypeStruct((b,), jnp.int32))
+
+        norm = "GroupNorm(32)" if config.scale_norm == "group" else "no normalization"
+        label = f"resnet18 {side}x{side}x3, 1000 classes, {norm}"
+    else:
+        raise ValueError(f"unknown scale model {name!r}; choose from {SCALE_MODELS}")
+    params, static = eqx.partition(model, _is_float_leaf)
+    n = models.count_params(model)
+    return ScaleModel(f"{label} ({n / 1e6:.0f}M)", models.make_loss_fn(static, loss), params, batch)
+
+
+def compile_memory(program: Program, model: ScaleModel, b: int, clip_norm: float) -> Record:
+    """Compile `program` at batch size `b` (shapes only): temp and footprint bytes, seconds."""
+    start = time.perf_counter()
+    fn = jax.jit(program.build(model.loss_fn, clip_norm))
+    memory = fn.lower(model.params, model.batch(b)).compile().memory_analysis()
+    if memory is None:
+        raise RuntimeError("this backend gives no compiled memory analysis")
+    return {
+        "B": b,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "footprint_bytes": _footprint(memory),
+        "compile_s": time.perf_counter() - start,
+    }
+
+
+def affine_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y ≈ intercept + slope·x through (x, y) points."""
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    if len(set(xs)) < 2:
+        raise ValueError(f"an affine fit needs two distinct batch sizes, got {xs}")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope /= sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def largest_batch(intercept: float, slope: float, budget: float, multiple: int = 1) -> int | None:
+    """The largest multiple of `multiple` B with intercept + slope·B ≤ budget (0: not even
+    one); None where the footprint does not grow with B (slope ≤ 0) and fits at all B."""
+    if slope <= 0:
+        return None if intercept <= budget else 0
+    b = math.floor((budget - intercept) / slope + 1e-9)  # + 1e-9: a fit's rounding
+    return max(0, b - b % multiple)
+
+
+def fit_budgets(
+    measure: Callable[[int], int],
+    points: Sequence[tuple[int, int]],
+    budgets: Sequence[float],
+    *,
+    multiple: int = 1,
+    verify: bool = True,
+    tries: int = 3,
+) -> list[Record]:
+    """Per budget (bytes): the largest B the affine fit of `points` (B, footprint) predicts,
+    and, with `verify`, `measure(B)` (the compiled footprint) at it. Where that exceeds the
+    budget, the fit is redone through the measured point and its nearest and B lowered, at
+    most `tries` compiles in all."""
+    intercept, slope = affine_fit(points)
+    out = []
+    for budget in budgets:
+        predicted = largest_batch(intercept, slope, budget, multiple)
+        row: Record = {
+            "budget_bytes": budget,
+            "predicted_B": predicted,
+            "B": predicted,
+            "footprint_bytes": None,
+            "predicted_bytes": None if predicted is None else intercept + slope * predicted,
+            "fits": None,
+            "compiles": 0,
+        }
+        out.append(row)
+        b, known = predicted, list(points)
+        while verify and b is not None and b > 0 and row["compiles"] < tries:
+            footprint = measure(b)
+            row.update(B=b, footprint_bytes=footprint, compiles=row["compiles"] + 1)
+            row["fits"] = footprint <= budget
+            if row["fits"]:
+                break
+            here = b
+            nearest = min(known, key=lambda p: abs(p[0] - here))
+            known.append((b, footprint))
+            a, s = affine_fit([nearest, (b, footprint)])
+            lower = largest_batch(a, s, budget, multiple)
+            b = b - multiple if lower is None else min(b - multiple, lower)
+    return out
+
+
+def scale_programs(config: Config) -> list[Program]:
+    """Plain grad, then each implementation of `config.scale_impls` on each statistic set (the
+    peers' microbatch is chosen when measured)."""
+    variants = {
+        "factorized": Program("", "factorized"),
+        "vmap": Program("", "vmap"),
+        "vmap-chunked": Program("", "vmap-chunked", chunk_size=config.scale_chunk_size),
+        "micro_grad": Program("", "micro_grad"),
+        "jax-privacy": Program("", "jax-privacy"),
+    }
+    out = [Program("mean", PLAIN)]
+    for impl in (i for i in SCALE_IMPLS if i in config.scale_impls):  # vmap last: the largest
+        for stats in config.scale_stat_sets:
+            names = set(stats.split("+"))
+            if impl == "jax-privacy" and not (
+                {"clipped_mean"} <= names <= {"clipped_mean", "sq_norms"}
+            ):
+                continue  # clipped_grad computes the clipped mean only
+            out.append(dataclasses.replace(variants[impl], stats=stats))
+    return out
+
+
+def scale_rows(
+    model: ScaleModel,
+    programs: Sequence[Program],
+    config: Config,
+    done: Callable[[list[Record]], None] = lambda rows: None,
+) -> list[Record]:
+    """One record per program: its compiled memory at each of `config.scale_batches`, the affine
+    fit, and the largest B under each budget (verified by compiling there); `done(rows)` after
+    each program."""
+    batches = sorted(set(config.scale_batches))
+    reference = batches[-1]
+    budgets = [g * 2**30 for g in config.scale_budgets_gib]
+    rows = []
+    for program in programs:
+        row: Record = {
+            "model": model.name,
+            "stats": program.stats,
+            "impl": program.impl,
+            "chunk_size": program.chunk_size,
+            "microbatch": None,
+            "points": [],
+            "intercept_bytes": None,
+            "slope_bytes": None,
+            "budgets": [],
+            "note": "",
+        }
+        rows.append(row)
+        cache: dict[int, Record] = {}
+        extra, extra_s = 0, 0.0  # the microbatches tried and not kept
+
+        def at(b: int, program: Program = program, cache: dict[int, Record] = cache) -> Record:
+            if b not in cache:
+                cache[b] = compile_memory(program, model, b, config.clip_norm)
+                print(
+                    f"  {_label(program):40s} B={b:<8d} footprint "
+                    f"{cache[b]['footprint_bytes'] / 2**30:8.2f} GiB, "
+                    f"compiled in {cache[b]['compile_s']:5.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return cache[b]
+
+        try:
+            if program.impl in ("micro_grad", "jax-privacy"):  # the memory-best microbatch
+                tried = {}
+                for mb in (m for m in config.scale_microbatches if reference % m == 0):
+                    candidate = dataclasses.replace(program, microbatch=mb)
+                    tried[mb] = compile_memory(candidate, model, reference, config.clip_norm)
+                if not tried:
+                    raise ValueError(f"no microbatch in {config.scale_microbatches} divides B")
+                mb = min(tried, key=lambda m: (tried[m]["footprint_bytes"], -m))
+                program = dataclasses.replace(program, microbatch=mb)
+                cache[reference] = tried[mb]
+                extra = len(tried) - 1
+                extra_s = sum(r["compile_s"] for m, r in tried.items() if m != mb)
+                row["microbatch"] = mb
+                row["microbatch_tried"] = {m: r["footprint_bytes"] for m, r in tried.items()}
+                if any(b % mb for b in batches):
+                    raise ValueError(f"microbatch {mb} does not divide every B of {batches}")
+            row["points"] = [at(b) for b in batches]
+        except ValueError as error:  # refused for this model (pegrad, or a peer)
+            row["note"] = f"not available: {str(error).splitlines()[0]}"
+            print(f"  {_label(program):40s} not available", file=sys.stderr)
+            done(rows)
+            continue
+        points = [(p["B"], p["footprint_bytes"]) for p in row["points"]]
+        row["intercept_bytes"], row["slope_bytes"] = affine_fit(points)
+        multiple = row["microbatch"] or 1
+        measure = lambda b, at=at: at(b)["footprint_bytes"]  # noqa: E731
+        row["budgets"] = fit_budgets(
+            measure, points, budgets, multiple=multiple, verify=config.scale_verify
+        )
+        row["compile_s"] = sum(r["compile_s"] for r in cache.values()) + extra_s
+        row["compiles"] = len(cache) + extra
+        done(rows)
+    return rows
+
+
+def run_scale(config: Config) -> list[Record]:
+    """The "scale" section: every model of `config.scale_models`, one run each, written to
+    `config.scale_out` (.json, .md) after every program; runs of other models already in that
+    JSON are kept (each model may come from its own command)."""
+    rows: list[Record] = []
+    for name in config.scale_models:
+        start = time.perf_counter()
+        model = scale_model(config, name)
+        print(f"scale: {model.name}", file=sys.stderr, flush=True)
+        meta = {**_provenance(), "model": model.name, "config": dataclasses.asdict(config)}
+
+        def save(
+            mine: list[Record], finished: bool = False, meta: Record = meta, start: float = start
+        ) -> None:
+            meta.update(seconds=time.perf_counter() - start, finished=finished)
+            if config.scale_out:
+                write_scale(config.scale_out, {"meta": meta, "rows": mine})
+
+        mine = scale_rows(model, scale_programs(config), config, save)
+        save(mine, finished=True)
+        rows += mine
+    if config.scale_out:
+        with open(config.scale_out + ".md") as f:
+            print(f.read(), flush=True)
+    return rows
+
+
+def write_scale(path: str, run: Record) -> None:
+    """Put `run` into PATH.json in place of any run of the same model; PATH.md from them all."""
+    runs: list[Record] = []
+    if os.path.exists(path + ".json"):
+        with open(path + ".json") as f:
+            runs = json.load(f)["runs"]
+    runs = [r for r in runs if r["meta"]["model"] != run["meta"]["model"]] + [run]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".json", "w") as f:
+        json.dump({"runs": runs}, f, indent=1)
+    with open(path + ".md", "w") as f:
+        f.write(scale_markdown(runs))
+
+
+def _provenance() -> Record:
+    """The command, the commit it ran at (and whether the code it reads differed from it)."""
+
+    def git(*args: str) -> str:
+        import subprocess
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        try:
+            return subprocess.run(
+                ["git", "-C", here, *args], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    try:
+        from importlib.metadata import version
+
+        privacy = version("jax-privacy")
+    except Exception:  # noqa: BLE001 - not installed, or no metadata
+        privacy = None
+    return {
+        "command": "python bench.py " + " ".join(sys.argv[1:]),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "modified": git("status", "--porcelain", "--", "bench.py", "pegrad.py", "models.py"),
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "jax_privacy": privacy,
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def _gib(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x / 2**30, spec)
+
+
+def scale_markdown(runs: Sequence[Record]) -> str:
+    """The scale table: one section per run (model), with its command and commit."""
+    lines = [
+        "# Scale: compiled, never run (bench.py `--sections scale`, issue 38)",
+        "",
+        "Memory is XLA's compiled `memory_analysis()` of `jax.jit(f).lower(...).compile()`,"
+        " float32; inputs are `jax.ShapeDtypeStruct`s, so nothing model-sized is allocated and"
+        " nothing runs. temp: the temporaries; footprint: arguments + outputs + temporaries"
+        " − aliased bytes (what the device holds while the step runs). Ratios are to plain"
+        " `jax.value_and_grad` of the mean loss at the larger fitted B. The footprint is fitted as"
+        " fixed + per-example·B at the batch sizes each run names; the largest B under a budget"
+        " is the fit's prediction, then compiled at that B: a cell gives B and the compiled"
+        " footprint in GiB, ✓ within the budget, ✗ not (B is lowered through the measured point,"
+        " at most 3 compiles). micro_grad (optax) and jax-privacy run at the microbatch of those"
+        " tried with the smallest footprint.",
+    ]
+    for run in runs:
+        meta, rows = run["meta"], run["rows"]
+        config = meta["config"]
+        budgets = config["scale_budgets_gib"]
+        ref = max(config["scale_batches"])
+        fitted = ", ".join(map(str, sorted(set(config["scale_batches"]))))
+        state = "" if meta.get("finished") else " (partial: the run was stopped here)"
+        lines += [
+            "",
+            f"## {meta['model']}",
+            "",
+            f"Command: `{meta['command']}` at commit {meta['commit']}"
+            + (" (with local changes)" if meta["modified"] else "")
+            + f"; jax {meta['jax']}, optax {meta['optax']}, jax-privacy "
+            + (meta["jax_privacy"] or "not installed")
+            + f"; XLA on {meta['device']}; {meta['seconds'] / 60:.0f} min on a 2-core CPU{state}."
+            f" Fitted at B = {fitted}; vmap-chunked: {config['scale_chunk_size']} example(s) per"
+            f" chunk; microbatches tried: {', '.join(map(str, config['scale_microbatches']))}.",
+            "",
+        ]
+        plain = next((r for r in rows if r["impl"] == PLAIN and r["points"]), None)
+        base = plain["points"][-1] if plain else None
+        head = ["stats", "impl", f"temp GiB (B {ref})", f"footprint GiB (B {ref})"]
+        head += ["temp / plain", "footprint / plain", "GiB / example", "fixed GiB"]
+        head += [f"largest B, {g:g} GiB" for g in budgets] + ["compiles (s)", "note"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            impl = r["impl"]
+            if r["chunk_size"]:
+                impl += f" (chunk {r['chunk_size']})"
+            if r["microbatch"]:
+                impl += f" (mb {r['microbatch']})"
+            if not r["points"]:
+                cells = [r["stats"], impl] + ["—"] * (len(head) - 3) + [r["note"]]
+                lines.append("| " + " | ".join(cells) + " |")
+                continue
+            p = r["points"][-1]
+            ratio = lambda k, p=p, q=base: "—" if not q else f"{p[k] / q[k]:.2f}"  # noqa: E731
+            cells = [r["stats"], impl, _gib(p["temp_bytes"]), _gib(p["footprint_bytes"])]
+            cells += [ratio("temp_bytes"), ratio("footprint_bytes")]
+            cells += [_gib(r["slope_bytes"], ".3f"), _gib(r["intercept_bytes"])]
+            for budget in r["budgets"]:
+                if budget["B"] is None:
+                    cells.append("any (flat fit)")
+                    continue
+                mark = {True: " ✓", False: " ✗", None: ""}[budget["fits"]]
+                got = budget["footprint_bytes"]
+                shown = "" if got is None else f" ({_gib(got, '.1f')}{mark})"
+                cells.append(f"{budget['B']:,}{shown}")
+            cells += [f"{r['compiles']} ({r['compile_s']:.0f})", r["note"]]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
 # Command line, generated from Config.
 
 
@@ -902,6 +1431,17 @@ def check(config: Config) -> None:
         raise SystemExit("need reps >= 1, min_time_s >= 0 and max_program_s >= 0")
     if config.clip_norm <= 0 or config.max_run_gib <= 0:
         raise SystemExit("need clip_norm > 0 and max_run_gib > 0")
+    if unknown := set(config.scale_models) - set(SCALE_MODELS):
+        raise SystemExit(f"unknown scale model(s) {sorted(unknown)}; choose from {SCALE_MODELS}")
+    if unknown := set(config.scale_impls) - set(SCALE_IMPLS):
+        raise SystemExit(f"unknown scale implementation(s) {sorted(unknown)}: {SCALE_IMPLS}")
+    for stats in config.scale_stat_sets:
+        if bad := [s for s in stats.split("+") if s not in pegrad.STATISTICS]:
+            raise SystemExit(f"unknown statistic(s) {bad} in {stats!r}: {pegrad.STATISTICS}")
+    if len(set(config.scale_batches)) < 2 or min(config.scale_batches) < 1:
+        raise SystemExit("need two or more distinct scale_batches >= 1 (the fit is affine in B)")
+    if config.scale_chunk_size < 1 or min(config.scale_microbatches, default=0) < 1:
+        raise SystemExit("need scale_chunk_size >= 1 and scale_microbatches >= 1")
 
 
 def run(config: Config) -> list[Record]:
@@ -922,7 +1462,7 @@ def run(config: Config) -> list[Record]:
     if "families" in config.sections:
         workloads += family_workloads(config)
 
-    records: list[Record] = []
+    records: list[Record] = run_scale(config) if "scale" in config.sections else []
     for make in workloads:
         try:
             workload = make()

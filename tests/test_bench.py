@@ -107,3 +107,97 @@ def test_the_hand_written_mlp_floor_computes_the_mean_and_the_mean_square(batch_
     assert float(loss) == pytest.approx(float(losses.mean()), rel=1e-12)
     for name in ("mean", "sq_mean"):
         assert_tree_close(stats[name], expected[name], name)
+
+
+GIB = 2**30
+
+
+def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
+    # The affine fit and the largest batch, on constructed numbers: 3 GiB + 0.5 GiB per example.
+    points = [(2, 4 * GIB), (4, 5 * GIB), (8, 7 * GIB)]
+    intercept, slope = bench.affine_fit(points)
+    assert intercept == pytest.approx(3 * GIB) and slope == pytest.approx(0.5 * GIB)
+    assert bench.largest_batch(intercept, slope, 16 * GIB) == 26
+    assert bench.largest_batch(intercept, slope, 16 * GIB, multiple=4) == 24
+    assert bench.largest_batch(intercept, slope, 2 * GIB) == 0  # not even one example
+    assert bench.largest_batch(GIB, 0.0, 2 * GIB) is None  # flat: every B fits
+    with pytest.raises(ValueError, match="two distinct"):
+        bench.affine_fit([(4, GIB), (4, 2 * GIB)])
+
+    # Verification: compiled at the prediction; where the footprint jumps above the fit (here
+    # 1 GiB past B 20) B is lowered through the measured point until it fits.
+    measured = []
+
+    def footprint(b: int) -> int:
+        measured.append(b)
+        return int(3 * GIB + 0.5 * GIB * b + (GIB if b > 20 else 0))
+
+    fit = [(2, footprint(2)), (4, footprint(4))]
+    measured.clear()
+    rows = bench.fit_budgets(footprint, fit, [16 * GIB, 40 * GIB, 2 * GIB])
+    assert [r["predicted_B"] for r in rows] == [26, 74, 0]
+    assert rows[0]["B"] == 24 and rows[0]["fits"] and rows[0]["compiles"] == 2  # 26 ✗, 24 ✓
+    assert rows[0]["footprint_bytes"] == footprint(24) <= 16 * GIB
+    assert rows[1]["fits"] and rows[1]["B"] <= 72 and rows[1]["footprint_bytes"] <= 40 * GIB
+    assert rows[2]["B"] == 0 and rows[2]["fits"] is None and rows[2]["compiles"] == 0
+    assert measured[:2] == [26, 24]
+
+    # The machinery on a tiny MLP, shapes only: plain, factorized and optax's peer (its
+    # microbatch chosen), compiled at two B, fitted, one budget, written as .json and .md.
+    model = eqx.filter_eval_shape(models.MLP, 8, 3, 16, 1, key=jax.random.key(0))
+    params, static = eqx.partition(model, bench._is_float_leaf)
+
+    def batch(b: int):
+        return (jax.ShapeDtypeStruct((b, 8), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+
+    tiny = bench.ScaleModel(
+        "mlp 8-16-3", models.make_loss_fn(static, models.mlp_loss), params, batch
+    )
+    config = dataclasses.replace(
+        bench.Config(),
+        scale_stat_sets=("mean+sq_mean",),
+        scale_impls=("factorized", "micro_grad"),
+        scale_batches=(2, 4),
+        scale_budgets_gib=(1.0,),
+        scale_verify=False,
+    )
+    programs = bench.scale_programs(config)
+    assert [(p.impl, p.stats) for p in programs] == [
+        ("plain", "mean"),
+        ("factorized", "mean+sq_mean"),
+        ("micro_grad", "mean+sq_mean"),
+    ]
+    rows = bench.scale_rows(tiny, programs, config)
+    for row in rows:
+        assert [p["B"] for p in row["points"]] == [2, 4], row
+        assert all(p["footprint_bytes"] > p["temp_bytes"] >= 0 for p in row["points"]), row
+        (budget,) = row["budgets"]
+        assert budget["B"] is None or budget["B"] > 1000, row  # 1 GiB holds many tiny examples
+    assert rows[2]["microbatch"] in (1, 2)
+    run = {"meta": {"model": tiny.name, "command": "test", "commit": "abc", "modified": ""}}
+    run["meta"] |= dict(jax="0", optax="0", jax_privacy=None, device="cpu", seconds=1.0)
+    run["meta"]["config"] = dataclasses.asdict(config)
+    bench.write_scale(str(tmp_path / "scale"), run | {"rows": rows})
+    text = (tmp_path / "scale.md").read_text()
+    assert "## mlp 8-16-3" in text and "Command: `test` at commit abc" in text
+    assert json.loads((tmp_path / "scale.json").read_text())["runs"][0]["rows"] == json.loads(
+        json.dumps(rows)
+    )
+
+
+def test_the_scale_peers_compute_what_they_name():
+    # optax's micro_grad as bench.py calls it: each statistic equals the naive loop's.
+    key_model, key_x, key_y = jax.random.split(jax.random.key(1), 3)
+    model = models.MLP(5, 3, 4, 1, dtype="float64", key=key_model)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x = jax.random.normal(key_x, (4, 5), jnp.float64)
+    batch = (x, jax.random.randint(key_y, (4,), 0, 3, jnp.int32))
+    loss_fn = models.make_loss_fn(static, models.mlp_loss)
+    losses, grads = naive_unit_grads(loss_fn, params, batch)
+    expected = naive_stats(grads, clip_norm=0.05)
+    names = ("mean", "sq_mean", "var", "sq_norms", "clipped_mean")
+    fn = bench.optax_micro_grad(loss_fn, names, microbatch=2, clip_norm=0.05)
+    loss, stats = jax.jit(fn)(params, batch)
+    assert float(loss) == pytest.approx(float(losses.mean()), rel=1e-12)
+    for name in names:
+        assert_tree_close(stats[name], expected[name], name)
