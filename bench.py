@@ -1268,17 +1268,19 @@ def run_scale(config: Config) -> list[Record]:
 
 
 def write_scale(path: str, run: Record) -> None:
-    """Put `run` into PATH.json in place of any run of the same model; PATH.md from them all."""
+    """Put `run` into PATH.json in place of any run of the same model; PATH.md from them all
+    (each file replaced whole: runs of two models may write beside each other)."""
     runs: list[Record] = []
     if os.path.exists(path + ".json"):
         with open(path + ".json") as f:
             runs = json.load(f)["runs"]
     runs = [r for r in runs if r["meta"]["model"] != run["meta"]["model"]] + [run]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".json", "w") as f:
-        json.dump({"runs": runs}, f, indent=1)
-    with open(path + ".md", "w") as f:
-        f.write(scale_markdown(runs))
+    for suffix, text in ((".json", json.dumps({"runs": runs}, indent=1)), (".md", None)):
+        text = scale_markdown(runs) if text is None else text
+        with open(f"{path}{suffix}.{os.getpid()}", "w") as f:
+            f.write(text)
+        os.replace(f"{path}{suffix}.{os.getpid()}", path + suffix)  # whole, for a run beside
 
 
 def _provenance() -> Record:
