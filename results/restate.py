@@ -29,6 +29,7 @@ A summary whose verdicts already hold a floor keeps it when re-stated without on
 import argparse
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import experiments  # noqa: E402
 NOTE = "Verdicts re-stated (issue 39)"
 FLOOR_NOTE = "Verdicts held against the noise floor (issue 39)"
 GAP = "MicroAdam − Adam, both clipped at "
+RULE_COMMIT = "9c08b38"  # the commit that made the interval rule experiments.py's
 # what a verdict holds only when it was computed against a noise floor
 FLOOR_KEYS = {"noise_floor", "above_noise_floor", "strength_without_floor", "noise_floor_from"}
 
@@ -72,6 +74,20 @@ def kind(verdict: str | None) -> str:
     return "no verdict" if verdict is None else verdict.split(":")[0]
 
 
+def todays_rule(data: dict[str, Any]) -> bool:
+    """Whether a summary's verdicts were written under today's rule: re-stated already, or
+    written by a commit that descends from RULE_COMMIT."""
+    if "verdict_rule" in data:
+        return True
+    commit = data.get("git_commit")
+    found = subprocess.run(
+        ["git", "merge-base", "--is-ancestor", RULE_COMMIT, str(commit)],
+        cwd=ROOT,
+        capture_output=True,
+    )
+    return commit is not None and found.returncode == 0
+
+
 def task_of(data: dict[str, Any]) -> str | None:
     """The task every run of a summary trained ("lm", "mlp"), or None where they mix."""
     tasks = {r.get("task") for r in data.get("runs", ())}
@@ -98,7 +114,7 @@ def restate(
     checked against the committed numbers (and, under the old rule, against the committed
     strength, the one without a floor where the verdict had one)."""
     held, same = scores(data["held_out"]), scores(data.get("same_seed"))
-    restated = "verdict_rule" in data  # already re-stated: the rule is today's
+    restated = todays_rule(data)
     out = []
     for v in data["verdicts"]:
         a, b = v["a"], v["b"]
@@ -165,7 +181,8 @@ def main_floor(floor: experiments.NoiseFloor) -> None:
     )
     print("| study | A vs B | scored on | mean A − B | floor | before | now |")
     print("|---|---|---|---|---|---|---|")
-    total = changed = 0
+    total = 0
+    moves: dict[str, int] = {}  # "consistent -> undecided": verdicts on their scored seeds
     for path in sorted((ROOT / "results").rglob("summary.json")):
         data = json.loads(path.read_text())
         if not data.get("verdicts") or "held_out" not in data:
@@ -183,7 +200,8 @@ def main_floor(floor: experiments.NoiseFloor) -> None:
             shown = f"{w['mean_diff']:+.3f}" if "mean_diff" in w else "–"
             cut = f"{w['noise_floor']:.3f}" if "noise_floor" in w else "–"
             if kind(v["verdict"]) != kind(w["verdict"]):
-                changed += 1
+                move = f"{kind(v['verdict'])} → {kind(w['verdict'])}"
+                moves[move] = moves.get(move, 0) + 1
                 changes.append(f"{v['a']} vs {v['b']}")
             cells = (study, f"{v['a']} vs {v['b']}", "evaluation seeds", shown, cut)
             print("| " + " | ".join((*cells, kind(v["verdict"]), kind(w["verdict"]))) + " |")
@@ -202,9 +220,11 @@ def main_floor(floor: experiments.NoiseFloor) -> None:
             f"{mine.source}: within 1.96 * sqrt((sigma_A^2 + sigma_B^2) / n) a verdict is undecided"
         )
         path.write_text(json.dumps(data, indent=1))
+    counted = "; ".join(f"{m}: {n}" for m, n in sorted(moves.items(), key=lambda x: -x[1]))
     print(
-        f"\n{changed} of {total} LM verdicts on their scored seeds become undecided; the "
-        "same-seed verdicts (seeds 0–2) are held against it too, in each summary.md."
+        f"\n{sum(moves.values())} of {total} LM verdicts on their scored seeds change "
+        f"({counted or 'none'}); every other one is unchanged. The same-seed verdicts (seeds "
+        "0–2) are held against the floor too, in each summary.md."
     )
 
 

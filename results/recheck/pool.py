@@ -10,7 +10,9 @@ beside the verdict over all ten evaluation seeds pooled (3-7 and 20-24: neither 
         --seeds 20-24 --out results/recheck/sign-mlp --cache runs/cache-tiny      # and so on
     python results/recheck/pool.py > results/recheck/summary.md
 
-(the exact command of each re-check is in its own summary.md)
+(the exact command of each re-check is in its own summary.md). Where a committed summary's
+verdicts are held against a noise floor (the LM's, issue 39: results/restate.py --noise-floor),
+its pooled verdicts are held against the same floor, at ten seeds.
 """
 
 import json
@@ -67,8 +69,15 @@ def agreement(committed: dict, recheck: dict) -> str:
     return "undecided both"
 
 
+def floor_of(summary: dict) -> experiments.NoiseFloor | None:
+    """The noise floor a summary's verdicts were held against, or None."""
+    named = {v["noise_floor_from"] for v in summary["verdicts"] if "noise_floor_from" in v}
+    return experiments.read_noise_floor(RESULTS.parent / named.pop()) if named else None
+
+
 def pooled(a: str, b: str, committed: dict, recheck: dict) -> dict | None:
-    """The verdict over both sets of evaluation seeds, each variant at its committed lr."""
+    """The verdict over both sets of evaluation seeds, each variant at its committed lr (against
+    the committed summary's noise floor, where it has one)."""
     held, again = committed["held_out"], recheck["held_out"]
     if not all(x in held and x in again for x in (a, b)):
         return None  # a derived comparison (e.g. a difference of differences)
@@ -76,7 +85,7 @@ def pooled(a: str, b: str, committed: dict, recheck: dict) -> dict | None:
         x: {"per_seed": {**held[x]["per_seed"], **again[x]["per_seed"]}, "lr": held[x]["lr"]}
         for x in (a, b)
     }
-    return experiments.compare(merged[a], merged[b], a, b)
+    return experiments.compare(merged[a], merged[b], a, b, floor=floor_of(committed))
 
 
 def main() -> None:
