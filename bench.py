@@ -43,6 +43,17 @@ Sections:
   Beside pegrad's implementations, "micro_grad" is optax's
   `optax.microbatching.micro_grad` (per-example gradients one microbatch at a time, transformed
   to (g, g²) and averaged): the JAX peer.
+* scale: GPT-2 small (12 blocks, d 768, T 1024, vocabulary 50257, tied head: 124M) and a
+  ResNet-18 (`ResNet18`: GroupNorm in place of BatchNorm) on 224×224×3 images, compiled never
+  run: plain grad, each of `scale_stat_sets` under pegrad's factorized, vmap and vmap-chunked,
+  optax's micro_grad and jax-privacy's `clipped_grad` (where installed) at the microbatch with
+  the smallest footprint; the footprint fitted affine in B at `scale_batches`, the largest B
+  under each of `scale_budgets_gib` predicted and compiled there to check it. Writes
+  `scale_out`.md/.json (command, commit) after every program; one model per command merges
+  into the same files:
+
+      python bench.py --sections scale --scale-models gpt2 --scale-batches 4 8
+      python bench.py --sections scale --scale-models resnet18 --scale-batches 8 32
 
 Programs whose compiled temporary memory exceeds `max_run_gib` are compiled (their memory is
 reported) but not timed; the table says so. A statistic set that `pegrad` refuses for a model
@@ -85,7 +96,7 @@ import pegrad
 IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token", "micro_grad")
 SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families", "scale")
 SCALE_MODELS = ("gpt2", "resnet18")
-SCALE_IMPLS = ("factorized", "vmap", "vmap-chunked", "micro_grad", "jax-privacy")
+SCALE_IMPLS = ("plain", "factorized", "micro_grad", "jax-privacy", "vmap-chunked", "vmap")
 FAMILIES = (
     "mlp",
     "transformer",
@@ -158,10 +169,11 @@ class Config:
         "mean+sq_norms",
         "clipped_mean+sq_norms",
     )
-    scale_impls: tuple[str, ...] = SCALE_IMPLS  # implementations of "scale" beside plain grad
+    scale_impls: tuple[str, ...] = SCALE_IMPLS  # programs of "scale" ("plain": plain grad)
     scale_batches: tuple[int, ...] = (2, 4)  # batch sizes the footprint's affine fit reads
     scale_budgets_gib: tuple[float, ...] = (16.0, 40.0, 80.0)  # the largest B that fits each
     scale_verify: bool = True  # compile at each predicted largest B (no: the prediction only)
+    scale_unverified: tuple[str, ...] = ()  # implementations whose largest B is predicted only
     scale_chunk_size: int = 1  # examples per chunk of "vmap-chunked" in "scale" (fixed in B)
     scale_microbatches: tuple[int, ...] = (1, 2)  # micro_grad / jax-privacy: the best is kept
     scale_layers: int = 12  # gpt2 blocks (12: GPT-2 small)
@@ -1106,43 +1118,45 @@ def fit_budgets(
     verify: bool = True,
     tries: int = 3,
 ) -> list[Record]:
-    """Per budget (bytes): the largest B the affine fit of `points` (B, footprint) predicts,
-    and, with `verify`, `measure(B)` (the compiled footprint) at it. Where that exceeds the
-    budget, the fit is redone through the measured point and its nearest and B lowered, at
-    most `tries` compiles in all."""
-    intercept, slope = affine_fit(points)
+    """Per budget (bytes, in the order given): the largest B (a multiple of `multiple`) that the
+    line through the two measured (B, footprint) points nearest the budget predicts — from
+    `points` and every compile made here, so a larger budget is predicted from the smaller
+    ones' checks — and, with `verify`, `measure(B)` (the compiled footprint) at it. Over the
+    budget, the line through that point lowers B; at most `tries` compiles per budget."""
+    known = dict(points)
+
+    def predict(budget: float) -> tuple[float, float, int | None]:
+        nearest = sorted(known.items(), key=lambda p: (abs(p[1] - budget), -p[0]))[:2]
+        intercept, slope = affine_fit(nearest)
+        return intercept, slope, largest_batch(intercept, slope, budget, multiple)
+
     out = []
     for budget in budgets:
-        predicted = largest_batch(intercept, slope, budget, multiple)
+        intercept, slope, b = predict(budget)
         row: Record = {
             "budget_bytes": budget,
-            "predicted_B": predicted,
-            "B": predicted,
+            "predicted_B": b,
+            "B": b,
             "footprint_bytes": None,
-            "predicted_bytes": None if predicted is None else intercept + slope * predicted,
+            "predicted_bytes": None if b is None else intercept + slope * b,
             "fits": None,
             "compiles": 0,
         }
         out.append(row)
-        b, known = predicted, list(points)
         while verify and b is not None and b > 0 and row["compiles"] < tries:
-            footprint = measure(b)
+            footprint = known[b] = measure(b)
             row.update(B=b, footprint_bytes=footprint, compiles=row["compiles"] + 1)
             row["fits"] = footprint <= budget
             if row["fits"]:
                 break
-            here = b
-            nearest = min(known, key=lambda p: abs(p[0] - here))
-            known.append((b, footprint))
-            a, s = affine_fit([nearest, (b, footprint)])
-            lower = largest_batch(a, s, budget, multiple)
+            lower = predict(budget)[2]
             b = b - multiple if lower is None else min(b - multiple, lower)
     return out
 
 
 def scale_programs(config: Config) -> list[Program]:
-    """Plain grad, then each implementation of `config.scale_impls` on each statistic set (the
-    peers' microbatch is chosen when measured)."""
+    """Plain grad, then each implementation of `config.scale_impls` on each statistic set, in
+    the order of SCALE_IMPLS (the peers' microbatch is chosen when measured)."""
     variants = {
         "factorized": Program("", "factorized"),
         "vmap": Program("", "vmap"),
@@ -1150,8 +1164,8 @@ def scale_programs(config: Config) -> list[Program]:
         "micro_grad": Program("", "micro_grad"),
         "jax-privacy": Program("", "jax-privacy"),
     }
-    out = [Program("mean", PLAIN)]
-    for impl in (i for i in SCALE_IMPLS if i in config.scale_impls):  # vmap last: the largest
+    out = [Program("mean", PLAIN)] if PLAIN in config.scale_impls else []
+    for impl in (i for i in SCALE_IMPLS[1:] if i in config.scale_impls):
         for stats in config.scale_stat_sets:
             names = set(stats.split("+"))
             if impl == "jax-privacy" and not (
@@ -1230,10 +1244,9 @@ def scale_rows(
         points = [(p["B"], p["footprint_bytes"]) for p in row["points"]]
         row["intercept_bytes"], row["slope_bytes"] = affine_fit(points)
         multiple = row["microbatch"] or 1
+        verify = config.scale_verify and program.impl not in config.scale_unverified
         measure = lambda b, at=at: at(b)["footprint_bytes"]  # noqa: E731
-        row["budgets"] = fit_budgets(
-            measure, points, budgets, multiple=multiple, verify=config.scale_verify
-        )
+        row["budgets"] = fit_budgets(measure, points, budgets, multiple=multiple, verify=verify)
         row["compile_s"] = sum(r["compile_s"] for r in cache.values()) + extra_s
         row["compiles"] = len(cache) + extra
         done(rows)
@@ -1242,8 +1255,8 @@ def scale_rows(
 
 def run_scale(config: Config) -> list[Record]:
     """The "scale" section: every model of `config.scale_models`, one run each, written to
-    `config.scale_out` (.json, .md) after every program; runs of other models already in that
-    JSON are kept (each model may come from its own command)."""
+    `config.scale_out` (.json, .md) after every program; other runs (model, command) in that
+    JSON are kept (a model's programs may come from several commands)."""
     rows: list[Record] = []
     for name in config.scale_models:
         start = time.perf_counter()
@@ -1267,14 +1280,18 @@ def run_scale(config: Config) -> list[Record]:
     return rows
 
 
+def _run_key(run: Record) -> tuple[str, str]:
+    return run["meta"]["model"], run["meta"]["command"]
+
+
 def write_scale(path: str, run: Record) -> None:
-    """Put `run` into PATH.json in place of any run of the same model; PATH.md from them all
-    (each file replaced whole: runs of two models may write beside each other)."""
+    """Put `run` into PATH.json in place of any run of the same model and command; PATH.md
+    from them all (each file replaced whole: two runs may write beside each other)."""
     runs: list[Record] = []
     if os.path.exists(path + ".json"):
         with open(path + ".json") as f:
             runs = json.load(f)["runs"]
-    runs = [r for r in runs if r["meta"]["model"] != run["meta"]["model"]] + [run]
+    runs = [r for r in runs if _run_key(r) != _run_key(run)] + [run]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     for suffix, text in ((".json", json.dumps({"runs": runs}, indent=1)), (".md", None)):
         text = scale_markdown(runs) if text is None else text
@@ -1334,32 +1351,36 @@ def scale_markdown(runs: Sequence[Record]) -> str:
         " at most 3 compiles). micro_grad (optax) and jax-privacy run at the microbatch of those"
         " tried with the smallest footprint.",
     ]
-    for run in runs:
-        meta, rows = run["meta"], run["rows"]
-        config = meta["config"]
+    order = {impl: k for k, impl in enumerate(SCALE_IMPLS)}
+    for model in dict.fromkeys(run["meta"]["model"] for run in runs):
+        mine = [run for run in runs if run["meta"]["model"] == model]
+        config = mine[0]["meta"]["config"]
         budgets = config["scale_budgets_gib"]
         ref = max(config["scale_batches"])
-        fitted = ", ".join(map(str, sorted(set(config["scale_batches"]))))
-        state = "" if meta.get("finished") else " (partial: the run was stopped here)"
-        lines += [
-            "",
-            f"## {meta['model']}",
-            "",
-            f"Command: `{meta['command']}` at commit {meta['commit']}"
-            + (" (with local changes)" if meta["modified"] else "")
-            + f"; jax {meta['jax']}, optax {meta['optax']}, jax-privacy "
-            + (meta["jax_privacy"] or "not installed")
-            + f"; XLA on {meta['device']}; {meta['seconds'] / 60:.0f} min on a 2-core CPU{state}."
-            f" Fitted at B = {fitted}; vmap-chunked: {config['scale_chunk_size']} example(s) per"
-            f" chunk; microbatches tried: {', '.join(map(str, config['scale_microbatches']))}.",
-            "",
-        ]
+        lines += ["", f"## {model}", ""]
+        for run in mine:
+            meta, c = run["meta"], run["meta"]["config"]
+            fitted = ", ".join(map(str, sorted(set(c["scale_batches"]))))
+            state = "" if meta.get("finished") else " (partial: stopped here)"
+            lines.append(
+                f"- `{meta['command']}` at commit {meta['commit']}"
+                + (" (with local changes)" if meta["modified"] else "")
+                + f": {len(run['rows'])} programs, {meta['seconds'] / 60:.0f} min on a 2-core CPU"
+                f"{state}; jax {meta['jax']}, optax {meta['optax']}, jax-privacy "
+                + (meta["jax_privacy"] or "not installed")
+                + f", XLA on {meta['device']}; fitted at B = {fitted}; vmap-chunked:"
+                f" {c['scale_chunk_size']} example(s) a chunk; microbatches tried:"
+                f" {', '.join(map(str, c['scale_microbatches']))}."
+            )
+        rows = [r for run in mine for r in run["rows"]]
+        stat_order = {st: k for k, st in enumerate(["mean", *config["scale_stat_sets"]])}
+        rows.sort(key=lambda r: (order.get(r["impl"], 99), stat_order.get(r["stats"], 99)))
         plain = next((r for r in rows if r["impl"] == PLAIN and r["points"]), None)
         base = plain["points"][-1] if plain else None
         head = ["stats", "impl", f"temp GiB (B {ref})", f"footprint GiB (B {ref})"]
         head += ["temp / plain", "footprint / plain", "GiB / example", "fixed GiB"]
         head += [f"largest B, {g:g} GiB" for g in budgets] + ["compiles (s)", "note"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             impl = r["impl"]
             if r["chunk_size"]:
@@ -1381,7 +1402,7 @@ def scale_markdown(runs: Sequence[Record]) -> str:
                     continue
                 mark = {True: " ✓", False: " ✗", None: ""}[budget["fits"]]
                 got = budget["footprint_bytes"]
-                shown = "" if got is None else f" ({_gib(got, '.1f')}{mark})"
+                shown = " (fit only)" if got is None else f" ({_gib(got, '.1f')}{mark})"
                 cells.append(f"{budget['B']:,}{shown}")
             cells += [f"{r['compiles']} ({r['compile_s']:.0f})", r["note"]]
             lines.append("| " + " | ".join(cells) + " |")
