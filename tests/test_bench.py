@@ -137,12 +137,12 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     measured.clear()
     rows = bench.fit_budgets(footprint, fit, [16 * GIB, 40 * GIB, 2 * GIB])
     # 40 GiB is predicted from the two checks made for 16 GiB (B 24, 26): on the jump, exact.
+    assert measured == [26, 24, 72]
     assert [r["predicted_B"] for r in rows] == [26, 72, 0]
     assert rows[0]["B"] == 24 and rows[0]["fits"] and rows[0]["compiles"] == 2  # 26 ✗, 24 ✓
     assert rows[0]["footprint_bytes"] == footprint(24) <= 16 * GIB
     assert rows[1]["B"] == 72 and rows[1]["fits"] and rows[1]["footprint_bytes"] == 40 * GIB
     assert rows[2]["B"] == 0 and rows[2]["fits"] is None and rows[2]["compiles"] == 0
-    assert measured == [26, 24, 72]
 
     # The machinery on a tiny MLP, shapes only: plain, factorized and optax's peer (its
     # microbatch chosen), compiled at two B, fitted, one budget, written as .json and .md.
