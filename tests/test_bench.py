@@ -158,7 +158,7 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     config = dataclasses.replace(
         bench.Config(),
         scale_stat_sets=("mean+sq_mean",),
-        scale_impls=("factorized", "micro_grad"),
+        scale_impls=("plain", "factorized", "micro_grad"),
         scale_batches=(2, 4),
         scale_budgets_gib=(1.0,),
         scale_verify=False,
