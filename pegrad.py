@@ -9,59 +9,35 @@ and the batch loss is the mean. The statistics, elementwise over parameters:
     sq_mean       (1/B) Σ_i g_i²                 clipped_mean  (1/B) Σ_i g_i·min(1, C/‖g_i‖)
     sign_mean     (1/B) Σ_i sign(g_i)            var           1/(B−1) Σ_i (g_i − mean)²
 
-and "batch_size", the number N of units they were taken over: B, or B·T with
-granularity="token", where each position t of each example is a unit and its gradient is the
-position's contribution to the example's gradient (δ_t ⊗ x_t for a dense weight) — a different,
-equally exact quantity.
+and "batch_size", the number N of units: B, or B·T with granularity="token", where position t
+of each example is a unit whose gradient is its contribution to the example's (δ_t ⊗ x_t for a
+dense weight) — a different, equally exact quantity. Two implementations, equal by contract:
 
-Two implementations, equal by contract:
+* impl="vmap", the exact reference: vmap(grad) materialized in chunks, φ, reduce; the variance
+  in two passes. Per token every position gets its own copy of the parameters (`Untie`), so the
+  gradient with respect to copy t is position t's contribution.
+* impl="factorized" rewrites the graph: grad(loss_fn) of ONE example traced to a flat jaxpr,
+  run batched down to the inputs of each parameter's last gradient operation, and each leaf
+  given the cheapest route whose preconditions are proven on the jaxpr. A dense weight used
+  once has the rank-one g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
+  Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖², the clipped sum (c∘Δ)ᵀX. A leaf no
+  route proves takes the exact fallback, per example in bounded chunks; a route whose proof
+  cannot be completed refuses, never raises. `explain` returns the plan without running it.
+  The mean alone is plain grad of the mean loss, unless the loss has a backward rule of the
+  user's (jax.custom_vjp), which need not be linear in the cotangent.
 
-* impl="vmap" is the exact reference, the executable definition: materialize vmap(grad) in
-  chunks of `chunk_size`, apply φ, reduce; the variance in two passes. At token granularity every
-  position gets its own copy of the parameters ("untying", `Untie`), so the gradient with respect
-  to copy t is position t's contribution. There the two share code: `Untie` runs on §5's jaxpr
-  interpreter and position tracing (`_flat_trace`, `_run`, `_propagate_positions`), and
-  `Graph.build` builds the same `Untie`, which the token fallback runs. The independent check is
-  tests/helpers.py's naive loop, which never calls pegrad: `jax.grad` one example at a time, of
-  a loss written with one parameter copy per position at token granularity (tests/pieces.py).
-* impl="factorized" rewrites the graph: it traces grad(loss_fn) for ONE example to a flat jaxpr,
-  runs it batched down to the inputs of each parameter's last gradient operation, and gives each
-  leaf the cheapest route whose preconditions are proven on the jaxpr. A dense weight used once
-  per example has the rank-one gradient g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
-  Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖², and the clipped sum is (c∘Δ)ᵀX.
-  A leaf no route proves takes the exact fallback: its own gradient computation per example,
-  in bounded chunks. `explain` returns the plan — per leaf the route, what was proven, and why
-  the other routes refused — without running anything; the executor reads the same plan.
-  The mean alone is plain grad of the mean loss ("mean-loss"): backpropagation already sums
-  over examples, and no rewrite of that sum is cheaper (not where the loss calls a
-  jax.custom_vjp, whose backward rule need not be linear in the cotangent).
-
-§1 also holds the conventions a JAX user brings: one statistic name, `has_aux`, a bool [B]
-`mask`, `nonfinite="drop"`, a model as `params` (eqx.Module, flax nnx), and `Accumulator`
-(the statistics of k micro-batches combined exactly). A sum over examples is moved through a
-gradient's own operations only where they are proven linear in the cotangent, per primitive and
-parameter (`Graph.nonlinear_in_seed`: a non-zero gather fill or pad, a constant added, an output
-independent of the cotangent make the map affine); else the leaf is computed per example. A
-route whose proof cannot be completed refuses; it never raises.
-
-Sections (the definition first, then the machinery; "SPEC §N" is the repository's SPEC.md):
-  §1 public API      value_and_grad_stats, explain (Accumulator: §9)
-  §2 statistics      the ingredients per leaf, φ, how means become var / sq_norms / clipped mean
-  §3 input checks    SPEC §6's clear errors, before any work; models, masks, auxiliary outputs
-  §4 the references  vmap(grad) in chunks, two-pass variance; the untied per-token reference
-  §5 the graph       grad of ONE example as a flat jaxpr: producers, users, batched, static,
-                     position axes, linearity in the cotangent, a leaf's exclusive tail
-  §5′ scan hoisting  weight-gradient contractions moved out of backward scans
-  §6 routes          one class per route; its match returns the route holding what it proved
-  §7 planner         per leaf the cheapest route whose match proves it: explain's Plan of
-                     LeafPlans (pure data)
-  §8 executor        the batched head, each leaf's route, the fallback's chunk loop
-  §9 accumulation    Accumulator: k micro-batches' statistics merged into their union's
-
-Proof of equality (float64; every statistic × implementation × granularity × batch size against
-a naive per-example loop; one test per precondition, broken): tests/test_pegrad.py and
-tests/test_zoo.py; the conventions above: tests/test_api.py, tests/test_accumulate.py.
-Depends on jax (with numpy) and jaxtyping only: copy this file into a project.
+Layout: Part I is the definition — §1 the public API (value_and_grad_stats, explain,
+Accumulator), §2 the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the
+jaxpr interpreter and position tracing they run on. It reaches the engine only through
+`_factorized` and `Plan.build` (tests/test_layout.py). Part II is the engine: §6 the graph, §6′
+scan hoisting, §7 the routes, §8 the planner, §9 the executor, §10 the mean-loss policy.
+The reference shares §5 with the rewrite (`Graph.build` builds the same `Untie`, which the token
+fallback runs); the independent check is tests/helpers.py's naive loop, which never calls
+pegrad: `jax.grad` one example at a time, per token of a loss written with one parameter copy
+per position (tests/pieces.py). Proof of equality (float64, every statistic × implementation ×
+granularity × batch size, one test per precondition broken): tests/test_pegrad.py,
+tests/test_zoo.py; the conventions: tests/test_api.py, tests/test_accumulate.py. "SPEC §N" is
+the repository's SPEC.md. Depends on jax (with numpy) and jaxtyping only: copy this file.
 """
 
 import dataclasses
@@ -81,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
+from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, PyTree
 
 __version__ = "0.1.0"  # the package's one version: pyproject.toml reads it ([tool.hatch.version])
@@ -89,10 +66,13 @@ Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
 Choose = Literal["cheapest", "first"]
 NonFinite = Literal["propagate", "drop"]
-Stats = dict[str, Any]
+Stats = dict[str, PyTree]  # statistic name -> a tree shaped like params ([N] for sq_norms)
+Loss = Float[Array, ""]
+LossFn = Callable[[PyTree, PyTree], Loss | tuple[Loss, PyTree]]  # (params, ONE example)
 Var = jcore.Var  # a jaxpr variable
 Eqn = jcore.JaxprEqn  # a jaxpr equation
 Atom = Var | jcore.Literal  # a jaxpr operand
+Value = Any  # what a jaxpr value holds when evaluated: an array, a tracer, a Python scalar
 Phi = Callable[[Array], Array]  # φ: identity, square or sign (multiplicative)
 Axes = frozenset[int]  # axes of a value that index positions (token granularity)
 _NONE: Axes = frozenset()
@@ -124,16 +104,12 @@ def __getattr__(name: str) -> types.ModuleType:
 
 
 # ============================================================================================
-# Part I — the definition: the public API, the statistics, the checks, the exact references
-# and the jaxpr interpreter they run on. It reaches the engine below through two names
-# only: `_factorized` (impl="factorized") and `Plan.build` (explain). tests/test_layout.py
-# checks that, and this part's size.
-#
+# Part I — the definition. It names nothing of the engine but `_factorized` and `Plan.build`.
 # §1 Public API
 
 
 def value_and_grad_stats(
-    loss_fn: Callable[[PyTree, PyTree], Any],
+    loss_fn: LossFn,
     stats: str | Sequence[str] = ("mean",),
     *,
     impl: Impl = "factorized",
@@ -144,7 +120,7 @@ def value_and_grad_stats(
     choose: Choose = "cheapest",
     has_aux: bool = False,
     nonfinite: NonFinite = "propagate",
-) -> Callable[..., tuple[Any, Stats]]:
+) -> Callable[..., tuple[Loss | tuple[Loss, PyTree], Stats]]:
     """Build `fn(params, batch, mask=None) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
 
     Args:
@@ -153,25 +129,20 @@ def value_and_grad_stats(
         stats: a name or any subset of `STATISTICS`, computed in one pass.
         impl: "vmap" (the exact reference) or "factorized" (the rewrite; the same numbers).
         chunk_size: at most this many examples' per-example gradients exist at once. None: the
-            reference materializes the whole batch; the rewrite bounds what it materializes by
-            the parameters' or the activations' size, whichever is larger.
-        memory_budget: bytes: per-unit gradients formed at once (by the reference, the
-            rewrite's chunk loop, or a contraction's per-example φ) hold at most this many
-            bytes, or one example's if that is more. With chunk_size, the smaller chunk wins;
-            `explain` shows each leaf's chunk and its bytes.
+            reference materializes the whole batch; the rewrite bounds it by the parameters'
+            or the activations' size, whichever is larger.
+        memory_budget: bytes that per-unit gradients formed at once hold at most (or one
+            example's); with chunk_size the smaller chunk wins. `explain` shows each leaf's.
         granularity: "example", or "token" (units are positions; batch leaves are [B, T, ...]).
         clip_norm: C for "clipped_mean".
         choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
-            precedence order (for tests and inspection: every route a leaf can prove then runs,
-            even where materializing is as cheap). Same numbers.
+            precedence order (tests: every route a leaf can prove then runs). Same numbers.
         has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`
             with every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
-        nonfinite: "propagate" (default): a NaN or Inf in an example's loss or gradient reaches
-            the statistics it enters, as in `jax.grad` of the mean loss (and, where vmap
-            batches a convolution's weight gradients, other examples'). "drop": an example
-            whose loss (one extra batched forward pass) or ‖g_i‖² is not finite is masked
-            (below), its values replaced, not multiplied by 0; in a batched convolution a
-            non-finite gradient with a finite loss may drop the rest of its chunk too.
+        nonfinite: "propagate": a NaN or Inf in an example's loss or gradient reaches the
+            statistics it enters, as in `jax.grad` of the mean loss. "drop": an example whose
+            loss (one extra batched forward pass) or ‖g_i‖² is not finite is masked (below);
+            in a batched convolution a non-finite gradient may drop its chunk too.
 
     `params` is a pytree of floating arrays, or a model as it is (an `eqx.Module`, a flax
     `nnx.Module`: any pytree object but a dict, list or tuple): its floating-array leaves are
@@ -187,12 +158,14 @@ def value_and_grad_stats(
     Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
     [N] with unit i·T + t at token granularity.
     """
-    stats = _check_options(stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget)
-    if nonfinite not in ("propagate", "drop"):
-        raise ValueError(f"nonfinite must be 'propagate' or 'drop', got {nonfinite!r}")
+    stats = _check_options(
+        stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget, nonfinite
+    )
     drop = nonfinite == "drop"
 
-    def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
+    def fn(
+        params: PyTree, batch: PyTree, mask: ArrayLike | None = None
+    ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
         floats, loss = _as_parameters(params, loss_fn, has_aux)
         per_example = _check_inputs(loss, floats, batch, stats, granularity)
         keep = _check_mask(mask, batch, stats, per_example)
@@ -219,7 +192,7 @@ def value_and_grad_stats(
 
 
 def explain(
-    loss_fn: Callable[[PyTree, PyTree], Any],
+    loss_fn: LossFn,
     params: PyTree,
     batch: PyTree,
     stats: str | Sequence[str] = ("mean",),
@@ -261,17 +234,13 @@ class Accumulator(NamedTuple):
             acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
         loss, stats = acc.finalize()
 
-    For N = Σ_k N_k units: every averaged statistic (mean, sq_mean, sign_mean, clipped_mean:
-    a clip factor depends on its own unit only) and the mean loss are count-weighted,
-    m ← m + (m_k − m)·N_k/N; the variance by Chan et al.'s pairwise merge of
-    M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no cancellation; it
-    needs each micro-batch's "mean"), var = M2/(N − 1). Micro-batches may differ in size or be
-    masked (N_k = their "batch_size"; one with N_k = 0 changes nothing, one with N_k = 1
-    contributes its mean and M2_k = 0). `Accumulator.value_and_grad_stats` gives a
-    micro-batch's M2_k as "m2", defined for any N_k; `update` also takes the "var" of
-    `value_and_grad_stats` (M2_k = var_k·(N_k − 1)), which refuses a micro-batch of fewer than
-    2 units. Only the union needs N ≥ 2 for "var" (`finalize`); with N = 0 every statistic is
-    NaN, as for a batch masked whole. "sq_norms" (one entry per unit) is refused.
+    For N = Σ_k N_k units the averaged statistics (a clip factor depends on its own unit only)
+    and the mean loss are count-weighted, m ← m + (m_k − m)·N_k/N; the variance is Chan et
+    al.'s merge of M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no
+    cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). N_k is a micro-batch's
+    "batch_size" (any size, masked or not; N_k = 0 changes nothing). M2_k is the "m2" of
+    `Accumulator.value_and_grad_stats` (any N_k) or var_k·(N_k − 1). Only the union needs
+    N ≥ 2 for "var" (`finalize`); N = 0 gives NaN. "sq_norms" (one entry per unit) is refused.
     """
 
     count: Array  # N: units so far
@@ -310,12 +279,11 @@ class Accumulator(NamedTuple):
 
     @staticmethod
     def value_and_grad_stats(
-        loss_fn: Callable[[PyTree, PyTree], Any], stats: str | Sequence[str], **options: Any
-    ) -> Callable[..., tuple[Any, Stats]]:
+        loss_fn: LossFn, stats: str | Sequence[str], **options: Any
+    ) -> Callable[..., tuple[Loss | tuple[Loss, PyTree], Stats]]:
         """`value_and_grad_stats(loss_fn, stats, **options)` for micro-batches of any size, in
-        or out of jit: "var" comes back as "m2" = Σ_u (g_u − ḡ_k)² over the kept units, which
-        `update` merges and which is 0 for one kept unit or none (where a micro-batch's variance
-        is undefined and value_and_grad_stats refuses it): `finalize` checks the union's N."""
+        or out of jit: "var" comes back as "m2" = Σ_u (g_u − ḡ_k)² over the kept units (0 for
+        one kept unit or none, where a micro-batch's variance is undefined)."""
         names = _stat_names(stats)
         with_var = value_and_grad_stats(loss_fn, names, **options)
         if "var" not in names:
@@ -325,7 +293,9 @@ class Accumulator(NamedTuple):
         without = value_and_grad_stats(loss_fn, [s for s in names if s != "var"], **options)
         token = options.get("granularity") == "token"
 
-        def fn(params: PyTree, batch: PyTree, mask: Any = None) -> tuple[Any, Stats]:
+        def fn(
+            params: PyTree, batch: PyTree, mask: ArrayLike | None = None
+        ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
             shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else []
             per_example = math.prod(shape[1:2]) if token else 1
             try:  # the kept units where they are known before tracing: fewer than 2 have M2 0
@@ -342,7 +312,7 @@ class Accumulator(NamedTuple):
 
         return fn
 
-    def update(self, loss: Any, stats: Stats) -> "Accumulator":
+    def update(self, loss: Loss | tuple[Loss, PyTree], stats: Stats) -> "Accumulator":
         """Add one micro-batch: its mean loss (or `(loss, aux)`) and statistics, as
         `value_and_grad_stats(...)(params, micro_batch)` returns them."""
         loss = loss[0] if isinstance(loss, tuple) else loss
@@ -429,41 +399,32 @@ def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(i for s in stats for i in _INGREDIENTS[s]))
 
 
-def stat_dtype(dtype: Any) -> jnp.dtype:
+def stat_dtype(dtype: DTypeLike) -> jnp.dtype:
     """Statistics are accumulated in float32 or wider, even for bf16/fp16 parameters."""
     dtype = jnp.dtype(dtype)
     return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
 def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
-    """The simple gradient noise scale B_simple = tr Σ / |G|² (McCandlish et al. 2018, "An
-    empirical model of large-batch training", arXiv 1812.06162: about the batch size past which
-    a bigger batch stops buying proportionally fewer steps), from the statistics of one batch:
-    their two-batch-size estimators need no second batch where per-example statistics exist.
-    With N = stats["batch_size"] units, ḡ = stats["mean"] and q = stats["sq_mean"] per leaf:
+    """The simple gradient noise scale B_simple = tr Σ / |G|² (McCandlish et al. 2018, arXiv
+    1812.06162: about the batch size past which a bigger batch stops buying proportionally fewer
+    steps), from one batch's per-example statistics (no second batch size needed). With
+    N = stats["batch_size"] units, ḡ = stats["mean"] and q = stats["sq_mean"] per leaf:
 
         σ̂²   = N/(N−1)·(q − ḡ²)       per coordinate (stats["var"] instead, where it is given)
         tr Σ  = Σ_leaves Σ σ̂²          the trace of one unit's gradient covariance
         |G|²  = ‖ḡ‖² − tr Σ / N        the squared norm of the expected gradient
         B_simple = tr Σ / |G|²
 
-    Unbiased, for N units drawn independently from one distribution (a data set sampled with
-    replacement): E[σ̂²] = Σ_jj, so E[tr Σ] is the true trace; E[‖ḡ‖²] = |G|² + tr Σ / N, so
-    E[|G|²] is the true one. Numerator and denominator are each unbiased; their ratio is not
-    (E[X/Y] ≠ E[X]/E[Y]), and on one batch |G|² can be ≤ 0 where the noise outweighs the
-    signal (B_simple then negative or infinite). So smooth the numerator and the denominator
-    separately over steps (EMAs, or means over a window) and divide after, as McCandlish et
-    al. do: train.py logs both beside the per-batch ratio.
+    For N units drawn independently (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N) numerator and
+    denominator are unbiased; their ratio is not, and on one batch |G|² can be ≤ 0. So smooth
+    both over steps and divide after, as McCandlish et al. do (train.py logs both).
 
     Returns {"trace_cov": tr Σ, "grad_sq": |G|², "b_simple": their ratio} (scalars) and
-    "per_leaf": the same three per leaf, trees of scalars shaped like stats["mean"] (None
-    where it is None): a leaf's tr Σ_leaf / |G_leaf|² is its noise-to-signal ratio, and the
-    leaves' trace_cov and grad_sq sum to the global ones. In units of N: examples, or tokens
-    with granularity="token"; under a mask N counts the kept units, and an Accumulator's
-    statistics are one batch of their union. N = 1 gives NaN (no variance from one unit). In
-    the statistics' dtype (the widest of them for the sums over leaves). q − ḡ² loses digits
-    where ḡ² ≫ σ̂²; ask value_and_grad_stats for "var" too where that matters (formed from
-    centred quantities, SPEC §3), and it is used instead.
+    "per_leaf": the same three per leaf (trees shaped like stats["mean"]), which sum to the
+    global ones. N counts units (tokens with granularity="token", kept units under a mask);
+    N = 1 gives NaN. q − ḡ² loses digits where ḡ² ≫ σ̂²: ask for "var" too (formed from centred
+    quantities, SPEC §3) and it is used instead.
     """
     need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
     if missing := [k for k in need if k not in stats]:
@@ -473,7 +434,7 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
         )
     mean = stats["mean"]
 
-    def over(x: Any) -> Array:  # N in the dtype of x (a jax or numpy array)
+    def over(x: Array | np.ndarray) -> Array:  # N in the dtype of x
         return jnp.asarray(stats["batch_size"]).astype(x.dtype)
 
     if "var" in stats:
@@ -499,7 +460,7 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     }
 
 
-def _widest(dtypes: Sequence[Any]) -> jnp.dtype:
+def _widest(dtypes: Sequence[DTypeLike]) -> jnp.dtype:
     """Per-unit norms add up every leaf: in the widest statistic dtype."""
     return max((stat_dtype(d) for d in dtypes), key=lambda d: d.itemsize)
 
@@ -510,7 +471,7 @@ def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
 
 
 def _publish(
-    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: Any
+    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: Value
 ) -> Stats:
     """The statistics dict from the ingredients (already divided by N, or N − 1 for var)."""
     names = {"mean": "sum", "sq_mean": "sq", "sign_mean": "sign", "var": "var"}
@@ -543,16 +504,6 @@ def _merge01(x: Array) -> Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _chan(a: tuple, b: tuple) -> tuple:
-    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
-    na, ma, sa = a
-    nb, mb, sb = b
-    n = na + nb
-    delta = mb - ma
-    safe = jnp.maximum(n, 1.0)  # two empty groups (every example masked) stay empty
-    return n, ma + delta * (nb / safe), sa + sb + delta * delta * (na * nb / safe)
-
-
 # ============================================================================================
 # §3 Input checks (SPEC §6): clear errors naming the offending leaf, raised at trace time.
 
@@ -573,22 +524,20 @@ def _check_options(
     clip_norm: float | None,
     choose: str = "cheapest",
     memory_budget: int | None = None,
+    nonfinite: str = "propagate",
 ) -> tuple[str, ...]:
     stats = _stat_names(stats)
-    if impl not in ("vmap", "factorized"):
-        raise ValueError(f"impl must be 'vmap' or 'factorized', got {impl!r}")
-    if granularity not in ("example", "token"):
-        raise ValueError(f"granularity must be 'example' or 'token', got {granularity!r}")
-    if choose not in ("cheapest", "first"):
-        raise ValueError(f"choose must be 'cheapest' or 'first', got {choose!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if memory_budget is not None and (
-        not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget < 1
+    for option, value, allowed in (
+        ("impl", impl, Impl),
+        ("granularity", granularity, Granularity),
+        ("choose", choose, Choose),
+        ("nonfinite", nonfinite, NonFinite),
     ):
-        raise ValueError(
-            f"memory_budget must be a positive int (bytes) or None, got {memory_budget!r}"
-        )
+        if value not in allowed.__args__:
+            raise ValueError(f"{option} must be one of {allowed.__args__}, got {value!r}")
+    for option, value in (("chunk_size", chunk_size), ("memory_budget", memory_budget)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{option} must be a positive int or None, got {value!r}")
     if "clipped_mean" in stats:
         if clip_norm is None or not clip_norm > 0:
             raise ValueError(f"'clipped_mean' needs clip_norm > 0, got clip_norm={clip_norm!r}")
@@ -611,47 +560,32 @@ def _check_inputs(
                 f"params{jax.tree_util.keystr(path)} has dtype {dtype}; every parameter leaf "
                 "must be a floating array (for Equinox: eqx.partition(model, eqx.is_inexact_array))"
             )
-    batch_leaves = jax.tree_util.tree_leaves_with_path(batch)
-    if not batch_leaves:
+    shapes = {
+        jax.tree_util.keystr(p): tuple(jnp.shape(x))
+        for p, x in jax.tree_util.tree_leaves_with_path(batch)
+    }
+    if not shapes:
         raise ValueError("batch has no array leaves")
-    shapes = {jax.tree_util.keystr(p): tuple(jnp.shape(x)) for p, x in batch_leaves}
+    first, lead = next(iter(shapes.items()))
+    axes, dims = (2, "B, T") if granularity == "token" else (1, "B")
     for name, shape in shapes.items():
-        if len(shape) == 0:
-            raise ValueError(f"batch{name} is a scalar; every batch leaf needs a leading axis B")
-    first_name, first_shape = next(iter(shapes.items()))
-    n_examples = first_shape[0]
-    for name, shape in shapes.items():
-        if shape[0] != n_examples:
+        if len(shape) < axes or shape[:axes] != lead[:axes]:
             raise ValueError(
-                f"batch leaves disagree on the batch size: batch{first_name} has leading axis "
-                f"{n_examples} but batch{name} has shape {shape}"
+                f"every batch leaf needs the leading axes [{dims}, ...], the same for all "
+                f"(granularity={granularity!r}): batch{first} has shape {lead} but batch{name} "
+                f"has shape {shape}"
             )
-    if n_examples == 0:
-        raise ValueError("the batch is empty (B = 0)")
-    per_example = 1
-    if granularity == "token":
-        for name, shape in shapes.items():
-            if len(shape) < 2:
-                raise ValueError(
-                    f"granularity='token' needs every batch leaf shaped [B, T, ...]; "
-                    f"batch{name} has shape {shape}"
-                )
-        per_example = first_shape[1]
-        for name, shape in shapes.items():
-            if shape[1] != per_example:
-                raise ValueError(
-                    f"granularity='token': batch{first_name} has T = {per_example} but "
-                    f"batch{name} has shape {shape}"
-                )
-        if per_example == 0:
-            raise ValueError("granularity='token' with T = 0 positions: no units")
-    if "var" in stats and n_examples * per_example < 2:
+    if 0 in lead[:axes]:
+        raise ValueError(f"the batch is empty: [{dims}] = {list(lead[:axes])}, no units")
+    per_example = lead[1] if axes == 2 else 1  # one position is one example
+    if "var" in stats and lead[0] * per_example < 2:
         raise ValueError(
             "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
-            f"batch of {n_examples * per_example} unit(s); use B ≥ 2"
+            f"batch of {lead[0] * per_example} unit(s); use B ≥ 2"
         )
-    one = _one_example(batch)
-    closed, (loss_shape, _) = jax.make_jaxpr(loss_fn, return_shape=True)(params, one)
+    closed, (loss_shape, _) = jax.make_jaxpr(loss_fn, return_shape=True)(
+        params, _one_example(batch)
+    )
     _refuse_shared_draws(closed.jaxpr, len(jax.tree.leaves(params)))
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
@@ -660,11 +594,10 @@ def _check_inputs(
         )
     if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
         raise TypeError(f"loss_fn must return a floating scalar, got dtype {loss_shape.dtype}")
-    # One position is one example: both granularities are then the same quantity.
     return per_example
 
 
-def _is_parameter(x: Any) -> bool:
+def _is_parameter(x: object) -> bool:
     """A floating array: what Equinox's `is_inexact_array` selects (keys, counters, integer
     buffers and Python values are held fixed)."""
     return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and jnp.issubdtype(
@@ -693,7 +626,7 @@ def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[Py
         fixed = [None if _is_parameter(x) else x for x in leaves]
         params = jax.tree.unflatten(model, [x if _is_parameter(x) else None for x in leaves])
 
-    def loss(p: PyTree, example: PyTree) -> tuple[Any, PyTree]:
+    def loss(p: PyTree, example: PyTree) -> tuple[Array, PyTree]:  # checked: _check_inputs
         given = None
         if model is not None:
             values = iter(jax.tree.leaves(p))
@@ -718,20 +651,16 @@ def _refuse_coupled(params: PyTree) -> None:
     for path, node in jax.tree_util.tree_leaves_with_path(
         params, is_leaf=lambda x: hasattr(x, "use_running_average") or hasattr(x, "inference")
     ):
-        framework = type(node).__module__.split(".")[0]
-        where = f"params{jax.tree_util.keystr(path)}"
-        if getattr(node, "use_running_average", None) is False:
+        flag = "use_running_average" if hasattr(node, "use_running_average") else "inference"
+        if getattr(node, flag, None) is False and (
+            flag == "use_running_average" or "BatchNorm" in str(type(node))
+        ):
             raise ValueError(
-                f"{where} is a {framework} {type(node).__name__} in training mode "
-                "(use_running_average=False): it normalizes with the batch's statistics, which "
-                "couples the examples, so per-example gradients are undefined. Use model.eval() "
-                "(flax nnx) or a per-example normalization (LayerNorm, GroupNorm)"
-            )
-        if type(node).__name__ == "BatchNorm" and getattr(node, "inference", None) is False:
-            raise ValueError(
-                f"{where} is a {framework} BatchNorm in training mode (inference=False): it "
-                "couples the examples, so per-example gradients are undefined. Use "
-                "eqx.nn.inference_mode(model) or a per-example normalization (LayerNorm)"
+                f"params{jax.tree_util.keystr(path)} is a {type(node).__module__.split('.')[0]} "
+                f"{type(node).__name__} in training mode ({flag}=False): it normalizes with the "
+                "batch's statistics, which couples the examples, so per-example gradients are "
+                "undefined. Use eval mode (flax nnx: model.eval(); Equinox: "
+                "eqx.nn.inference_mode(model)) or a per-example normalization (LayerNorm)"
             )
 
 
@@ -788,7 +717,7 @@ def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
 def _example_dependence(jaxpr: jcore.Jaxpr, tainted: Sequence[bool]) -> tuple[list[bool], str]:
     """(which outputs depend on the inputs marked `tainted`, the first draw whose key does
     not, or ""), through sub-jaxprs."""
-    dep: dict[Any, bool] = dict(zip(jaxpr.invars, tainted, strict=True))
+    dep: dict[Var, bool] = dict(zip(jaxpr.invars, tainted, strict=True))
     read = lambda a: isinstance(a, jcore.Var) and dep.get(a, False)
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
@@ -852,7 +781,9 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
     return [any(ins)] * n_out, ""
 
 
-def _check_mask(mask: Any, batch: PyTree, stats: tuple[str, ...], per_example: int) -> Any:
+def _check_mask(
+    mask: ArrayLike | None, batch: PyTree, stats: tuple[str, ...], per_example: int
+) -> Array | None:
     """The mask as a bool [B] array (or None); a concrete one is checked against 'var'."""
     if mask is None:
         return None
@@ -896,7 +827,7 @@ def _one_example(batch: PyTree) -> PyTree:
 
 def _chunked(
     fn: Callable, xs: PyTree, n: int, chunk: int | None, combine: Callable = jnp.add
-) -> tuple[Any, Any]:
+) -> tuple[PyTree, PyTree]:
     """Run `fn(rows) -> (partial, per_row)` over chunks of the leading axis of `xs`.
 
     Partials are merged with `combine` (a pytree-leaf function, or one over whole partials when
@@ -908,7 +839,7 @@ def _chunked(
     n_full, remainder = divmod(n, chunk)
     full = jax.tree.map(lambda x: x[: n_full * chunk].reshape(n_full, chunk, *x.shape[1:]), xs)
 
-    def body(acc: Any, rows: Any) -> tuple[Any, Any]:
+    def body(acc: PyTree, rows: PyTree) -> tuple[PyTree, PyTree]:
         part, per_row = fn(rows)
         return merge(acc, part), per_row
 
@@ -978,9 +909,9 @@ def _reference(
     need = _ingredients(stats)
     sums_of = [w for w in ("sum", "sq", "sign") if w in need or (w == "sum" and "var" in need)]
 
-    def first_pass(xs: tuple) -> tuple[dict[str, Any], tuple]:
+    def first_pass(xs: tuple) -> tuple[dict[str, PyTree], tuple]:
         losses, aux, grads, kept = per_unit(*xs)
-        sums: dict[str, Any] = {
+        sums: dict[str, PyTree] = {
             w: jax.tree.map(lambda g, w=w: _sum0(_PHI[w](g)), grads) for w in sums_of
         }
         sums["loss"] = losses.sum()
@@ -1022,7 +953,7 @@ def _unit_sq_norms(grads: PyTree) -> Array:
     )
 
 
-def _over(x: Array, n: Any) -> Array:
+def _over(x: Array, n: int | Array) -> Array:
     """x / n, for a count n that is an int or (with a mask) a traced integer."""
     return x / jnp.asarray(n).astype(x.dtype)
 
@@ -1049,11 +980,11 @@ class Untie:
     naming the parameter. The gradient with respect to copy t is position t's contribution."""
 
     jaxpr: jcore.Jaxpr
-    consts: tuple[Any, ...]
+    consts: tuple[Value, ...]
     n_params: int
     n_positions: int
-    batched: frozenset[Any]
-    param_deps: Mapping[Any, frozenset[int]]  # unbatched variables -> parameter leaves they use
+    batched: frozenset[Var]
+    param_deps: Mapping[Var, frozenset[int]]  # unbatched variables -> parameter leaves they use
     boundary_axis: Mapping[int, tuple[int, ...]]  # id(eqn) -> position axis of each output
 
     @staticmethod
@@ -1100,7 +1031,7 @@ class Untie:
         untied = frozenset(range(self.n_params)) if untied is None else untied
         copied = {v for v, d in self.param_deps.items() if d & untied}
 
-        def bind(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+        def bind(eqn: Eqn, invals: list[Value]) -> list[Value]:
             """Copied operands are mapped over positions; a boundary keeps slice t of copy t."""
             axes = [0 if isinstance(v, jcore.Var) and v in copied else None for v in eqn.invars]
             if all(a is None for a in axes):
@@ -1123,7 +1054,7 @@ class Untie:
         return loss, jax.tree.unflatten(treedef, [grads.get(i) for i in range(self.n_params)])
 
 
-def _boundary_axes(eqn: Any, positions: Mapping[Any, Axes]) -> tuple[int, ...] | str:
+def _boundary_axes(eqn: Eqn, positions: Mapping[Var, Axes]) -> tuple[int, ...] | str:
     """The position axis of each output of a boundary equation, or why there is none."""
     name = eqn.primitive.name
     if name not in _ELEMENTWISE and name not in ("dot_general", "gather", "concatenate"):
@@ -1153,7 +1084,7 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2"
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
 
 
-def _inner_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
+def _inner_jaxpr(eqn: Eqn) -> jcore.ClosedJaxpr | None:
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
         if isinstance(inner, jcore.ClosedJaxpr):
@@ -1163,17 +1094,11 @@ def _inner_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
     return None
 
 
-def _dropped(var: Any) -> bool:
-    """An output nobody reads (`_` in a printed jaxpr; jax.extend.core lists DropVar only in
-    newer JAX, so it is recognised by name)."""
-    return type(var).__name__ == "DropVar"
-
-
-def _read(env: Mapping, var: Any) -> Any:
+def _read(env: Mapping[Var, Value], var: Atom) -> Value:
     return var.val if isinstance(var, jcore.Literal) else env[var]
 
 
-def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+def _bind(eqn: Eqn, invals: Sequence[Value]) -> list[Value]:
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
         subfuns, bind_params = bind_params
@@ -1182,12 +1107,12 @@ def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-Bind = Callable[[jcore.JaxprEqn, list[Any]], list[Any]]  # evaluates one equation
+Bind = Callable[[Eqn, list[Value]], list[Value]]  # evaluates one equation
 
 
 def _evaluate(
     eqns: Sequence[jcore.JaxprEqn],
-    env: dict[Any, Any],
+    env: dict[Var, Value],
     inline: frozenset[str] = frozenset(),
     bind: Bind = _bind,
 ) -> None:
@@ -1201,19 +1126,19 @@ def _evaluate(
         else:
             outs = _run(inner.jaxpr, inner.consts, invals, inline=inline, bind=bind)
         for var, val in zip(eqn.outvars, outs, strict=True):
-            if not _dropped(var):
+            if type(var).__name__ != "DropVar":  # `_`: jax.extend.core lists it in new JAX
                 env[var] = val
 
 
 def _run(
     jaxpr: jcore.Jaxpr,
-    consts: Sequence[Any],
-    args: Sequence[Any],
+    consts: Sequence[Value],
+    args: Sequence[Value],
     *,
     inline: frozenset[str] = frozenset(),
     bind: Bind = _bind,
-    outs: Sequence[Any] | None = None,
-) -> list[Any]:
+    outs: Sequence[Atom] | None = None,
+) -> list[Value]:
     """`jaxpr` applied to `args`: its outputs (or the values of `outs`)."""
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
@@ -1221,7 +1146,7 @@ def _run(
     return [_read(env, v) for v in (jaxpr.outvars if outs is None else outs)]
 
 
-def _flat_jaxpr(fn: Callable, args: Sequence[Any], inline: frozenset[str]) -> jcore.ClosedJaxpr:
+def _flat_jaxpr(fn: Callable, args: Sequence[Value], inline: frozenset[str]) -> jcore.ClosedJaxpr:
     """The jaxpr of `fn(*args)` with the `inline` calls evaluated in place (recursively)."""
     nested = jax.make_jaxpr(fn)(*args)
     flat = lambda *values: _run(nested.jaxpr, nested.consts, values, inline=inline)  # noqa: E731
@@ -1229,15 +1154,15 @@ def _flat_jaxpr(fn: Callable, args: Sequence[Any], inline: frozenset[str]) -> jc
 
 
 def _flat_trace(
-    fn: Callable, params: PyTree, batch: PyTree, extra: Sequence[Any], inline: frozenset[str]
-) -> tuple[jcore.ClosedJaxpr, list[Any]]:
+    fn: Callable, params: PyTree, batch: PyTree, extra: Sequence[Value], inline: frozenset[str]
+) -> tuple[jcore.ClosedJaxpr, list[Value]]:
     """The flat jaxpr of `fn(params, example, *extra)` for ONE example, whose inputs are (param
     leaves, example leaves, *extra), and those inputs (abstract)."""
     leaves, param_tree = jax.tree.flatten(params)
     example_leaves, example_def = jax.tree.flatten(_one_example(batch))
     n, n_example = len(leaves), len(example_leaves)
 
-    def flat(*args: Any) -> Any:
+    def flat(*args: Value) -> Value:
         p, e = args[:n], args[n : n + n_example]
         return fn(param_tree.unflatten(p), example_def.unflatten(e), *args[n + n_example :])
 
@@ -1255,7 +1180,7 @@ def _example_axes(n_params: int, n_example: int) -> list[Axes]:
     return [_NONE] * n_params + [frozenset({0})] * n_example
 
 
-def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Any]) -> set[Any]:
+def _depends_on(jaxpr: jcore.Jaxpr, sources: set[Var]) -> set[Var]:
     """Variables that depend on any of `sources` (forward closure)."""
     found = set(sources)
     for eqn in jaxpr.eqns:
@@ -1268,6 +1193,10 @@ def _names(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
 
+# Position axes: which axes of a value index positions 0..T−1, traced from the example. Every
+# example leaf's axis 0 is positional (granularity="token" says so). A label survives an
+# operation only where the operation maps index t of that axis to index t of an output axis
+# (the rules below); anything else drops it — never recognised by length.
 _ELEMENTWISE = _names(
     """
     abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
@@ -1278,15 +1207,9 @@ _ELEMENTWISE = _names(
     tanh xor
     """
 )
-_REDUCTIONS = _names(
-    """
-    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin
-    """
-)
-_CUMULATIVE = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
 
 
-def _shape(v: Any) -> tuple[int, ...]:
+def _shape(v: Atom) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
 
 
@@ -1302,27 +1225,121 @@ def _reshape_axes(before: tuple[int, ...], after: tuple[int, ...], axes: Axes) -
     return frozenset(out)
 
 
-def _gather_axes(eqn: Any, operand: Axes, indices: Axes) -> Axes:
+# Position rules: primitive -> (eqn, the inputs' position axes) -> the outputs'. A primitive
+# with no rule drops every label.
+PositionRule = Callable[[Eqn, list[Axes]], list[Axes]]
+_POSITIONS: dict[str, PositionRule] = {}
+
+
+def _positions(*names: str) -> Callable[[PositionRule], PositionRule]:
+    """Register a position rule for `names`."""
+    return lambda rule: _POSITIONS.update(dict.fromkeys(names, rule)) or rule
+
+
+def _kept(eqn: Eqn, ins: list[Axes], gone: Sequence[int | np.integer]) -> list[Axes]:
+    """The input's axes not in `gone`, renumbered in order (squeeze, reductions)."""
+    kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in {int(a) for a in gone}]
+    return [frozenset(j for j, k in enumerate(kept) if k in ins[0])] * len(eqn.outvars)
+
+
+def _whole(eqn: Eqn, axes: Axes, size: Callable[[int], int]) -> Axes:
+    """The axes that an operation keeps at full size (`size(k)`: its output extent there)."""
+    return frozenset(k for k in axes if size(k) == _shape(eqn.invars[0])[k])
+
+
+@_positions(*_ELEMENTWISE)
+def _elementwise(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    """Operands of the output's rank may broadcast size-1 axes: those are not positions."""
+    shape = _shape(eqn.outvars[0])
+    found = {
+        a
+        for v, axes in zip(eqn.invars, ins, strict=True)
+        for a in axes
+        if len(_shape(v)) == len(shape) and _shape(v)[a] == shape[a]
+    }
+    return [frozenset(found)] * len(eqn.outvars)
+
+
+_positions("optimization_barrier")(lambda eqn, ins: list(ins))
+_positions("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")(lambda eqn, ins: [ins[0]])
+_positions("squeeze")(lambda eqn, ins: _kept(eqn, ins, eqn.params["dimensions"]))
+_positions(*_names("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or"))(
+    lambda eqn, ins: _kept(eqn, ins, eqn.params["axes"])
+)
+_positions("argmax", "argmin")(lambda eqn, ins: _kept(eqn, ins, eqn.params["axes"]))
+_positions("transpose")(
+    lambda eqn, ins: [frozenset(j for j, k in enumerate(eqn.params["permutation"]) if k in ins[0])]
+)
+_positions("reshape")(
+    lambda eqn, ins: [_reshape_axes(_shape(eqn.invars[0]), _shape(eqn.outvars[0]), ins[0])]
+)
+_positions("dynamic_slice")(
+    lambda eqn, ins: [_whole(eqn, ins[0], lambda k: eqn.params["slice_sizes"][k])]
+)
+_positions("dynamic_update_slice")(
+    lambda eqn, ins: [_whole(eqn, ins[0] | ins[1], lambda k: _shape(eqn.invars[1])[k])]
+)
+_positions("pad")(
+    lambda eqn, ins: [
+        frozenset(k for k in ins[0] if tuple(eqn.params["padding_config"][k]) == (0, 0, 0))
+    ]
+)
+_positions("concatenate")(
+    lambda eqn, ins: [frozenset(k for a in ins for k in a if k != eqn.params["dimension"])]
+)
+
+
+@_positions("broadcast_in_dim")
+def _broadcast_positions(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    dims = eqn.params["broadcast_dimensions"]
+    return [frozenset(int(dims[k]) for k in ins[0] if src[k] == dst[dims[k]])]
+
+
+@_positions("dot_general")
+def _dot_positions(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    """Batch dims first, then the free dims of each operand, in order."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    found = {j for j, (a, b) in enumerate(zip(lb, rb, strict=True)) if a in ins[0] or b in ins[1]}
+    lfree = [k for k in range(len(_shape(eqn.invars[0]))) if k not in lc and k not in lb]
+    rfree = [k for k in range(len(_shape(eqn.invars[1]))) if k not in rc and k not in rb]
+    found |= {len(lb) + j for j, k in enumerate(lfree) if k in ins[0]}
+    found |= {len(lb) + len(lfree) + j for j, k in enumerate(rfree) if k in ins[1]}
+    return [frozenset(found)]
+
+
+@_positions("slice")
+def _slice_positions(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    shape, params = _shape(eqn.invars[0]), eqn.params
+    strides = params["strides"] or (1,) * len(shape)
+    ranges = zip(params["start_indices"], params["limit_indices"], strides, strict=True)
+    return [frozenset(k for k, r in enumerate(ranges) if k in ins[0] and r == (0, shape[k], 1))]
+
+
+@_positions("gather")
+def _gather_positions(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    """Index dims of the indices keep theirs; a window axis its operand's where it is whole."""
     dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
     op_shape, offset = _shape(eqn.invars[0]), tuple(dn.offset_dims)
     batch_out = [d for d in range(len(_shape(eqn.outvars[0]))) if d not in offset]
     index_dims = range(len(_shape(eqn.invars[1])) - 1)  # the last is the index vector
-    found = {d for d, k in zip(batch_out, index_dims, strict=True) if k in indices}
+    found = {d for d, k in zip(batch_out, index_dims, strict=True) if k in ins[1]}
     gone = {*dn.collapsed_slice_dims, *dn.operand_batching_dims}
     window = [d for d in range(len(op_shape)) if d not in gone]
     fill = str(eqn.params["mode"]).endswith("FILL_OR_DROP")
     for out_d, op_d in zip(offset, window, strict=True):
         # A full-size window starts at 0 (clamped), so index t stays t; filling could move it.
         full = sizes[op_d] == op_shape[op_d] and (not fill or op_d not in dn.start_index_map)
-        if op_d in operand and full:
+        if op_d in ins[0] and full:
             found.add(out_d)
-    return frozenset(found)
+    return [frozenset(found)]
 
 
-def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes:
-    """A scatter's output is its operand: an axis stays positional where the scatter keeps
-    slice t at t — a batching dim paired with a traced index dim, or an axis the windows cover
-    whole from 0 (not scattered into)."""
+@_positions("scatter", "scatter-add")
+def _scatter_positions(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    """The output is the operand: an axis stays positional where the scatter keeps slice t at
+    t — a batching dim paired with a traced index dim, or an axis the windows cover whole."""
+    operand, indices, updates = ins[:3]
     dn = eqn.params["dimension_numbers"]
     found = {
         int(d)
@@ -1336,87 +1353,29 @@ def _scatter_axes(eqn: Any, operand: Axes, indices: Axes, updates: Axes) -> Axes
         whole = upd_shape[upd_d] == op_shape[op_d] and op_d not in dn.scatter_dims_to_operand_dims
         if whole and (op_d in operand or upd_d in updates):
             found.add(op_d)
-    return frozenset(found)
+    return [frozenset(found)]
 
 
-def _position_rule(eqn: Any, ins: list[Axes]) -> list[Axes]:
-    """Output position axes of one equation from its inputs' (see the comment above)."""
-    name, params = eqn.primitive.name, eqn.params
-    outs = eqn.outvars
-    if name in _ELEMENTWISE:  # operands of the output's rank may broadcast size-1 axes
-        shape = _shape(outs[0])
-        found = {
-            a
-            for v, axes in zip(eqn.invars, ins, strict=True)
-            for a in axes
-            if len(_shape(v)) == len(shape) and _shape(v)[a] == shape[a]
-        }
-        return [frozenset(found)] * len(outs)
-    if name == "optimization_barrier":
-        return list(ins)
-    if name == "transpose":
-        perm = [int(k) for k in params["permutation"]]
-        return [frozenset(j for j, k in enumerate(perm) if k in ins[0])]
-    if name == "broadcast_in_dim":
-        src, dst = _shape(eqn.invars[0]), _shape(outs[0])
-        dims = params["broadcast_dimensions"]
-        return [frozenset(int(dims[k]) for k in ins[0] if src[k] == dst[dims[k]])]
-    if name == "reshape":
-        return [_reshape_axes(_shape(eqn.invars[0]), _shape(outs[0]), ins[0])]
-    if name == "squeeze" or name in _REDUCTIONS:  # the axes not removed keep their order
-        gone = {int(a) for a in params["dimensions" if name == "squeeze" else "axes"]}
-        kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in gone]
-        return [frozenset(j for j, k in enumerate(kept) if k in ins[0])] * len(outs)
-    if name in _CUMULATIVE:
-        return [ins[0]]
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        found = {
-            j for j, (a, b) in enumerate(zip(lb, rb, strict=True)) if a in ins[0] or b in ins[1]
-        }
-        lfree = [k for k in range(len(_shape(eqn.invars[0]))) if k not in lc and k not in lb]
-        rfree = [k for k in range(len(_shape(eqn.invars[1]))) if k not in rc and k not in rb]
-        found |= {len(lb) + j for j, k in enumerate(lfree) if k in ins[0]}
-        found |= {len(lb) + len(lfree) + j for j, k in enumerate(rfree) if k in ins[1]}
-        return [frozenset(found)]
-    if name == "slice":
-        shape = _shape(eqn.invars[0])
-        strides = params["strides"] or (1,) * len(shape)
-        starts, limits = params["start_indices"], params["limit_indices"]
-        whole = {k for k, n in enumerate(shape) if (starts[k], limits[k], strides[k]) == (0, n, 1)}
-        return [ins[0] & whole]
-    if name == "dynamic_slice":
-        shape = _shape(eqn.invars[0])
-        return [frozenset(k for k in ins[0] if params["slice_sizes"][k] == shape[k])]
-    if name == "pad":
-        config = params["padding_config"]
-        return [frozenset(k for k in ins[0] if tuple(config[k]) == (0, 0, 0))]
-    if name == "concatenate":
-        dim = int(params["dimension"])
-        return [frozenset(k for axes in ins for k in axes if k != dim)]
-    if name == "gather":
-        return [_gather_axes(eqn, ins[0], ins[1])]
-    if name in ("scatter", "scatter-add"):
-        return [_scatter_axes(eqn, *ins[:3])]
-    if name == "dynamic_update_slice":
-        operand, update = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-        return [frozenset(k for k in ins[0] | ins[1] if update[k] == operand[k])]
-    inner = _inner_jaxpr(eqn) if name in _CALLS | _CUSTOM else None
-    if inner is not None and len(inner.jaxpr.invars) == len(ins):
-        labels = _propagate_positions(inner.jaxpr, ins)
-        return [_axes_of(labels, v) for v in inner.jaxpr.outvars]
-    return [_NONE] * len(outs)
+@_positions(*_CALLS, *_CUSTOM)
+def _call_positions(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
+    inner = _inner_jaxpr(eqn)
+    if inner is None or len(inner.jaxpr.invars) != len(ins):
+        return [_NONE] * len(eqn.outvars)
+    labels = _propagate_positions(inner.jaxpr, ins)
+    return [_axes_of(labels, v) for v in inner.jaxpr.outvars]
 
 
-def _propagate_positions(jaxpr: jcore.Jaxpr, in_axes: Sequence[Axes]) -> dict[Any, Axes]:
-    positions: dict[Any, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
+def _propagate_positions(jaxpr: jcore.Jaxpr, in_axes: Sequence[Axes]) -> dict[Var, Axes]:
+    positions: dict[Var, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
     for eqn in jaxpr.eqns:
         ins = [_axes_of(positions, v) for v in eqn.invars]
-        positions.update(zip(eqn.outvars, _position_rule(eqn, ins), strict=True))
+        rule = _POSITIONS.get(eqn.primitive.name)
+        outs = rule(eqn, ins) if rule else [_NONE] * len(eqn.outvars)
+        positions.update(zip(eqn.outvars, outs, strict=True))
     return positions
 
 
-def _axes_of(positions: Mapping[Any, Axes], var: Any) -> Axes:
+def _axes_of(positions: Mapping[Var, Axes], var: Atom) -> Axes:
     return positions.get(var, _NONE) if isinstance(var, jcore.Var) else _NONE
 
 
@@ -2183,6 +2142,16 @@ def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Ar
     if tie and a.size:
         b = b + a.reshape(-1)[0] * 0.0
     return a, b
+
+
+def _chan(a: tuple, b: tuple) -> tuple:
+    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
+    na, ma, sa = a
+    nb, mb, sb = b
+    n = na + nb
+    delta = mb - ma
+    safe = jnp.maximum(n, 1.0)  # two empty groups (every example masked) stay empty
+    return n, ma + delta * (nb / safe), sa + sb + delta * delta * (na * nb / safe)
 
 
 def _formed_sums(
