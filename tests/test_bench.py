@@ -181,7 +181,7 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     meta["config"] = dataclasses.asdict(config)
     bench.write_scale(str(tmp_path / "scale"), {"meta": meta, "rows": rows})
     text = (tmp_path / "scale.md").read_text()
-    assert "## mlp 8-16-3" in text and "Command: `test` at commit abc" in text
+    assert "## mlp 8-16-3" in text and "- `test` at commit abc" in text
     assert json.loads((tmp_path / "scale.json").read_text())["runs"][0]["rows"] == json.loads(
         json.dumps(rows)
     )
