@@ -1122,7 +1122,9 @@ def fit_budgets(
     line through the two measured (B, footprint) points nearest the budget predicts — from
     `points` and every compile made here, so a larger budget is predicted from the smaller
     ones' checks — and, with `verify`, `measure(B)` (the compiled footprint) at it. Over the
-    budget, the line through that point lowers B; at most `tries` compiles per budget."""
+    budget, the line through that point lowers B; under it, B rises to what that line predicts
+    (XLA's buffer assignment at small B can sit off the line of large B); the largest B
+    compiled within the budget is kept, at most `tries` compiles per budget."""
     known = dict(points)
 
     def predict(budget: float) -> tuple[float, float, int | None]:
@@ -1143,14 +1145,23 @@ def fit_budgets(
             "compiles": 0,
         }
         out.append(row)
+        best: tuple[int, int] | None = None  # the largest B compiled within the budget
         while verify and b is not None and b > 0 and row["compiles"] < tries:
             footprint = known[b] = measure(b)
-            row.update(B=b, footprint_bytes=footprint, compiles=row["compiles"] + 1)
-            row["fits"] = footprint <= budget
-            if row["fits"]:
-                break
-            lower = predict(budget)[2]
-            b = b - multiple if lower is None else min(b - multiple, lower)
+            row.update(B=b, footprint_bytes=footprint, compiles=row["compiles"] + 1, fits=False)
+            if footprint <= budget and (best is None or b > best[0]):
+                best = (b, footprint)
+            after = predict(budget)[2]  # through this point and its nearest
+            if footprint <= budget:  # below the line: try the larger B it now predicts
+                if after is None or after <= b:
+                    break
+                b = after
+            else:
+                b = b - multiple if after is None else min(b - multiple, after)
+                if best is not None and b <= best[0]:
+                    break
+        if best is not None:
+            row.update(B=best[0], footprint_bytes=best[1], fits=True)
     return out
 
 

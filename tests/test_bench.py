@@ -144,6 +144,13 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     assert rows[1]["B"] == 72 and rows[1]["fits"] and rows[1]["footprint_bytes"] == 40 * GIB
     assert rows[2]["B"] == 0 and rows[2]["fits"] is None and rows[2]["compiles"] == 0
 
+    # Below the budget where small B sat above the large-B line: B rises to the line's.
+    def offset(b: int) -> int:
+        return int((1 + 0.5 * b) * GIB) if b >= 10 else int((3.5 + 0.5 * b) * GIB)
+
+    (row,) = bench.fit_budgets(offset, [(2, offset(2)), (4, offset(4))], [16 * GIB])
+    assert (row["predicted_B"], row["B"], row["compiles"], row["fits"]) == (25, 30, 3, True)
+
     # The machinery on a tiny MLP, shapes only: plain, factorized and optax's peer (its
     # microbatch chosen), compiled at two B, fitted, one budget, written as .json and .md.
     model = eqx.filter_eval_shape(models.MLP, 8, 3, 16, 1, key=jax.random.key(0))
