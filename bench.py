@@ -1258,6 +1258,7 @@ def scale_rows(
         verify = config.scale_verify and program.impl not in config.scale_unverified
         measure = lambda b, at=at: at(b)["footprint_bytes"]  # noqa: E731
         row["budgets"] = fit_budgets(measure, points, budgets, multiple=multiple, verify=verify)
+        row["compiled"] = sorted(cache.values(), key=lambda r: r["B"])  # every B compiled
         row["compile_s"] = sum(r["compile_s"] for r in cache.values()) + extra_s
         row["compiles"] = len(cache) + extra
         done(rows)
@@ -1346,6 +1347,16 @@ def _gib(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x / 2**30, spec)
 
 
+def _plain_at(plain: Record, b: int, key: str) -> float:
+    """Plain grad's `key` bytes at batch size b: compiled there, or else on the line through the
+    two B compiled nearest it (plain grad's footprint is affine in B at these sizes)."""
+    known = {p["B"]: p[key] for p in [*plain["points"], *plain.get("compiled", [])]}
+    if b in known:
+        return known[b]
+    intercept, slope = affine_fit(sorted(known.items(), key=lambda p: abs(p[0] - b))[:2])
+    return intercept + slope * b
+
+
 def scale_markdown(runs: Sequence[Record]) -> str:
     """The scale table: one section per run (model), with its command and commit."""
     lines = [
@@ -1367,7 +1378,6 @@ def scale_markdown(runs: Sequence[Record]) -> str:
         mine = [run for run in runs if run["meta"]["model"] == model]
         config = mine[0]["meta"]["config"]
         budgets = config["scale_budgets_gib"]
-        ref = max(config["scale_batches"])
         lines += ["", f"## {model}", ""]
         for run in mine:
             meta, c = run["meta"], run["meta"]["config"]
@@ -1387,8 +1397,7 @@ def scale_markdown(runs: Sequence[Record]) -> str:
         stat_order = {st: k for k, st in enumerate(["mean", *config["scale_stat_sets"]])}
         rows.sort(key=lambda r: (order.get(r["impl"], 99), stat_order.get(r["stats"], 99)))
         plain = next((r for r in rows if r["impl"] == PLAIN and r["points"]), None)
-        base = plain["points"][-1] if plain else None
-        head = ["stats", "impl", f"temp GiB (B {ref})", f"footprint GiB (B {ref})"]
+        head = ["stats", "impl", "B", "temp GiB", "footprint GiB"]
         head += ["temp / plain", "footprint / plain", "GiB / example", "fixed GiB"]
         head += [f"largest B, {g:g} GiB" for g in budgets] + ["compiles (s)", "note"]
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1403,9 +1412,11 @@ def scale_markdown(runs: Sequence[Record]) -> str:
                 lines.append("| " + " | ".join(cells) + " |")
                 continue
             p = r["points"][-1]
-            ratio = lambda k, p=p, q=base: "—" if not q else f"{p[k] / q[k]:.2f}"  # noqa: E731
-            cells = [r["stats"], impl, _gib(p["temp_bytes"]), _gib(p["footprint_bytes"])]
-            cells += [ratio("temp_bytes"), ratio("footprint_bytes")]
+            cells = [r["stats"], impl, str(p["B"]), _gib(p["temp_bytes"])]
+            cells.append(_gib(p["footprint_bytes"]))
+            for key in ("temp_bytes", "footprint_bytes"):
+                q = None if plain is None else _plain_at(plain, p["B"], key)
+                cells.append("—" if not q else f"{p[key] / q:.2f}")
             cells += [_gib(r["slope_bytes"], ".3f"), _gib(r["intercept_bytes"])]
             for budget in r["budgets"]:
                 if budget["B"] is None:
