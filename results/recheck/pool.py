@@ -50,9 +50,10 @@ def short(v: dict) -> str:
 
 
 def kind(v: dict) -> tuple[str, int]:
-    """(strength, sign of the mean difference); no difference has no sign."""
+    """(strength, sign of the mean difference); no difference and undecided (within the noise
+    floor) have no sign."""
     strength = v["verdict"].split(":")[0]
-    if strength == "no difference" or "mean_diff" not in v:
+    if strength in ("no difference", "undecided") or "mean_diff" not in v:
         return strength, 0
     return strength, 1 if v["mean_diff"] > 0 else -1
 
