@@ -1083,6 +1083,7 @@ def compile_memory(program: Program, model: ScaleModel, b: int, clip_norm: float
         raise RuntimeError("this backend gives no compiled memory analysis")
     return {
         "B": b,
+        "microbatch": program.microbatch,
         "temp_bytes": int(memory.temp_size_in_bytes),
         "footprint_bytes": _footprint(memory),
         "compile_s": time.perf_counter() - start,
@@ -1217,11 +1218,13 @@ def scale_rows(
         cache: dict[int, Record] = {}
         extra, extra_s = 0, 0.0  # the microbatches tried and not kept
 
-        def at(b: int, program: Program = program, cache: dict[int, Record] = cache) -> Record:
+        chosen = [program]  # the program as measured (the peers: at the microbatch kept)
+
+        def at(b: int, chosen: list[Program] = chosen, cache: dict[int, Record] = cache) -> Record:
             if b not in cache:
-                cache[b] = compile_memory(program, model, b, config.clip_norm)
+                cache[b] = compile_memory(chosen[0], model, b, config.clip_norm)
                 print(
-                    f"  {_label(program):40s} B={b:<8d} footprint "
+                    f"  {_label(chosen[0]):40s} B={b:<8d} footprint "
                     f"{cache[b]['footprint_bytes'] / 2**30:8.2f} GiB, "
                     f"compiled in {cache[b]['compile_s']:5.1f} s",
                     file=sys.stderr,
@@ -1238,7 +1241,7 @@ def scale_rows(
                 if not tried:
                     raise ValueError(f"no microbatch in {config.scale_microbatches} divides B")
                 mb = min(tried, key=lambda m: (tried[m]["footprint_bytes"], -m))
-                program = dataclasses.replace(program, microbatch=mb)
+                program = chosen[0] = dataclasses.replace(program, microbatch=mb)
                 cache[reference] = tried[mb]
                 extra = len(tried) - 1
                 extra_s = sum(r["compile_s"] for m, r in tried.items() if m != mb)

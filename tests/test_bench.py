@@ -182,7 +182,8 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
         assert all(p["footprint_bytes"] > p["temp_bytes"] >= 0 for p in row["points"]), row
         (budget,) = row["budgets"]
         assert budget["B"] is None or budget["B"] > 1000, row  # 1 GiB holds many tiny examples
-    assert rows[2]["microbatch"] in (1, 2)
+    assert rows[2]["microbatch"] in (1, 2)  # and every B of the peer compiled at that one:
+    assert {r["microbatch"] for r in rows[2]["compiled"]} == {rows[2]["microbatch"]}
     meta: dict[str, Any] = dict(model=tiny.name, command="test", commit="abc", modified="")
     meta |= dict(jax="0", optax="0", jax_privacy=None, device="cpu", seconds=1.0)
     meta["config"] = dataclasses.asdict(config)
