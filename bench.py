@@ -1128,9 +1128,13 @@ def fit_budgets(
     compiled within the budget is kept, at most `tries` compiles per budget."""
     known = dict(points)
 
-    def predict(budget: float) -> tuple[float, float, int | None]:
-        nearest = sorted(known.items(), key=lambda p: (abs(p[1] - budget), -p[0]))[:2]
-        intercept, slope = affine_fit(nearest)
+    def predict(budget: float, anchor: int | None = None) -> tuple[float, float, int | None]:
+        """Through `anchor` (the B just compiled) and the point nearest the budget, or else the
+        two nearest points."""
+        order = sorted(known.items(), key=lambda p: (abs(p[1] - budget), -p[0]))
+        if anchor is not None:
+            order = [(anchor, known[anchor])] + [p for p in order if p[0] != anchor]
+        intercept, slope = affine_fit(order[:2])
         return intercept, slope, largest_batch(intercept, slope, budget, multiple)
 
     out = []
@@ -1152,7 +1156,7 @@ def fit_budgets(
             row.update(B=b, footprint_bytes=footprint, compiles=row["compiles"] + 1, fits=False)
             if footprint <= budget and (best is None or b > best[0]):
                 best = (b, footprint)
-            after = predict(budget)[2]  # through this point and its nearest
+            after = predict(budget, anchor=b)[2]  # through this point and its nearest
             if footprint <= budget:  # below the line: try the larger B it now predicts
                 if after is None or after <= b:
                     break

@@ -151,6 +151,15 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     (row,) = bench.fit_budgets(offset, [(2, offset(2)), (4, offset(4))], [16 * GIB])
     assert (row["predicted_B"], row["B"], row["compiles"], row["fits"]) == (25, 30, 3, True)
 
+    # A flat fit (two points of one footprint) far over the budget: lowered through the point
+    # just compiled, not stepped down one example at a time.
+    def flat(b: int) -> int:
+        return 5 * GIB + b * (2**20 if b > 100 else 2**10)
+
+    (row,) = bench.fit_budgets(flat, [(8, flat(8)), (16, flat(16))], [6 * GIB], tries=3)
+    assert row["predicted_B"] > 10**6 and row["fits"] and row["compiles"] <= 3
+    assert 1000 <= row["B"] <= 1024 and flat(row["B"]) <= 6 * GIB
+
     # The machinery on a tiny MLP, shapes only: plain, factorized and optax's peer (its
     # microbatch chosen), compiled at two B, fitted, one budget, written as .json and .md.
     model = eqx.filter_eval_shape(models.MLP, 8, 3, 16, 1, key=jax.random.key(0))
