@@ -1303,6 +1303,14 @@ def _run_key(run: Record) -> tuple[str, str]:
     return run["meta"]["model"], run["meta"]["command"]
 
 
+def rewrite_scale_markdown(path: str) -> None:
+    """PATH.md again from PATH.json (after a change to the table's layout, or runs stopped)."""
+    with open(path + ".json") as f:
+        runs = json.load(f)["runs"]
+    with open(path + ".md", "w") as f:
+        f.write(scale_markdown(runs))
+
+
 def write_scale(path: str, run: Record) -> None:
     """Put `run` into PATH.json in place of any run of the same model and command; PATH.md
     from them all (each file replaced whole: two runs may write beside each other)."""
@@ -1358,6 +1366,8 @@ def _plain_at(plain: Record, b: int, key: str) -> float:
     """Plain grad's `key` bytes at batch size b: compiled there, or else on the line through the
     two B compiled nearest it (plain grad's footprint is affine in B at these sizes)."""
     known = {p["B"]: p[key] for p in [*plain["points"], *plain.get("compiled", [])]}
+    if key == "footprint_bytes":  # the largest-B checks: footprints only
+        known |= {c["B"]: c[key] for c in plain["budgets"] if c[key] is not None}
     if b in known:
         return known[b]
     intercept, slope = affine_fit(sorted(known.items(), key=lambda p: abs(p[0] - b))[:2])
@@ -1372,13 +1382,17 @@ def scale_markdown(runs: Sequence[Record]) -> str:
         "Memory is XLA's compiled `memory_analysis()` of `jax.jit(f).lower(...).compile()`,"
         " float32; inputs are `jax.ShapeDtypeStruct`s, so nothing model-sized is allocated and"
         " nothing runs. temp: the temporaries; footprint: arguments + outputs + temporaries"
-        " − aliased bytes (what the device holds while the step runs). Ratios are to plain"
-        " `jax.value_and_grad` of the mean loss at the larger fitted B. The footprint is fitted as"
-        " fixed + per-example·B at the batch sizes each run names; the largest B under a budget"
-        " is the fit's prediction, then compiled at that B: a cell gives B and the compiled"
-        " footprint in GiB, ✓ within the budget, ✗ not (B is lowered through the measured point,"
-        " at most 3 compiles). micro_grad (optax) and jax-privacy run at the microbatch of those"
-        " tried with the smallest footprint.",
+        " − aliased bytes (what the device holds while the step runs). B, temp and footprint:"
+        " at the larger fitted B; ratios are to plain `jax.value_and_grad` of the mean loss at"
+        " that B (compiled there, or on the line through plain's two nearest compiled B)."
+        " GiB / example and fixed GiB: the line through the two largest B compiled. Largest B"
+        " under a budget: predicted by the line through the two compiled points nearest the"
+        " budget (first the fit at the run's two batch sizes), then compiled at that B; over the"
+        " budget B goes down, under it up, along the line through the new point (at most 3"
+        " compiles a budget); a cell gives the largest B compiled within the budget and its"
+        " footprint in GiB (✓), or the last B tried (✗), or the prediction alone (fit only)."
+        " micro_grad (optax) and jax-privacy: at the microbatch, of those tried, with the"
+        " smallest footprint.",
     ]
     order = {impl: k for k, impl in enumerate(SCALE_IMPLS)}
     for model in dict.fromkeys(run["meta"]["model"] for run in runs):
@@ -1401,7 +1415,8 @@ def scale_markdown(runs: Sequence[Record]) -> str:
                 f" {', '.join(map(str, c['scale_microbatches']))}."
             )
         rows = [r for run in mine for r in run["rows"]]
-        stat_order = {st: k for k, st in enumerate(["mean", *config["scale_stat_sets"]])}
+        stats_seen = [st for run in mine for st in run["meta"]["config"]["scale_stat_sets"]]
+        stat_order = {st: k for k, st in enumerate(["mean", *Config.scale_stat_sets, *stats_seen])}
         rows.sort(key=lambda r: (order.get(r["impl"], 99), stat_order.get(r["stats"], 99)))
         plain = next((r for r in rows if r["impl"] == PLAIN and r["points"]), None)
         head = ["stats", "impl", "B", "temp GiB", "footprint GiB"]
@@ -1424,7 +1439,11 @@ def scale_markdown(runs: Sequence[Record]) -> str:
             for key in ("temp_bytes", "footprint_bytes"):
                 q = None if plain is None else _plain_at(plain, p["B"], key)
                 cells.append("—" if not q else f"{p[key] / q:.2f}")
-            cells += [_gib(r["slope_bytes"], ".3f"), _gib(r["intercept_bytes"])]
+            compiled = {c["B"]: c["footprint_bytes"] for c in r.get("compiled", [])}
+            compiled |= {c["B"]: c["footprint_bytes"] for c in r["points"]}
+            compiled |= {c["B"]: c["footprint_bytes"] for c in r["budgets"] if c["footprint_bytes"]}
+            intercept, slope = affine_fit(sorted(compiled.items())[-2:])
+            cells += [_gib(slope, ".3f"), _gib(intercept)]
             for budget in r["budgets"]:
                 if budget["B"] is None:
                     cells.append("any (flat fit)")
