@@ -40,6 +40,7 @@ tests/test_zoo.py; the conventions: tests/test_api.py, tests/test_accumulate.py.
 the repository's SPEC.md. Depends on jax (with numpy) and jaxtyping only: copy this file.
 """
 
+import abc
 import dataclasses
 import functools
 import importlib
@@ -1383,39 +1384,40 @@ def _axes_of(positions: Mapping[Var, Axes], var: Atom) -> Axes:
 # Part II — the engine: impl="factorized". Nothing above this line reads what is below it but
 # `_factorized` and `Plan.build`.
 #
+
+
 # §6 The graph: grad of ONE example as a flat jaxpr, and what is proven about its values.
 
 
-def _producers(jaxpr: jcore.Jaxpr) -> dict[Any, jcore.JaxprEqn]:
+def _producers(jaxpr: jcore.Jaxpr) -> dict[Var, Eqn]:
     return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
 
-def _users(jaxpr: jcore.Jaxpr) -> dict[Any, list[jcore.JaxprEqn]]:
+def _users(jaxpr: jcore.Jaxpr) -> dict[Var, list[Eqn]]:
     """Per variable, the equations that read it (once per operand it is)."""
-    users: dict[Any, list[jcore.JaxprEqn]] = {}
+    users: dict[Var, list[Eqn]] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
-            if isinstance(v, jcore.Var):
+            if isinstance(v, Var):
                 users.setdefault(v, []).append(eqn)
     return users
 
 
-def _needed_by(jaxpr: jcore.Jaxpr, wanted: Sequence[Any]) -> list[jcore.JaxprEqn]:
+def _needed_by(jaxpr: jcore.Jaxpr, wanted: Sequence[Atom]) -> list[Eqn]:
     """The equations that `wanted` values need, in order (backward closure)."""
-    needed, eqns = {v for v in wanted if isinstance(v, jcore.Var)}, []
+    needed, eqns = {v for v in wanted if isinstance(v, Var)}, []
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
             eqns.append(eqn)
-            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+            needed.update(v for v in eqn.invars if isinstance(v, Var))
     return eqns[::-1]
 
 
-def _dtype(v: Any) -> Any:
-    aval: Any = v.aval
-    return aval.dtype
+def _dtype(v: Atom) -> Any:  # a NumPy dtype, or JAX's extended dtype of PRNG keys
+    return getattr(v.aval, "dtype")  # noqa: B009 (AbstractValue declares none)
 
 
-def _dot_dims(core: jcore.JaxprEqn) -> tuple[tuple[int, ...], ...]:
+def _dot_dims(core: Eqn) -> tuple[tuple[int, ...], ...]:
     (lc, rc), (lb, rb) = core.params["dimension_numbers"]
     return tuple(tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
 
@@ -1432,7 +1434,7 @@ def _over_examples(
     return (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
 
 
-def _flops(eqn: jcore.JaxprEqn) -> float:
+def _flops(eqn: Eqn) -> float:
     """A rough operation count of one equation (the planner's cost model)."""
     out = sum(math.prod(_shape(v)) for v in eqn.outvars)
     if eqn.primitive.name == "dot_general":
@@ -1451,13 +1453,18 @@ class Post:
     """One operation between a gradient's core and the gradient: layout (the same per unit), or
     a scaling by a batch-independent `factor` (a variable, a literal, or −1 for neg)."""
 
-    eqn: Any
-    factor: Any = None
+    eqn: Eqn
+    factor: Atom | float | None = None
     divide: bool = False  # x / factor, not x * factor
 
     @property
     def scalar(self) -> bool:
-        return self.factor is None or isinstance(self.factor, float) or not _shape(self.factor)
+        return (
+            self.factor is None or isinstance(self.factor, int | float) or not _shape(self.factor)
+        )
+
+
+Posts = tuple[Post, ...]  # the ops from a core to the gradient, in order
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1465,7 +1472,7 @@ class Leaf:
     index: int
     path: str
     shape: tuple[int, ...]
-    dtype: Any
+    dtype: DTypeLike
     grad: Atom  # the variable (or literal) holding this leaf's gradient in the graph
 
     @property
@@ -1488,18 +1495,18 @@ class Graph:
     """
 
     jaxpr: jcore.Jaxpr
-    consts: tuple[Any, ...]
+    consts: tuple[Value, ...]
     leaves: tuple[Leaf, ...]
     n_examples: int
     per_example: int  # units per example: T at token granularity, else 1
-    producer: Mapping[Any, Any]
-    users: Mapping[Any, tuple[Any, ...]]
-    batched: frozenset[Any]
-    seeded: frozenset[Any]
-    static: frozenset[Any]
-    positions: Mapping[Any, Axes]
+    producer: Mapping[Var, Eqn]
+    users: Mapping[Var, tuple[Eqn, ...]]
+    batched: frozenset[Var]
+    seeded: frozenset[Var]
+    static: frozenset[Var]
+    positions: Mapping[Var, Axes]
     untie: Untie | None
-    param_tree: Any
+    param_tree: Any  # a PyTreeDef
     aux_tree: Any = None  # the auxiliary outputs' structure (outputs after the gradients)
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
     chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
@@ -1533,7 +1540,7 @@ class Graph:
         paths = _paths(params)
         aux_tree = []
 
-        def value_and_grad(p: PyTree, e: PyTree, seed: Array) -> list[Any]:
+        def value_and_grad(p: PyTree, e: PyTree, seed: Array) -> list[Value]:
             def seeded(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
                 loss, aux = loss_fn(p, e)
                 return loss * seed.astype(loss.dtype), (loss, aux)
@@ -1553,13 +1560,13 @@ class Graph:
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         producer, users = _producers(jaxpr), _users(jaxpr)
-        static: set[Any] = set(jaxpr.constvars)
+        static: set[Var] = set(jaxpr.constvars)
         for eqn in jaxpr.eqns:
             if not eqn.effects and all(
                 isinstance(v, jcore.Literal) or v in static for v in eqn.invars
             ):
                 static.update(eqn.outvars)
-        positions: Mapping[Any, Axes] = {}
+        positions: Mapping[Var, Axes] = {}
         untie = None
         if per_example > 1:
             # raises for a leaf not position-wise
@@ -1588,13 +1595,13 @@ class Graph:
 
     # -- queries --------------------------------------------------------------------------
 
-    def is_batched(self, var: Any) -> bool:
-        return isinstance(var, jcore.Var) and var in self.batched
+    def is_batched(self, var: Atom) -> bool:
+        return isinstance(var, Var) and var in self.batched
 
-    def is_static(self, var: Any) -> bool:
+    def is_static(self, var: Atom) -> bool:
         return isinstance(var, jcore.Literal) or var in self.static
 
-    def static_value(self, var: Any) -> Any:
+    def static_value(self, var: Atom) -> np.ndarray:
         """The concrete value of a static variable (e.g. position indices from iota)."""
         if isinstance(var, jcore.Literal):
             return np.asarray(var.val)
@@ -1603,11 +1610,11 @@ class Graph:
             _evaluate(_needed_by(self.jaxpr, [var]), env)
         return np.asarray(env[var])
 
-    def is_zero(self, var: Any) -> bool:
+    def is_zero(self, var: Atom) -> bool:
         """Proven zero: static, and every entry 0."""
         return self.is_static(var) and not np.any(self.static_value(var))
 
-    def nonlinear_in_seed(self, eqns: Sequence[Any], out: Any = None) -> str:
+    def nonlinear_in_seed(self, eqns: Sequence[Eqn], out: Atom | None = None) -> str:
         """Why `eqns` (computing `out`) are not proven linear in their cotangent (seeded)
         inputs, or "".
 
@@ -1618,44 +1625,24 @@ class Graph:
         pads with 0). By induction every seeded value is then linear in the cotangents, and
         a value that is not seeded is a constant of the map: `out` must be seeded, or the map
         is affine (a custom_vjp backward that ignores its cotangent)."""
-        if out is not None and not (isinstance(out, jcore.Var) and out in self.seeded):
+        if out is not None and not (isinstance(out, Var) and out in self.seeded):
             return "the gradient does not depend on the cotangent: affine, not linear"
         for eqn in eqns:
-            seeded = [isinstance(v, jcore.Var) and v in self.seeded for v in eqn.invars]
-            if not any(seeded):
-                continue
-            name = eqn.primitive.name
-            if name == "convert_element_type" and not _floats_only(eqn):
-                return f"'{name}' to or from a non-float type"
-            if name == "gather" and _gather_affine(eqn):
-                return _gather_affine(eqn)
-            if name in _LINEAR_UNARY:
-                ok = seeded[0] and not any(seeded[1:])
-            elif name in _LINEAR_SUMS:
-                ok = all(s or self.is_zero(v) for s, v in zip(seeded, eqn.invars, strict=True))
-            elif name in _LINEAR_PRODUCTS:
-                ok = sum(seeded[:2]) == 1 and not any(seeded[2:])
-            elif name in _LINEAR_AT:
-                ok = all(
-                    (s or self.is_zero(v)) if k in _LINEAR_AT[name] else not s
-                    for k, (s, v) in enumerate(zip(seeded, eqn.invars, strict=True))
-                )
-            else:
-                return f"'{name}' is not known to be linear"
-            if name == "pad":  # the padding value is a constant added
-                ok = ok and self.is_zero(eqn.invars[1])
-            if not ok:
-                return f"'{name}' is not linear in the cotangents it reads"
+            seeded = [isinstance(v, Var) and v in self.seeded for v in eqn.invars]
+            rule = _LINEARITY.get(eqn.primitive.name, _unknown)
+            why = rule(self, eqn, seeded) if any(seeded) else ""
+            if why:
+                return why
         return ""
 
-    def position_axes(self, var: Any) -> Axes:
+    def position_axes(self, var: Atom) -> Axes:
         return _axes_of(self.positions, var)
 
-    def core(self, var: Any) -> tuple[Any, tuple[Post, ...]]:
+    def core(self, var: Atom) -> tuple[Eqn | None, Posts]:
         """Follow a gradient back through layout ops and batch-independent scalings to the
         operation that makes it (its core): (core equation or None, the ops after it)."""
         steps: list[Post] = []
-        while isinstance(var, jcore.Var) and var in self.producer:
+        while isinstance(var, Var) and var in self.producer:
             eqn = self.producer[var]
             name = eqn.primitive.name
             if _is_layout(eqn):
@@ -1676,17 +1663,17 @@ class Graph:
                 var = x
             else:
                 break
-        return (self.producer.get(var) if isinstance(var, jcore.Var) else None), tuple(steps[::-1])
+        return (self.producer.get(var) if isinstance(var, Var) else None), tuple(steps[::-1])
 
-    def exclusive_tail(self, var: Any) -> tuple[Any, ...]:
+    def exclusive_tail(self, var: Atom) -> tuple[Eqn, ...]:
         """The equations only this gradient needs, in order (evaluated per example by the
         fallback, so that no large intermediate of it exists for the whole batch)."""
-        if not isinstance(var, jcore.Var) or var not in self.producer or self.users.get(var):
+        if not isinstance(var, Var) or var not in self.producer or self.users.get(var):
             return ()  # the head computes this value anyway: read it
-        outvars = {v for v in self.jaxpr.outvars if isinstance(v, jcore.Var)}
+        outvars = {v for v in self.jaxpr.outvars if isinstance(v, Var)}
         members = {id(self.producer[var]): self.producer[var]}
 
-        def exclusive(v: Any) -> bool:
+        def exclusive(v: Var) -> bool:
             if v in outvars or v in self.jaxpr.invars:
                 return False
             return all(id(u) in members for u in self.users.get(v, ()))
@@ -1697,31 +1684,66 @@ class Graph:
         todo = [self.producer[var]]  # a member's inputs; revisited as members join
         while todo:
             for v in todo.pop().invars:
-                src = self.producer.get(v) if isinstance(v, jcore.Var) else None
+                src = self.producer.get(v) if isinstance(v, Var) else None
                 if src is not None and id(src) not in members and all(map(exclusive, src.outvars)):
                     members[id(src)] = src
                     todo.append(src)
         return tuple(e for e in self.jaxpr.eqns if id(e) in members)
 
 
-# Linear in their first operand (the only one that may be a cotangent; x / m for div).
-_LINEAR_UNARY = _names(
-    """
-    neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
-    slice split unstack convert_element_type real imag div dynamic_slice gather pad
-    """
+# Linearity rules: primitive name -> why an equation reading cotangents (`seeded`, per operand)
+# is not linear in them, the other operands fixed, or "". Unknown primitives are refused.
+LinearityRule = Callable[[Graph, Eqn, list[bool]], str]
+
+
+def _linear_if(ok: Callable[[Graph, Eqn, list[bool]], bool]) -> LinearityRule:
+    return lambda g, e, s: (
+        "" if ok(g, e, s) else f"'{e.primitive.name}' is not linear in the cotangents it reads"
+    )
+
+
+def _unknown(graph: Graph, eqn: Eqn, seeded: list[bool]) -> str:
+    return f"'{eqn.primitive.name}' is not known to be linear"
+
+
+def _linear_at(ks: Container[int]) -> LinearityRule:
+    """Operands `ks` may be cotangents or instead proven zeros; no other may be seeded."""
+    return _linear_if(
+        lambda g, e, s: all(
+            (x or g.is_zero(v)) if k in ks else not x
+            for k, (x, v) in enumerate(zip(s, e.invars, strict=True))
+        )
+    )
+
+
+# Linear in their first operand, the only one that may be a cotangent (x / m for div):
+_first = _linear_if(lambda g, e, s: s[0] and not any(s[1:]))
+_LINEARITY: dict[str, LinearityRule] = dict.fromkeys(
+    _names(
+        """neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
+        slice split unstack real imag div dynamic_slice"""
+    ),
+    _first,
 )
-_LINEAR_SUMS = frozenset({"add", "add_any", "sub", "concatenate", "stack"})  # all linear
-_LINEAR_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})  # one factor
-# name -> the operands that may be cotangents or instead proven zeros (no other may be seeded)
-_LINEAR_AT: dict[str, tuple[int, ...]] = {
-    "select_n": tuple(range(1, 64)),
-    "dynamic_update_slice": (0, 1),
-    "scatter-add": (0, 2),
-}
+_LINEARITY |= dict.fromkeys(
+    ("add", "add_any", "sub", "concatenate", "stack"), _linear_at(range(sys.maxsize))
+)
+_LINEARITY |= dict.fromkeys(  # a product with exactly one cotangent factor
+    ("mul", "dot_general", "conv_general_dilated"),
+    _linear_if(lambda g, e, s: sum(s[:2]) == 1 and not any(s[2:])),
+)
+_LINEARITY["select_n"] = _linear_at(range(1, 64))
+_LINEARITY["dynamic_update_slice"] = _linear_at((0, 1))
+_LINEARITY["scatter-add"] = _linear_at((0, 2))
+_LINEARITY["gather"] = lambda g, e, s: _gather_affine(e) or _first(g, e, s)
+_LINEARITY["pad"] = _linear_if(lambda g, e, s: s[0] and not any(s[1:]) and g.is_zero(e.invars[1]))
+_LINEARITY["convert_element_type"] = lambda g, e, s: (
+    ("" if _floats_only(e) else "'convert_element_type' to or from a non-float type")
+    or _first(g, e, s)
+)
 
 
-def _gather_affine(eqn: Any) -> str:
+def _gather_affine(eqn: Eqn) -> str:
     """Why a gather is not linear in its operand, or "": out-of-bounds entries filled with a
     non-zero value (None is NaN for floats) make it affine; a mode not known here is refused."""
     mode = str(eqn.params["mode"]).rsplit(".", 1)[-1]
@@ -1733,7 +1755,7 @@ def _gather_affine(eqn: Any) -> str:
     return ""
 
 
-def _is_layout(eqn: Any) -> bool:
+def _is_layout(eqn: Eqn) -> bool:
     """Operations that move or relabel a gradient's entries one to one (norm-preserving)."""
     name = eqn.primitive.name
     if name in _LAYOUT:
@@ -1748,7 +1770,7 @@ def _is_layout(eqn: Any) -> bool:
     return False
 
 
-def _floats_only(eqn: Any) -> bool:
+def _floats_only(eqn: Eqn) -> bool:
     return all(jnp.issubdtype(_dtype(v), jnp.floating) for v in (*eqn.invars, *eqn.outvars))
 
 
@@ -1764,7 +1786,7 @@ def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
             elif name != "convert_element_type":  # statistics keep their own dtype
                 (x,) = _bind(eqn, [x])
             continue
-        m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
+        m = step.factor if isinstance(step.factor, int | float) else _read(env, step.factor)
         m = jnp.asarray(m).astype(x.dtype)
         x = x * phi(1.0 / m if step.divide else m)
     return x
@@ -1775,19 +1797,19 @@ def _replay_each(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Arra
     return jax.vmap(lambda u: _replay(post, u, env, phi))(x)
 
 
-def _scale_sq(post: Sequence[Post], env: Mapping, dtype: Any) -> Array:
+def _scale_sq(post: Sequence[Post], env: Mapping, dtype: DTypeLike) -> Array:
     """Π φ(m)² over the scalings after the core (all scalar: the caller checked)."""
     scale = jnp.ones((), dtype)
     for step in post:
         if step.factor is not None:
-            m = step.factor if isinstance(step.factor, float) else _read(env, step.factor)
+            m = step.factor if isinstance(step.factor, int | float) else _read(env, step.factor)
             m = jnp.asarray(m).astype(dtype).reshape(())
             scale = scale * (1.0 / m if step.divide else m) ** 2
     return scale
 
 
-def _factor_vars(post: Sequence[Post]) -> list[Any]:
-    return [s.factor for s in post if isinstance(s.factor, jcore.Var)]
+def _factor_vars(post: Sequence[Post]) -> list[Var]:
+    return [s.factor for s in post if isinstance(s.factor, Var)]
 
 
 # ============================================================================================
@@ -1805,12 +1827,12 @@ def _factor_vars(post: Sequence[Post]) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Hoist:
-    dot: Any  # the body's dot_general
-    post: tuple[Any, ...]  # layout ops after it, in order
+    dot: Eqn  # the body's dot_general
+    post: tuple[Eqn, ...]  # layout ops after it, in order
     accumulated: bool  # a carry Σ_t (else a stacked output)
 
 
-def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
+def _hoistable(scan: Eqn, k: int, producer_out: Mapping[Var, Eqn]) -> _Hoist | None:
     """Output k of `scan` as a hoistable weight-gradient contraction, or None."""
     body = scan.params["jaxpr"].jaxpr
     nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
@@ -1827,7 +1849,7 @@ def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
             return None
         (var,) = [v for v in add.invars if v is not carry_in] or [None]
     var, post = _walk_back(var, producer, _is_layout)
-    dot = producer.get(var) if isinstance(var, jcore.Var) else None
+    dot = producer.get(var) if isinstance(var, Var) else None
     if dot is None or dot.primitive.name not in ("dot_general", "conv_general_dilated"):
         return None
     if accumulated and dot.primitive.name != "dot_general":
@@ -1835,26 +1857,28 @@ def _hoistable(scan: Any, k: int, producer_out: Mapping) -> _Hoist | None:
     return _Hoist(dot, post, accumulated)
 
 
-def _walk_back(var: Any, producer: Mapping, through: Callable[[Any], bool]) -> tuple[Any, tuple]:
+def _walk_back(
+    var: Atom | None, producer: Mapping[Var, Eqn], through: Callable[[Eqn], bool]
+) -> tuple[Atom | None, tuple[Eqn, ...]]:
     """Follow `var` back through the equations `through` accepts, by their first operand: (the
     variable reached, those equations in order)."""
     path = []
-    while isinstance(var, jcore.Var) and var in producer and through(producer[var]):
+    while isinstance(var, Var) and var in producer and through(producer[var]):
         path.append(producer[var])
         var = producer[var].invars[0]
     return var, tuple(path[::-1])
 
 
-def _is_literal_zero(var: Any, producer: Mapping) -> bool:
+def _is_literal_zero(var: Atom, producer: Mapping[Var, Eqn]) -> bool:
     """A literal 0 or a broadcast of one (how JAX starts a gradient accumulator)."""
     cast = ("broadcast_in_dim", "convert_element_type")
-    var, _ = _walk_back(var, producer, lambda eqn: eqn.primitive.name in cast)
-    return isinstance(var, jcore.Literal) and not np.any(np.asarray(var.val))
+    end, _ = _walk_back(var, producer, lambda eqn: eqn.primitive.name in cast)
+    return isinstance(end, jcore.Literal) and not np.any(np.asarray(end.val))
 
 
 def _hoist_scans(
     closed: jcore.ClosedJaxpr,
-    args: Sequence[Any],
+    args: Sequence[Value | jax.ShapeDtypeStruct],
     always: bool = False,
     budget: int | None = None,
 ) -> jcore.ClosedJaxpr:
@@ -1867,17 +1891,17 @@ def _hoist_scans(
     scaled = lambda eqn: _is_layout(eqn) or eqn.primitive.name in ("mul", "div", "neg")
     for grad in jaxpr.outvars[1:]:
         var, _ = _walk_back(grad, producer, scaled)
-        scan = producer.get(var) if isinstance(var, jcore.Var) else None
+        scan = producer.get(var) if isinstance(var, Var) else None
         if scan is None or scan.primitive.name != "scan":
             continue
-        k = scan.outvars.index(var)
+        k = next(k for k, v in enumerate(scan.outvars) if v is var)
         hoist = _hoistable(scan, k, producer)
         if hoist is not None and _hoist_pays(scan, hoist, always, budget):
             plans.setdefault(id(scan), {})[k] = hoist
     if not plans:
         return closed
 
-    def bind(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+    def bind(eqn: Eqn, invals: list[Value]) -> list[Value]:
         hoists = plans.get(id(eqn))
         return _bind(eqn, invals) if hoists is None else _scan_hoisted(eqn, invals, hoists)
 
@@ -1885,7 +1909,7 @@ def _hoist_scans(
     return jax.make_jaxpr(flat)(*args)
 
 
-def _operand_source(scan: Any, var: Any) -> tuple[str, int]:
+def _operand_source(scan: Eqn, var: Atom) -> tuple[str, int]:
     """Where a body variable comes from: ("const" | "xs", index into the scan's inputs), or
     ("emit", -1) for a value the body computes (or a carry), which the scan must output."""
     body = scan.params["jaxpr"].jaxpr
@@ -1899,7 +1923,7 @@ def _operand_source(scan: Any, var: Any) -> tuple[str, int]:
     return "emit", -1
 
 
-def _hoist_pays(scan: Any, hoist: _Hoist, always: bool, budget: int | None) -> bool:
+def _hoist_pays(scan: Eqn, hoist: _Hoist, always: bool, budget: int | None) -> bool:
     """Hoisting adds the emitted operands; it removes a weight gradient per iteration (or, for
     an accumulator, a weight-sized update per iteration); `always` where InScan consumes the
     operands inside the scan. A convolution (no InScan) left in the scan is computed by vmap of
@@ -1914,7 +1938,7 @@ def _hoist_pays(scan: Any, hoist: _Hoist, always: bool, budget: int | None) -> b
     return always or numbers < math.prod(_shape(hoist.dot.outvars[0])) or hoist.accumulated
 
 
-def _scan_like(scan: Any, step: Callable, init: Any, xs: Any) -> Any:
+def _scan_like(scan: Eqn, step: Callable, init: PyTree, xs: PyTree) -> PyTree:
     """`jax.lax.scan(step, init, xs)` with the length, direction and unrolling of the scan
     equation `scan` (a body evaluated in its place)."""
     p = scan.params
@@ -1923,7 +1947,7 @@ def _scan_like(scan: Any, step: Callable, init: Any, xs: Any) -> Any:
     )
 
 
-def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) -> list[Any]:
+def _scan_hoisted(scan: Eqn, invals: list[Value], hoists: Mapping[int, _Hoist]) -> list[Value]:
     """Evaluate `scan` with the `hoists` (by output index) computed after it."""
     params, body = scan.params, scan.params["jaxpr"]
     nc, ncar = params["num_consts"], params["num_carry"]
@@ -1948,7 +1972,7 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
     carry, (kept, emitted) = _scan_like(scan, step, list(init), list(xs))
     stacked = dict(zip(emit, emitted, strict=True))
 
-    def operand(var: Any) -> tuple[Any, bool]:
+    def operand(var: Atom) -> tuple[Value, bool]:
         kind, i = _operand_source(scan, var)
         if kind == "const":
             return consts[i], False
@@ -1961,8 +1985,8 @@ def _scan_hoisted(scan: Any, invals: list[Any], hoists: Mapping[int, _Hoist]) ->
         (a, a_stacked), (b, b_stacked) = operand(h.dot.invars[0]), operand(h.dot.invars[1])
         if not h.accumulated:
 
-            def one(a_: Array, b_: Array, h: _Hoist = h) -> Array:
-                local = {h.dot.invars[0]: a_, h.dot.invars[1]: b_}
+            def one(a_: Value, b_: Value, h: _Hoist = h) -> Value:
+                local: dict[Var, Value] = {h.dot.invars[0]: a_, h.dot.invars[1]: b_}  # type: ignore[dict-item]
                 _evaluate([h.dot, *h.post], local)
                 return local[(h.post[-1] if h.post else h.dot).outvars[0]]
 
@@ -2022,11 +2046,11 @@ class Cost:
         return self.flops / 2e10 + self.bytes / 1e10
 
 
-Env = Mapping[Any, Any]  # graph variables -> values (batched ones with a leading axis B)
+Env = Mapping[Var, Any]  # graph variables -> values (batched ones with a leading axis B)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Route:
+class Route(abc.ABC):
     """One way to compute a leaf's statistics, proven for `leaf`; subclasses document their
     identities and hold the operands their `match` proved."""
 
@@ -2036,10 +2060,10 @@ class Route:
     reason: str  # what was proven (explain prints it)
 
     @classmethod
+    @abc.abstractmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Route | Refusal":
         """Recognise the pattern in `var` (default: the leaf's gradient) and prove every
         precondition the route's identities need, or say why not."""
-        raise NotImplementedError
 
     @property
     def dtype(self) -> jnp.dtype:  # the statistics'
@@ -2074,25 +2098,25 @@ class Route:
         """Operations to form one example's per-unit gradients."""
         return 2.0 * self.graph.per_example * self.leaf.size
 
-    def reads(self) -> list[jcore.Var]:
+    def reads(self) -> list[Var]:
         """The head's values this route reads."""
         return []
 
+    @abc.abstractmethod
     def compute(self, env: Env, what: str) -> Array:
         """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
-        raise NotImplementedError
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         """Several factorized ingredients at once (a route may share work between them)."""
         return {what: self.compute(env, what) for what in wanted}
 
+    @abc.abstractmethod
     def clipped(self, env: Env, weights: Array) -> Array:
         """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
-        raise NotImplementedError
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    @abc.abstractmethod
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
-        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -2101,8 +2125,25 @@ class CoreRoute(Route):
     batch-independent scalings) after it. Norms factorize where every scaling is by a scalar
     (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked."""
 
-    core: jcore.JaxprEqn
-    post: tuple[Post, ...]
+    cores: ClassVar[frozenset[str]]  # the primitives its core may be (`plan` looks it up by)
+    core: Eqn
+    post: Posts
+
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Route | Refusal":
+        return cls.at_core(graph, leaf, *graph.core(leaf.grad if var is None else var))
+
+    @classmethod
+    def at_core(cls, graph: Graph, leaf: Leaf, core: Eqn | None, post: Posts) -> "Route | Refusal":
+        """`prove`, where `core` is one of `cores` (`plan` finds a leaf's core once)."""
+        if core is None or core.primitive.name not in cls.cores:
+            return Refusal(f"the gradient's core is not a {' or '.join(sorted(cls.cores))}", False)
+        return cls.prove(graph, leaf, core, post)
+
+    @classmethod
+    @abc.abstractmethod
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "Route | Refusal":
+        """Prove every precondition the route's identities need of `core`, one of `cores`."""
 
     @property
     def scalar(self) -> bool:  # every scaling after the core is by a scalar
@@ -2111,10 +2152,8 @@ class CoreRoute(Route):
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         return {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
 
-    def reads(self) -> list[jcore.Var]:
-        return [
-            v for v in (*self.core.invars, *_factor_vars(self.post)) if isinstance(v, jcore.Var)
-        ]
+    def reads(self) -> list[Var]:
+        return [v for v in (*self.core.invars, *_factor_vars(self.post)) if isinstance(v, Var)]
 
     def replay(self, x: Array, env: Env, phi: Phi = _PHI["sum"], units: bool = False) -> Array:
         """`post` applied to x in the core's coordinates (to each of its leading units)."""
@@ -2130,7 +2169,7 @@ class CoreRoute(Route):
         )
 
 
-def _operands(core: jcore.JaxprEqn, env: Env, dtype: Any, tie: bool) -> tuple[Array, Array]:
+def _operands(core: Eqn, env: Env, dtype: DTypeLike, tie: bool) -> tuple[Array, Array]:
     """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
     first. x exists from the forward pass, δ only in the backward pass: left alone, XLA fuses
     φ(x) into the forward pass and holds it until the backward pass needs it (an extra
@@ -2156,10 +2195,10 @@ def _chan(a: tuple, b: tuple) -> tuple:
 
 def _formed_sums(
     route: CoreRoute,
-    form: Callable[[Array, Array, list[str], Array], list[Any]],
+    form: Callable[[Array, Array, list[str], Array], list],
     unit: int,
     env: Env,
-    dtype: Any,
+    dtype: DTypeLike,
     wanted: Sequence[str],
 ) -> dict[str, Array]:
     """Ingredients from per-example gradients formed c examples at a time (one scan over
@@ -2212,13 +2251,17 @@ class DotCore(CoreRoute):
     formed one scan iteration at a time (InScan). `units`: the operands' contracted axes that
     index units besides the example (rank one: OuterProduct), whose units clipping weighs."""
 
+    cores = frozenset({"dot_general"})
+    SUMS: ClassVar[tuple[str, ...]] = tuple(_PHI)  # the ingredients core_sums forms
     units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
-    def core_sums(self, env: Env, dtype: Any, wanted: Sequence[str]) -> dict[str, Array]:
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
         """(1/N) Σ_u φ(core_u) for each φ in `wanted`, in the core's output coordinates."""
         return {w: self.core_sum(env, dtype, w) for w in wanted}
 
-    def core_sum(self, env: Env, dtype: Any, what: str, weights: Array | None = None) -> Array:
+    def core_sum(
+        self, env: Env, dtype: DTypeLike, what: str, weights: Array | None = None
+    ) -> Array:
         """(1/N) Σ_u φ(a_u ⊗ b_u) in the core's coordinates (before `post`), as one
         dot_general contracting the examples and the unit axes (φ = identity when `weights`
         [B, U] scale the units)."""
@@ -2232,9 +2275,9 @@ class DotCore(CoreRoute):
         return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        phis = [w for w in wanted if w in _PHI]
-        sums = self.core_sums(env, self.dtype, phis)
-        out = {w: self.replay(g, env, _PHI[w]) for w, g in sums.items()}
+        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
+        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.SUMS])
+        out = {w: self.replay(g, env, phis[w]) for w, g in sums.items()}
         return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -2267,9 +2310,7 @@ class Empty(Route):
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Empty | Refusal":
         return (
-            cls(graph, leaf, "no entries")
-            if leaf.size == 0
-            else Refusal("the leaf has entries", kind=False)
+            Refusal("the leaf has entries", False) if leaf.size else cls(graph, leaf, "no entries")
         )
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
@@ -2282,6 +2323,9 @@ class Empty(Route):
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return jnp.zeros(self.leaf.shape, self.dtype)
+
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
+        return jnp.zeros((self.graph.per_example, *self.leaf.shape), self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -2306,8 +2350,8 @@ class Constant(Route):
             return cls(graph, leaf, "unused: the gradient is 0", grad=var)
         return cls(graph, leaf, "the gradient does not depend on the example", grad=var)
 
-    def reads(self) -> list[jcore.Var]:
-        return [self.grad] if isinstance(self.grad, jcore.Var) else []
+    def reads(self) -> list[Var]:
+        return [self.grad] if isinstance(self.grad, Var) else []
 
     def factored_cost(self, what: str) -> Cost:
         return Cost(self.leaf.size, 4.0 * self.leaf.size)
@@ -2325,6 +2369,9 @@ class Constant(Route):
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._g(env) * (jnp.sum(weights) / self.graph.n_units).astype(self.dtype)
+
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
+        return jnp.broadcast_to(self._g(env), (self.graph.per_example, *self.leaf.shape))
 
 
 def _gauge(a: Array, b: Array) -> tuple[Array, Array]:
@@ -2362,10 +2409,7 @@ class OuterProduct(DotCore):
     name = "outer-product"
 
     @classmethod
-    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "OuterProduct | Refusal":
-        core, post = graph.core(leaf.grad if var is None else var)
-        if core is None or core.primitive.name != "dot_general":
-            return Refusal("the gradient's last operation is not a dot_general", kind=False)
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "OuterProduct | Refusal":
         a, b = core.invars
         if not (graph.is_batched(a) and graph.is_batched(b)):
             return Refusal("a factor of the dot_general does not depend on the example")
@@ -2429,7 +2473,7 @@ class OuterProduct(DotCore):
         var = jnp.abs(total)
         return self.replay(var.reshape(_shape(self.core.outvars[0])), env, jnp.square)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
         lc, rc, lb, rb = _dot_dims(self.core)
         if not self.graph.token:  # what it contracts are axes of size 1
@@ -2444,24 +2488,21 @@ class OuterProduct(DotCore):
 class Contraction(DotCore):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
-    Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Norms by the Gram identity
-    ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ when the Grams are smaller (2K² < free(a)·free(b)); its
-    rounding error is ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel
-    (SPEC §3).
-    Non-linear φ (sq, sign) and the variance have no such identity: per-example gradients are
-    formed a bounded chunk at a time right where the head has the operands, so that they die
-    where plain grad's do; the variance from each chunk's centred (mean, M2), merged by Chan's
-    update (SPEC §3: never q − ḡ²). Norms without the Gram form, and everything under a mask,
-    in the chunk loop."""
+    Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB.
+    Non-linear φ (sq, sign), the variance and norms have no such identity: per-example
+    gradients are formed a bounded chunk at a time right where the head has the operands, so
+    that they die where plain grad's do; the variance from each chunk's centred (mean, M2),
+    merged by Chan's update (SPEC §3: never q − ḡ²); the sum comes with them. Norms alone
+    (beside clipping, whose weights wait for every norm) take the Gram identity
+    ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ where the Grams are smaller (2K² < free(a)·free(b)), with
+    rounding error ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel (SPEC
+    §3). Norms after a non-scalar scaling: in the chunk loop."""
 
     name = "contraction"
-    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var")  # per-example φ formed in the head
+    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var", "norms")  # formed in the head
 
     @classmethod
-    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Contraction | Refusal":
-        core, post = graph.core(leaf.grad if var is None else var)
-        if core is None or core.primitive.name != "dot_general":
-            return Refusal("the gradient's last operation is not a dot_general", kind=False)
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "Contraction | Refusal":
         if graph.token:
             return Refusal("per-token terms are rank one (outer-product) or not split")
         a, b = core.invars
@@ -2485,23 +2526,28 @@ class Contraction(DotCore):
         return terms, slices, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        terms, _, free_a, free_b = self._sizes()
-        gram = 2 * terms * terms < free_a * free_b and self.scalar
-        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if gram else set())
+        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if self.scalar else set())
         methods = {w: "factorized" if w in factored else "chunked" for w in need}
         if "sum" in methods and list(methods.values()).count("chunked"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
 
+    def gram(self, ingredients: Container[str]) -> bool:
+        """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
+        (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
+        terms, _, free_a, free_b = self._sizes()
+        alone = not any(w in ingredients for w in ("sum", "sq", "sign", "var"))
+        return alone and 2 * terms * terms < free_a * free_b
+
     def factored_cost(self, what: str) -> Cost:
         terms, slices, _, _ = self._sizes()
         n, size = self.graph.n_examples, self.leaf.size
         factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
-        if what == "norms":  # two Grams and their inner product
+        if what == "gram":  # norms by two Grams and their inner product
             grams = n * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
         dots = 2.0 * n * terms * size
-        if what in ("sq", "sign"):  # one dot per example, its chunk as large as the operands
+        if what in ("sq", "sign", "norms"):  # one dot per example, chunks as large as the operands
             return Cost(dots + n * size, 4.0 * (2 * factors + size))
         if what == "var":  # the same dots; each chunk centred, squared and merged
             return Cost(dots + 4.0 * n * size, 4.0 * (2 * factors + 3 * size))
@@ -2510,7 +2556,7 @@ class Contraction(DotCore):
     def unit_flops(self) -> float:
         return 2.0 * self.leaf.size * self._sizes()[0]
 
-    def core_sums(self, env: Env, dtype: Any, wanted: Sequence[str]) -> dict[str, Array]:
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
         """sq, sign and var from per-example gradients formed a bounded chunk at a time
         (`_formed_sums`), which give the sum too."""
         if not any(w in self.FORMED for w in wanted):
@@ -2518,22 +2564,26 @@ class Contraction(DotCore):
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
-        def form(a: Array, b: Array, names: list[str], r: Array) -> list[Any]:
+        def form(a: Array, b: Array, names: list[str], r: Array) -> list:
             g = jax.vmap(dot)(a, b)  # [c, ...]: its first r rows examples, the rest zero
-            out: list[Any] = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
+            out: list = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
             if "var" in names:  # the padding rows left out of (mean, M2), not subtracted
                 mean = _sum0(g) / r
                 centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
                 out.append((mean, _sum0(centred * centred)))
-            return out
+            return out + (
+                [jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else []
+            )
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        head = [w for w in wanted if w in (*_PHI, "var")]
+        formed = (*_PHI, "var") if self.gram(wanted) else (*_PHI, "var", "norms")
+        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in formed])
+        if "norms" in sums:  # ‖post(g)‖² = Π φ(m)²·‖g‖²: the scalings are scalars (methods)
+            sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
         phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        sums = self.core_sums(env, self.dtype, head)
-        out = {w: self.replay(g, env, phis[w]) for w, g in sums.items()}
+        out = {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in sums.items()}
         return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
 
     def formed_unit(self) -> int:
@@ -2541,10 +2591,15 @@ class Contraction(DotCore):
         return math.prod(_shape(self.core.outvars[0]))
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
+        if methods.get("norms") == "factorized" and self.gram(methods):
+            rest = {w: how for w, how in methods.items() if w != "norms"}
+            return super().cost(rest) + self.factored_cost("gram")
         total = super().cost(methods)
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
-        # The sum, and the variance beside sq or sign, come from the gradients formed once.
-        shared = (methods.get("sum") == "factorized") + ("var" in formed and len(formed) > 1)
+        # The sum, and the variance or norms beside another, come from the gradients formed once.
+        shared = (methods.get("sum") == "factorized") + sum(
+            w in formed and len(formed) > 1 for w in ("var", "norms")
+        )
         if formed and shared:
             total = total + Cost(-shared * self.factored_cost("sum").flops, 0.0)
         return total
@@ -2560,7 +2615,7 @@ class Contraction(DotCore):
         norms = jnp.sum(gram_a * gram_b, axis=(1, 2, 3))[:, None]
         return norms * _scale_sq(self.post, env, self.dtype)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
         lc, rc, lb, rb = _dot_dims(self.core)
         return self.replay(jax.lax.dot_general(a, b, ((lc, rc), (lb, rb))), env)[None]
@@ -2569,7 +2624,7 @@ class Contraction(DotCore):
 _MAX_CONV_DOTS = 256  # output positions of a per-example convolution formed as one dot each
 
 
-def _conv_positions(core: jcore.JaxprEqn) -> tuple[int, ...]:
+def _conv_positions(core: Eqn) -> tuple[int, ...]:
     """The spatial sizes of a convolution's output: its positions."""
     _, _, out_spec = core.params["dimension_numbers"]
     return tuple(_shape(core.outvars[0])[d] for d in out_spec[2:])
@@ -2578,8 +2633,8 @@ def _conv_positions(core: jcore.JaxprEqn) -> tuple[int, ...]:
 def _conv_offsets(
     lhs: Array,
     rhs: Array,
-    params: Mapping[str, Any],
-    dtype: Any,
+    params: Mapping,
+    dtype: DTypeLike,
     reduce: Callable,
 ) -> list[Array]:
     """conv_general_dilated(lhs_e, rhs_e, **params) for each example e of [E, ...] operands,
@@ -2628,7 +2683,7 @@ def _conv_offsets(
     return list(ys)
 
 
-def _conv_layout(y: Array, params: Mapping[str, Any], out: Sequence[int]) -> Array:
+def _conv_layout(y: Array, params: Mapping, out: Sequence[int]) -> Array:
     """[positions, ..., n, o] from `_conv_offsets` -> [..., *output] in the convolution's
     output layout (`out`: its spatial sizes)."""
     lead = y.ndim - 3
@@ -2656,14 +2711,10 @@ class Convolution(CoreRoute):
     FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var", "norms")  # formed in the head
 
     name = "convolution"
+    cores = frozenset({"conv_general_dilated"})
 
     @classmethod
-    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Convolution | Refusal":
-        core, post = graph.core(leaf.grad if var is None else var)
-        if core is None or core.primitive.name != "conv_general_dilated":
-            return Refusal(
-                "the gradient's last operation is not a conv_general_dilated", kind=False
-            )
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "Convolution | Refusal":
         if graph.token:
             return Refusal("per-token terms of a convolution are not split (positions share it)")
         a, b = core.invars
@@ -2753,7 +2804,7 @@ class Convolution(CoreRoute):
         if not any(w in self.FORMED for w in wanted):
             return {"sum": self.folded(env)} if "sum" in wanted else {}
 
-        def form(a: Array, b: Array, names: list[str], r: Array) -> list[Any]:
+        def form(a: Array, b: Array, names: list[str], r: Array) -> list:
             def reduce(y: Array) -> list[Array]:  # one offset's [E, n, o], E − r of it padding
                 out = [_sum0(_PHI[w](y)) for w in names if w in _PHI]
                 if "var" in names:
@@ -2779,10 +2830,13 @@ class Convolution(CoreRoute):
         phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
         return {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in out.items()}
 
+    def compute(self, env: Env, what: str) -> Array:
+        return self.compute_many(env, [what])[what]
+
     def clipped(self, env: Env, weights: Array) -> Array:
         return self.replay(self.folded(env, weights), env)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype)[None] for v in self.core.invars[:2])
         (g,) = _conv_offsets(a, b, self.core.params, self.dtype, lambda y: [y])
         return self.replay(_conv_layout(g, self.core.params, self.positions)[0], env)[None]
@@ -2798,13 +2852,11 @@ class UnitSum(CoreRoute):
     it is the computation the gradient itself performs, batched."""
 
     name = "unit-sum"
+    cores = frozenset({"reduce_sum"})
     axis: int | None  # None at example granularity: one unit per example
 
     @classmethod
-    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "UnitSum | Refusal":
-        core, post = graph.core(leaf.grad if var is None else var)
-        if core is None or core.primitive.name != "reduce_sum":
-            return Refusal("the gradient's last operation is not a reduce_sum", kind=False)
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "UnitSum | Refusal":
         z = core.invars[0]
         if not graph.is_batched(z):
             return Refusal("the summed value does not depend on the example")
@@ -2849,31 +2901,23 @@ class UnitSum(CoreRoute):
         w = weights.reshape(-1).astype(self.dtype)
         return self.replay(jnp.tensordot(w, g, axes=1) / self.graph.n_units, env)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         z = _read(env, self.core.invars[0]).astype(self.dtype)
         return self.replay(self._units(z[None])[0], env, units=True)
 
 
-class RowScatter(CoreRoute):
-    """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
-    core is scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of
-    `idx` but its last, in any layout: `x[None]` adds a unit axis). Example granularity: the
-    indices are static and the windows — start and size, after the mode's clamping — are
-    pairwise disjoint (position embeddings), so each entry of g_i is one update entry or 0 and
-    Σ_i φ(g_i) = scatter(Σ_i φ(upd_i)), ‖g_i‖² = ‖upd_i‖². Token granularity: one row axis is
-    the traced position axis (the others of size 1), one row per unit, the same identities
-    per unit. Out-of-bounds rows are dropped by the scatter's mode (and left out of the
-    norms) as they are in g."""
+class _Rows(CoreRoute):
+    """Rows of batched updates scattered into a zero table (row-scatter, segment-rows): the
+    statistics from rows (`_units`) such that each entry of a unit's gradient is one row's
+    update or 0."""
 
-    name = "row-scatter"
+    cores = frozenset({"scatter-add"})
+    segments: ClassVar[bool]  # the rows are summed per index first (segment-rows)
 
     @staticmethod
-    def _rows_core(graph: Graph, var: Atom) -> tuple[Any, tuple] | Refusal:
-        """`var`'s core and the ops after it, if the core scatters batched rows into a
-        proven-zero table (one window per row, a mode that clamps or drops)."""
-        core, post = graph.core(var)
-        if core is None or core.primitive.name != "scatter-add":
-            return Refusal("the gradient's last operation is not a scatter-add", kind=False)
+    def _refused(graph: Graph, core: Eqn) -> Refusal | None:
+        """Why not, where the scatter does not add batched rows into a proven-zero table (one
+        window per row, a mode that clamps or drops)."""
         operand, indices, updates = core.invars
         dn = core.params["dimension_numbers"]
         if not graph.is_zero(operand):
@@ -2888,34 +2932,14 @@ class RowScatter(CoreRoute):
         mode = str(core.params["mode"]).rsplit(".", 1)[-1]
         if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
             return Refusal(f"scatter mode {mode}")
-        return core, post
-
-    @classmethod
-    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "RowScatter | Refusal":
-        found = cls._rows_core(graph, leaf.grad if var is None else var)
-        if isinstance(found, Refusal):
-            return found
-        core, post = found
-        indices, updates = core.invars[1:]
-        if graph.token:
-            rows = _shape(updates)[: _row_axes(core)]
-            found = graph.position_axes(updates) & set(range(len(rows)))
-            if len(found) != 1 or math.prod(rows) != rows[next(iter(found))]:
-                return Refusal("not one row axis traced to the positions (others of size 1)")
-            reason = "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions"
-            return cls(graph, leaf, reason, core=core, post=post)
-        if not graph.is_static(indices):
-            return Refusal("rows depend on the example (repeated rows add up before φ)")
-        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
-        overlap = _windows_overlap(core, graph.static_value(indices), mode)
-        if overlap:
-            return Refusal(overlap)
-        reason = "rows at static, pairwise disjoint windows (e.g. positions)"
-        return cls(graph, leaf, reason, core=core, post=post)
+        return None
 
     def factored_cost(self, what: str) -> Cost:
         rows = self.graph.n_examples * math.prod(_shape(self.core.invars[2]))
-        return Cost(3.0 * rows, 4.0 * (rows + self.leaf.size))
+        if what == "sum" or not self.segments:
+            return Cost(3.0 * rows, 4.0 * (rows + self.leaf.size))
+        sort = self.graph.n_examples * math.prod(_shape(self.core.invars[1])) * 20.0
+        return Cost(4.0 * rows + sort, 4.0 * (2 * rows + self.leaf.size))
 
     def _rows(self, env: Env) -> tuple[Array, Array]:
         """Indices [B·R, k] (broadcast when static) and updates [B·R, *window]."""
@@ -2953,12 +2977,11 @@ class RowScatter(CoreRoute):
         limit = jnp.asarray([table[d] - sizes[d] for d in dims], idx.dtype)
         return jnp.all((idx >= 0) & (idx <= limit), axis=-1)
 
+    @abc.abstractmethod
     def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:
         """Rows (indices [R', k], updates [R', *window], written [R'] bool) such that every
         entry of every unit's gradient is one row's update or 0 (for `what` = "sum", such
-        that the rows add up to it): here the core's own rows."""
-        idx, upd = self._rows(env)
-        return idx, upd, self._in_bounds(idx)
+        that the rows add up to it)."""
 
     def compute(self, env: Env, what: str) -> Array:
         dtype, n = self.dtype, self.graph.n_units
@@ -2988,7 +3011,7 @@ class RowScatter(CoreRoute):
         upd = upd * w.reshape(-1, *[1] * (upd.ndim - 1)) / self.graph.n_units
         return self.replay(self._scatter(idx, upd), env)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         _, indices, updates = self.core.invars
         idx, upd = _read(env, indices), _read(env, updates).astype(self.dtype)
         idx = jnp.reshape(idx, (-1, jnp.shape(idx)[-1]))
@@ -3000,7 +3023,48 @@ class RowScatter(CoreRoute):
         return self.replay(g, env, units=True)
 
 
-class SegmentRows(RowScatter):
+class RowScatter(_Rows):
+    """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
+    core is scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of
+    `idx` but its last, in any layout: `x[None]` adds a unit axis). Example granularity: the
+    indices are static and the windows — start and size, after the mode's clamping — are
+    pairwise disjoint (position embeddings), so each entry of g_i is one update entry or 0 and
+    Σ_i φ(g_i) = scatter(Σ_i φ(upd_i)), ‖g_i‖² = ‖upd_i‖². Token granularity: one row axis is
+    the traced position axis (the others of size 1), one row per unit, the same identities
+    per unit. Out-of-bounds rows are dropped by the scatter's mode (and left out of the
+    norms) as they are in g."""
+
+    name = "row-scatter"
+    segments = False
+
+    @classmethod
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "RowScatter | Refusal":
+        refused = cls._refused(graph, core)
+        if refused is not None:
+            return refused
+        indices, updates = core.invars[1:]
+        if graph.token:
+            rows = _shape(updates)[: _row_axes(core)]
+            found = graph.position_axes(updates) & set(range(len(rows)))
+            if len(found) != 1 or math.prod(rows) != rows[next(iter(found))]:
+                return Refusal("not one row axis traced to the positions (others of size 1)")
+            reason = "embedding rows: g_t = onehot(row_t) ⊗ δ_t, rows traced to positions"
+            return cls(graph, leaf, reason, core=core, post=post)
+        if not graph.is_static(indices):
+            return Refusal("rows depend on the example (repeated rows add up before φ)")
+        mode = str(core.params["mode"]).rsplit(".", 1)[-1]
+        overlap = _windows_overlap(core, graph.static_value(indices), mode)
+        if overlap:
+            return Refusal(overlap)
+        reason = "rows at static, pairwise disjoint windows (e.g. positions)"
+        return cls(graph, leaf, reason, core=core, post=post)
+
+    def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:  # the core's rows
+        idx, upd = self._rows(env)
+        return idx, upd, self._in_bounds(idx)
+
+
+class SegmentRows(_Rows):
     """Example granularity, rows that depend on the example (a token table's lookup): rows with
     the same index add up before φ, so each example's rows are first summed per index — a
     stable sort of the row keys and a segment sum, O(R log R + R·window) per example, never
@@ -3010,15 +3074,15 @@ class SegmentRows(RowScatter):
     disjoint."""
 
     name = "segment-rows"
+    segments = True
 
     @classmethod
-    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "SegmentRows | Refusal":
+    def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "SegmentRows | Refusal":
         if graph.token:
             return Refusal("token granularity: one row per unit (row-scatter)")
-        found = cls._rows_core(graph, leaf.grad if var is None else var)
-        if isinstance(found, Refusal):
-            return found
-        core, post = found
+        refused = cls._refused(graph, core)
+        if refused is not None:
+            return refused
         dims = core.params["dimension_numbers"].scatter_dims_to_operand_dims
         sizes = _window_sizes(core)
         table = _shape(core.outvars[0])
@@ -3030,13 +3094,6 @@ class SegmentRows(RowScatter):
             "lookup rows, repeated rows summed per example (segment sums): g_i = Σ_r onehot ⊗ δ"
         )
         return cls(graph, leaf, reason, core=core, post=post)
-
-    def factored_cost(self, what: str) -> Cost:
-        if what == "sum":
-            return super().factored_cost(what)
-        rows = self.graph.n_examples * math.prod(_shape(self.core.invars[2]))
-        sort = self.graph.n_examples * math.prod(_shape(self.core.invars[1])) * 20.0
-        return Cost(4.0 * rows + sort, 4.0 * (2 * rows + self.leaf.size))
 
     def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:
         idx, upd = self._rows(env)
@@ -3075,27 +3132,27 @@ class SegmentRows(RowScatter):
         return where.reshape(idx.shape), sums.reshape(upd.shape), written.reshape(-1)
 
 
-def _row_axes(core: jcore.JaxprEqn) -> int:
+def _row_axes(core: Eqn) -> int:
     """How many leading axes of a scatter's updates index rows: all of its indices' but the
     last (the index vector)."""
     return len(_shape(core.invars[1])) - 1
 
 
-def _rows_dn(core: jcore.JaxprEqn) -> Any:
+def _rows_dn(core: Eqn) -> jax.lax.ScatterDimensionNumbers:
     """The scatter's dimension numbers for rows laid out [R, *window]."""
     dn = core.params["dimension_numbers"]
     shift = _row_axes(core) - 1
     return dn._replace(update_window_dims=tuple(d - shift for d in dn.update_window_dims))
 
 
-def _window_sizes(core: jcore.JaxprEqn) -> tuple[int, ...]:
+def _window_sizes(core: Eqn) -> tuple[int, ...]:
     dn = core.params["dimension_numbers"]
     operand, updates = _shape(core.outvars[0]), _shape(core.invars[2])
     window = iter(updates[_row_axes(core) :])
     return tuple(1 if d in dn.inserted_window_dims else next(window) for d in range(len(operand)))
 
 
-def _windows_overlap(core: jcore.JaxprEqn, indices: np.ndarray, mode: str) -> str:
+def _windows_overlap(core: Eqn, indices: np.ndarray, mode: str) -> str:
     """Why the static windows of a row scatter are not pairwise disjoint and in bounds, or ""."""
     dn = core.params["dimension_numbers"]
     operand, sizes = _shape(core.outvars[0]), _window_sizes(core)
@@ -3125,8 +3182,8 @@ class _Composite(Route):
 
     parts: tuple[CoreRoute, ...]
 
-    def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _combine(self, parts: list[Array], what: str, env: Env) -> Array: ...
 
     def compute(self, env: Env, what: str) -> Array:
         parts = [p.compute_many(env, [what])[what] for p in self.parts]
@@ -3135,7 +3192,7 @@ class _Composite(Route):
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         parts = [p.per_unit(env, example, params) for p in self.parts]
         return self._combine(parts, "sum", env)
 
@@ -3145,7 +3202,7 @@ class _Composite(Route):
     def unit_flops(self) -> float:
         return float(sum(p.unit_flops() for p in self.parts))
 
-    def reads(self) -> list[jcore.Var]:
+    def reads(self) -> list[Var]:
         return list(dict.fromkeys(v for p in self.parts for v in p.reads()))
 
 
@@ -3175,9 +3232,7 @@ class Terms(_Composite):
         return sum(parts[1:], parts[0])
 
 
-def _split_terms(
-    graph: Graph, leaf: Leaf, var: Atom, outer: tuple[Post, ...]
-) -> list[CoreRoute] | Refusal:
+def _split_terms(graph: Graph, leaf: Leaf, var: Atom, outer: Posts) -> list[CoreRoute] | Refusal:
     """Split a sum of contributions into per-token terms (the layout and scaling ops after the
     sum are linear, so each term takes them too)."""
     core, post = graph.core(var)
@@ -3216,8 +3271,8 @@ class DisjointParts(_Composite):
     its own route (one per layer, as if unrolled)."""
 
     name = "disjoint-parts"
-    core: jcore.JaxprEqn
-    post: tuple[Post, ...]
+    core: Eqn
+    post: Posts
     places: tuple[Placement, ...]
 
     @classmethod
@@ -3250,7 +3305,7 @@ class DisjointParts(_Composite):
             factored.discard("norms")
         return {w: "factorized" if w in factored else "chunked" for w in need}
 
-    def reads(self) -> list[jcore.Var]:
+    def reads(self) -> list[Var]:
         return list(dict.fromkeys([*super().reads(), *_factor_vars(self.post)]))
 
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
@@ -3277,7 +3332,7 @@ _PLACEMENTS = ("pad", "dynamic_update_slice", "concatenate", "stack")
 Part = tuple[tuple[tuple[int, int], ...], CoreRoute, Placement]  # (window, route, placement)
 
 
-def _placed_parts(graph: Graph, leaf: Leaf, core: jcore.JaxprEqn) -> list[Part] | Refusal:
+def _placed_parts(graph: Graph, leaf: Leaf, core: Eqn) -> list[Part] | Refusal:
     """The parts of a sum of placements, each proven by a route of its own; windows as
     ((lo, hi) per axis) after clamping."""
     found: list[Part] = []
@@ -3366,8 +3421,8 @@ class RoutedPart(Route):
 
     name = "routed-part"
     part: OuterProduct
-    core: jcore.JaxprEqn
-    post: tuple[Post, ...]
+    core: Eqn
+    post: Posts
     places: tuple[tuple[int, ...], ...]  # each place's starts, every axis
 
     @classmethod
@@ -3393,7 +3448,7 @@ class RoutedPart(Route):
         if n_places > _MAX_PLACES:
             return Refusal(f"the part may take {n_places} places (> {_MAX_PLACES})")
         part = OuterProduct.match(graph, leaf, update)
-        if isinstance(part, Refusal):
+        if not isinstance(part, OuterProduct):
             return Refusal(f"the part: {part.reason}")
         places = tuple(itertools.product(*ranges))
         reason = f"one outer product per example at one of {n_places} places the example picks"
@@ -3403,8 +3458,8 @@ class RoutedPart(Route):
         chunked = {"var"} | (set() if all(s.scalar for s in self.post) else {"norms"})
         return {w: "chunked" if w in chunked else "factorized" for w in need}
 
-    def reads(self) -> list[jcore.Var]:
-        starts = [v for v in self.core.invars[2:] if isinstance(v, jcore.Var)]
+    def reads(self) -> list[Var]:
+        starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
         return list(dict.fromkeys([*self.part.reads(), *starts, *_factor_vars(self.post)]))
 
     def factored_cost(self, what: str) -> Cost:
@@ -3463,7 +3518,7 @@ class RoutedPart(Route):
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._sums(env, "clipped", weights.reshape(weights.shape[0], 1))
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         p = self.part.per_unit(env, example, params)  # [1, *part]
         shape, size = _shape(self.core.outvars[0]), _shape(self.core.invars[1])
         starts = [x.reshape(()) for x in self._starts(env)]
@@ -3486,8 +3541,8 @@ class HeadValue(Route):
     does."""
 
     name = "head-value"
-    grad: jcore.Var
-    post: tuple[Post, ...]
+    grad: Var
+    post: Posts
 
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "HeadValue | Refusal":
@@ -3500,12 +3555,12 @@ class HeadValue(Route):
             if {id(e) for e in tail} != {id(p.eqn) for p in post}:
                 return Refusal("the gradient needs ops of its own after the backward pass")
             value = post[0].eqn.invars[0]
-        if not (isinstance(value, jcore.Var) and graph.is_batched(value)):
+        if not (isinstance(value, Var) and graph.is_batched(value)):
             return Refusal("the gradient does not depend on the example")
         reason = _IN_HEAD if not post else f"{_IN_HEAD}, after {len(post)} layout/scaling ops"
         return cls(graph, leaf, reason, grad=value, post=tuple(post))
 
-    def reads(self) -> list[jcore.Var]:
+    def reads(self) -> list[Var]:
         return [self.grad, *_factor_vars(self.post)]
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
@@ -3535,7 +3590,7 @@ class HeadValue(Route):
         total = jnp.tensordot(weights.reshape(-1).astype(g.dtype), g, axes=1) / self.graph.n_units
         return total.reshape(self.leaf.shape)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
         return _replay(self.post, g, env, _PHI["sum"])[None]
 
@@ -3550,7 +3605,7 @@ class Fallback(Route):
 
     name = "fallback"
     grad: Atom
-    tail: tuple[jcore.JaxprEqn, ...]
+    tail: tuple[Eqn, ...]
     linear: bool
 
     @classmethod
@@ -3592,7 +3647,7 @@ class Fallback(Route):
             return 4.0 * self.graph.per_example * sum(_flops(e) for e in self.graph.jaxpr.eqns)
         return float(sum(_flops(e) for e in self.tail) + self.leaf.size)
 
-    def reads(self) -> list[jcore.Var]:
+    def reads(self) -> list[Var]:
         return [] if self.graph.token else _inputs(self.grad, self.tail)
 
     def compute(self, env: Env, what: str) -> Array:
@@ -3616,7 +3671,7 @@ class Fallback(Route):
         primals = [v for v in inputs if v not in graph.seeded and v in graph.batched]
         fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
 
-        def run_tail(c: list, x: list) -> Any:
+        def run_tail(c: list, x: list) -> Array:
             local = {
                 **fixed,
                 **dict(zip(cts, c, strict=True)),
@@ -3645,7 +3700,7 @@ class Fallback(Route):
         (total,) = jax.linear_transpose(to_batch, leaf_struct)(c_all)
         return total.astype(dtype)
 
-    def per_unit(self, env: Env, example: Any, params: Any) -> Array:
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         if self.graph.token:
             assert self.graph.untie is not None
             untied = frozenset({self.leaf.index})
@@ -3656,15 +3711,13 @@ class Fallback(Route):
         return jnp.asarray(_read(local, self.grad)).astype(self.dtype)[None]
 
 
-def _inputs(grad: Atom, tail: Sequence[jcore.JaxprEqn]) -> list[jcore.Var]:
+def _inputs(grad: Atom, tail: Sequence[Eqn]) -> list[Var]:
     """What the head provides for `tail` to compute `grad` (the gradient itself if no tail)."""
     if not tail:
-        return [grad] if isinstance(grad, jcore.Var) else []
+        return [grad] if isinstance(grad, Var) else []
     produced = {v for e in tail for v in e.outvars}
     return list(
-        dict.fromkeys(
-            v for e in tail for v in e.invars if isinstance(v, jcore.Var) and v not in produced
-        )
+        dict.fromkeys(v for e in tail for v in e.invars if isinstance(v, Var) and v not in produced)
     )
 
 
@@ -3684,6 +3737,15 @@ class MeanLoss(Route):
         "linear in the cotangent): plain backpropagation, which sums over examples as it "
         "forms each gradient"
     )
+
+    @classmethod
+    def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "MeanLoss":
+        return cls(graph, leaf, cls.proof)  # every leaf's, where `plan` takes it
+
+    def compute(self, env: Env, what: str) -> Array:  # never: _gradient_of_mean_loss runs
+        raise AssertionError("mean-loss is plain grad of the mean loss, not a leaf's route")
+
+    clipped = per_unit = compute  # type: ignore
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
@@ -3722,7 +3784,7 @@ class InScan:
     accumulated in a carry as plain grad does."""
 
     route: DotCore  # the leaf's
-    scan: jcore.JaxprEqn
+    scan: Eqn
     operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
     axis: int | None  # the core's output axis over iterations; None: summed over them
     means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign"
@@ -3735,7 +3797,7 @@ def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | Non
     if any(w not in _PHI or how != "factorized" for w, how in methods.items()):
         return None  # norms, variance, clipping read the operands of every layer at once
     a, b = m.core.invars[:2]
-    scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, jcore.Var)]
+    scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
     scans = [e for e in scans if e is not None and e.primitive.name == "scan"]
     if not scans:
         return None
@@ -3755,7 +3817,7 @@ def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | Non
     return InScan(m, scan, (operands[0], operands[1]), axis, tuple(methods))
 
 
-def _per_iteration(scan: jcore.JaxprEqn, var: Any) -> Atom | None:
+def _per_iteration(scan: Eqn, var: Atom) -> Atom | None:
     """The body's value at iteration t of `var`'s slice t (along axis 0): `var` a stacked
     output of `scan` or one of its scanned inputs; else None."""
     body = scan.params["jaxpr"].jaxpr
@@ -3807,7 +3869,7 @@ class LeafPlan:
         return any(how == "chunked" for w, how in self.methods.items() if w != "clipped")
 
     @property
-    def reads(self) -> list[jcore.Var]:  # the head's values its route reads
+    def reads(self) -> list[Var]:  # the head's values its route reads
         if self.in_scan is not None:  # the operands are consumed inside the scan
             return _factor_vars(self.in_scan.route.post)
         return self.taken.reads()
@@ -3903,7 +3965,7 @@ def plan(
             LeafPlan(
                 leaf.path,
                 leaf.shape,
-                MeanLoss(graph, leaf, MeanLoss.proof),
+                MeanLoss.match(graph, leaf),
                 dict.fromkeys(need, "factorized"),
                 Cost(),
                 (),
@@ -3917,9 +3979,13 @@ def plan(
         other_kind: list[str] = []
         proven: list[tuple[Route, dict[str, str], Cost]] = []
         best: tuple[float, Route, dict[str, str], Cost] | None = None
+        core, post = graph.core(leaf.grad)  # a CoreRoute is tried where it is one of its cores
         for route in ROUTES:
             try:
-                m = route.match(graph, leaf)
+                if issubclass(route, CoreRoute):
+                    m = route.at_core(graph, leaf, core, post)
+                else:
+                    m = route.match(graph, leaf)
             except Exception as error:  # a route that cannot prove its case refuses it
                 m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
             if isinstance(m, Refusal):
@@ -3965,7 +4031,8 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
         formed.append(("chunk loop", loop_chunk, size))
     m = p.taken
     in_head = isinstance(m, (Contraction, Convolution))
-    if in_head and any(p.methods.get(w) == "factorized" for w in m.FORMED):
+    gram = isinstance(m, Contraction) and m.gram(p.methods)  # norms from Grams: none formed
+    if in_head and any(p.methods.get(w) == "factorized" and not gram for w in m.FORMED):
         one = m.formed_unit()
         operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
         if p.in_scan is not None and p.in_scan.axis is not None:  # one iteration at a time
@@ -4067,7 +4134,7 @@ def _execute(
         for w in need
         if w != "norms"
     }
-    n_units: Any = graph.n_units
+    n_units: int | Array = graph.n_units
     if keep is None:
         loss = losses.mean()
     else:  # the sums above are over kept units, divided by all N
@@ -4082,7 +4149,7 @@ def _execute(
     return loss, _publish(stats, means, sq_norms, n_units), aux
 
 
-def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]) -> dict:
+def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
     """`env` with the batched values among `names` replaced by 0 at examples not kept: every
     route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
     that its sums are over the kept examples — and a NaN there goes nowhere."""
@@ -4096,7 +4163,7 @@ def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Any]
 
 def _run_head(
     graph: Graph,
-    reads: list[list[Any]],
+    reads: list[list[Var]],
     params: PyTree,
     batch: PyTree,
     on_ready: Callable[[list[int], dict], dict],
@@ -4115,7 +4182,7 @@ def _run_head(
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
-    wanted = [v for v in [*outputs, *interface] if isinstance(v, jcore.Var)]
+    wanted = [v for v in [*outputs, *interface] if isinstance(v, Var)]
     jobs: dict[int, dict[int, InScan]] = {}
     for i, job in in_scan.items():
         jobs.setdefault(id(job.scan), {})[i] = job
@@ -4126,10 +4193,10 @@ def _run_head(
         -2 if i in in_scan else max((made_at[v] for v in vs if v in made_at), default=-1)
         for i, vs in enumerate(reads)
     ]
-    last_use: dict[Any, int] = dict.fromkeys(wanted, len(head))  # kept to the end
+    last_use: dict[Var, int] = dict.fromkeys(wanted, len(head))  # kept to the end
     for k, eqn in enumerate(head):
         for v in eqn.invars:
-            if isinstance(v, jcore.Var):
+            if isinstance(v, Var):
                 last_use[v] = max(last_use.get(v, -1), k)
 
     values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
@@ -4139,7 +4206,7 @@ def _run_head(
     # Where each batched value holds its examples: a scan's stacked outputs keep them on
     # axis 1, where vmap leaves them, so that no stacked residual is transposed (copied)
     # between segments; the routes get every value they read with the examples first.
-    batch_axis: dict[Any, int] = {}
+    batch_axis: dict[Var, int] = {}
     leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
     start, results = 0, {}
     for cut in sorted({*ready_at, len(head) - 1} - {-2}):
@@ -4176,9 +4243,9 @@ def _run_head(
 
 def _run_segment(
     graph: Graph,
-    segment: list[Any],
+    segment: list[Eqn],
     values: dict,
-    batch_axis: dict[Any, int],
+    batch_axis: dict[Var, int],
     end: int,
     last_use: dict,
     jobs: Mapping[int, Mapping[int, InScan]],
@@ -4191,7 +4258,7 @@ def _run_segment(
     produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
     reads = list(
         dict.fromkeys(
-            v for e in segment for v in e.invars if isinstance(v, jcore.Var) and v not in produced
+            v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced
         )
     )
     reads_b = [v for v in reads if v in graph.batched]
@@ -4210,9 +4277,9 @@ def _run_segment(
         env = dict(zip(reads_b, batched_in, strict=True))
         env.update(zip(reads_u, unbatched_in, strict=True))
         sums: dict = {}
-        read = {v for e in segment for v in e.invars if isinstance(v, jcore.Var)} | set(outs)
+        read = {v for e in segment for v in e.invars if isinstance(v, Var)} | set(outs)
 
-        def bind(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+        def bind(eqn: Eqn, invals: list[Value]) -> list[Value | None]:
             if id(eqn) not in jobs:
                 return _bind(eqn, invals)
             outs, found = _scan_with_sums(graph, eqn, invals, jobs[id(eqn)], keep, read)
@@ -4238,7 +4305,7 @@ def _run_segment(
 _EXAMPLES = "pegrad_examples"  # the head's vmap axis, over which in-scan sums gather the batch
 
 
-def _stacked_output(graph: Graph, var: Any) -> bool:
+def _stacked_output(graph: Graph, var: Var) -> bool:
     """A stacked output of a scan (vmap gives it the examples on axis 1)."""
     eqn = graph.producer.get(var)
     if eqn is None or eqn.primitive.name != "scan":
@@ -4248,12 +4315,12 @@ def _stacked_output(graph: Graph, var: Any) -> bool:
 
 def _scan_with_sums(
     graph: Graph,
-    scan: jcore.JaxprEqn,
-    invals: list[Any],
+    scan: Eqn,
+    invals: list[Value],
     jobs: Mapping[int, InScan],
     keep: Array | None,
-    read: Container[Any],
-) -> tuple[list[Any], dict]:
+    read: Container[Var],
+) -> tuple[list[Value | None], dict]:
     """`scan` evaluated for one example inside the head's vmap, its body also forming the
     means of φ of the leaves with `jobs` (leaf index -> InScan): at iteration t the operands
     of the whole batch are gathered over the vmap's axis (no copy: the batched value itself),
@@ -4345,7 +4412,7 @@ def _chunk_loop(
     def per_chunk(xs: tuple) -> tuple[dict, Array]:
         values, examples, unit_w, unit_k = xs
 
-        def one(value: list, example: Any, kept: Array) -> tuple[dict, Array]:
+        def one(value: list, example: PyTree, kept: Array) -> tuple[dict, Array]:
             env = {**unbatched, **dict(zip(keys, value, strict=True))}
             grads = {i: r.per_unit(env, example, params) for i, r in routes.items()}
             if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
@@ -4402,7 +4469,7 @@ def _means_only(stats: Sequence[str]) -> bool:
 
 
 def _plain_mean(
-    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[Any]
+    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
 ) -> bool:
     """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
     loss: (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i, by linearity of the gradient, with no
@@ -4471,7 +4538,7 @@ def _gradient_of_mean_loss(
         return jnp.sum(kept), (losses, aux)
 
     (total, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    n_units: Any = losses.shape[0] if keep is None else jnp.sum(keep)
+    n_units: int | Array = losses.shape[0] if keep is None else jnp.sum(keep)
     if summed[0]:
         grads = jax.tree.map(lambda g: _over(g, n_units), grads)
     value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss

@@ -945,3 +945,55 @@ def test_the_variance_of_a_weight_used_at_every_position_takes_the_route_of_its_
     routes = [p.route for p in pegrad.explain(loss, params, batch, stats) if "w" in p.leaf]
     assert routes == ["contraction"], routes
     check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "pos")
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize(
+    "stats, formed",
+    [
+        (("mean", "sq_norms"), True),  # formed in the head: the sum comes with the norms
+        (("sq_norms",), False),  # alone: by the Gram identity, nothing formed
+        (("clipped_mean", "sq_norms"), False),  # the clipping weights wait for every norm
+        (("mean", "sq_mean", "sq_norms"), True),
+    ],
+)
+def test_norms_of_a_weight_used_at_every_position_take_its_route(n: int, stats, formed: bool):
+    """A dense weight applied at T positions: its per-example norms are formed in the head
+    beside the sum (one pass gives both), or from Grams where nothing else needs the
+    per-example gradients — never the fallback — and equal the naive loop at float64."""
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(size=(24, 24))), "v": jnp.asarray(rng.normal(size=24))}
+
+    def loss(p, x):  # x [T, d]: the weight at every position
+        return jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]) ** 2
+
+    batch = jnp.asarray(rng.normal(size=(n, 6, 24)))
+    clip = {"clip_norm": 0.5} if "clipped_mean" in stats else {}
+    (plan,) = [p for p in pegrad.explain(loss, params, batch, stats, **clip) if "w" in p.leaf]
+    assert (plan.route, plan.status) == ("contraction", "factorized"), str(plan)
+    assert [where for where, *_ in plan.formed] == (["head"] if formed else []), str(plan)
+    want = naive_stats(naive_unit_grads(loss, params, batch)[1], 0.5)
+    for choose in ("cheapest", "first"):
+        fn = pegrad.value_and_grad_stats(loss, stats, choose=choose, **clip)
+        got = jax.jit(fn)(params, batch)[1]
+        assert_tree_close({s: got[s] for s in stats}, {s: want[s] for s in stats}, choose)
+
+
+def test_norms_after_a_scaling_by_a_vector_are_not_formed_in_the_head():
+    """Broken precondition: g = m ⊙ core with m a batch-independent vector, so ‖g‖² is not
+    Π φ(m)²·‖core‖²: the norms go to the chunk loop, and still equal the naive loop."""
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 8))), "m": jnp.asarray(rng.normal(size=8))}
+
+    def loss(p, x):
+        w = p["w"] * jax.lax.stop_gradient(p["m"])  # the gradient of w is m ⊙ (x^T δ)
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    batch = jnp.asarray(rng.normal(size=(3, 5, 8)))
+    (plan,) = [
+        p for p in pegrad.explain(loss, params, batch, ("mean", "sq_norms")) if "w" in p.leaf
+    ]
+    assert plan.methods["norms"] == "chunked", str(plan)
+    want = naive_stats(naive_unit_grads(loss, params, batch)[1], 0.5)
+    got = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "sq_norms")))(params, batch)[1]
+    assert_tree_close(got["sq_norms"], want["sq_norms"], "sq_norms")
