@@ -121,7 +121,7 @@ def value_and_grad_stats(
     choose: Choose = "cheapest",
     has_aux: bool = False,
     nonfinite: NonFinite = "propagate",
-) -> Callable[..., tuple[Loss | tuple[Loss, PyTree], Stats]]:
+) -> Callable[..., tuple[Any, Stats]]:  # Any: the loss, or (loss, aux) with has_aux
     """Build `fn(params, batch, mask=None) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
 
     Args:
@@ -281,7 +281,7 @@ class Accumulator(NamedTuple):
     @staticmethod
     def value_and_grad_stats(
         loss_fn: LossFn, stats: str | Sequence[str], **options: Any
-    ) -> Callable[..., tuple[Loss | tuple[Loss, PyTree], Stats]]:
+    ) -> Callable[..., tuple[Any, Stats]]:  # as value_and_grad_stats
         """`value_and_grad_stats(loss_fn, stats, **options)` for micro-batches of any size, in
         or out of jit: "var" comes back as "m2" = Σ_u (g_u − ḡ_k)² over the kept units (0 for
         one kept unit or none, where a micro-batch's variance is undefined)."""

@@ -968,13 +968,14 @@ def test_norms_of_a_weight_used_at_every_position_take_its_route(n: int, stats, 
         return jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]) ** 2
 
     batch = jnp.asarray(rng.normal(size=(n, 6, 24)))
-    clip = {"clip_norm": 0.5} if "clipped_mean" in stats else {}
-    (plan,) = [p for p in pegrad.explain(loss, params, batch, stats, **clip) if "w" in p.leaf]
+    clip = 0.5 if "clipped_mean" in stats else None
+    plans = pegrad.explain(loss, params, batch, stats, clip_norm=clip)
+    (plan,) = [p for p in plans if "w" in p.leaf]
     assert (plan.route, plan.status) == ("contraction", "factorized"), str(plan)
     assert [where for where, *_ in plan.formed] == (["head"] if formed else []), str(plan)
     want = naive_stats(naive_unit_grads(loss, params, batch)[1], 0.5)
     for choose in ("cheapest", "first"):
-        fn = pegrad.value_and_grad_stats(loss, stats, choose=choose, **clip)
+        fn = pegrad.value_and_grad_stats(loss, stats, choose=choose, clip_norm=clip)
         got = jax.jit(fn)(params, batch)[1]
         assert_tree_close({s: got[s] for s in stats}, {s: want[s] for s in stats}, choose)
 
