@@ -108,9 +108,21 @@ Definitions used in the summaries:
   √(B(1+β)/(1−β)) (SignEMA: the EMA averages (1+β)/(1−β) times more steps). The predicted
   alignment of a rule is Σ_j |μ_j|·erf(k|μ_j|/(√2σ_j)) / Σ_j |μ_j| in [0, 1], higher is better.
 * batch-scaling: per method, arm and B, the lr chosen on the selection seeds from an absolute
-  grid (the same at every B, extended at edges); the exponent is the least-squares slope of
-  log(best lr) against log B over the B whose best lr is interior, with a 95 % interval from
-  resampling the seeds with replacement (each resample re-chooses every best lr).
+  grid (the same at every B, 2× steps, extended at edges). Held-out (issue 39): the evaluation
+  seeds then train each B's chosen lr and its two grid neighbours (the bracket), and the
+  exponent comes from them alone: per B, the best lr is the vertex of the parabola in log lr
+  through the three mean final losses over the evaluation seeds (`lr_vertex`: a continuous
+  estimate, so a 2× grid no longer quantises the exponent to multiples of its step; where the
+  lowest mean is an end of the bracket, that end, flagged: the optimum may lie beyond); the
+  exponent is the least-squares slope of log(best lr) against log B over the B whose selected
+  lr is interior; its 95 % interval is the percentile interval of BOOTSTRAP resamples of the
+  evaluation seeds (with replacement, repeats weighted), each re-locating every B's vertex from
+  its own means. So the selection seeds decide only where to look (the bracket), and the number
+  and its interval are measured on seeds that chose nothing; the interval carries the
+  evaluation seeds' noise of the optimum, not the bracket's placement (a flagged B is where
+  that matters). Beside it the summary keeps each evaluation seed's own exponent and the
+  selection seeds' grid fit (best grid lrs, seeds resampled: the number before issue 39, the
+  only one under leave-one-seed-out, and on 3 seeds of a 2× grid a degenerate interval).
 """
 
 import argparse
@@ -2168,11 +2180,53 @@ def fit_exponent(best: dict[int, float]) -> float | None:
     return float(np.polyfit(np.log(bs), np.log([best[b] for b in bs]), 1)[0])
 
 
+def lr_vertex(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, bool] | None:
+    """The lr that minimises the loss among the ascending grid points `lrs` (`losses`: their
+    mean final losses, NaN where a seed did not finish): where the lowest point has a
+    neighbour on each side, the vertex of the parabola in log lr through the three (it lies
+    between them; the lowest point itself if they are collinear), else the lowest point. Second:
+    True when the minimum is at an end of the points (the optimum may lie beyond them)."""
+    ok = [(math.log(x), float(y)) for x, y in zip(lrs, losses, strict=True) if math.isfinite(y)]
+    if not ok:
+        return None
+    i = min(range(len(ok)), key=lambda j: ok[j][1])
+    if not 0 < i < len(ok) - 1:
+        return math.exp(ok[i][0]), True
+    (x0, y0), (x1, y1), (x2, y2) = ok[i - 1 : i + 2]
+    a, b, _ = np.polyfit([x0, x1, x2], [y0, y1, y2], 2)
+    v = x1 if a <= 0 else min(max(-b / (2 * a), x0), x2)
+    return math.exp(v), False
+
+
+@dataclasses.dataclass(frozen=True)
+class Bracket:
+    """One B's evaluation: the chosen lr and its grid neighbours (ascending), and the final
+    loss of each evaluation seed at each (NaN: diverged or blew up)."""
+
+    batch_size: int
+    lrs: tuple[float, ...]
+    losses: np.ndarray  # [len(lrs), seeds]
+
+
+def eval_exponent(
+    brackets: Sequence[Bracket], pick: Sequence[int] | np.ndarray
+) -> tuple[float | None, dict[int, tuple[float, bool]]]:
+    """The exponent on the evaluation seeds at column indices `pick` (repeats count: a
+    bootstrap resample): per B, `lr_vertex` of the mean over `pick` (an lr where a picked seed
+    did not finish is left out), then the least-squares slope of log(lr) against log(B)."""
+    found = {}
+    for br in brackets:
+        v = lr_vertex(br.lrs, br.losses[:, np.asarray(pick)].mean(axis=1))
+        if v is not None:
+            found[br.batch_size] = v
+    return fit_exponent({b: v[0] for b, v in found.items()}), found
+
+
 def run_batch_scaling(ctx: Context) -> dict[str, Any]:
     scale, proto = ctx.scale, ctx.proto
     if proto.name == "fixed":
         raise ValueError("batch-scaling fits an exponent to chosen lrs: --lrs-from does not apply")
-    seeds = proto.select  # the grid runs on these; held-out seeds would add no information
+    seeds = proto.select  # the grids run on these; the evaluation seeds on brackets
     labels = {
         (m, arm, b): f"{LABELS[m]} ({arm}) B={b}"
         for m in BATCH_POWER
@@ -2185,26 +2239,81 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
     ]
     runs = Runs("batch-scaling", ctx.cache)
     record = select_lrs(runs, variants, seeds, scale.batch_max_extensions)
+    by_label = {v.label: v for v in variants}
+    evaluate = proto.evaluate  # held-out: each B's chosen lr and its neighbours on these
+    brackets: dict[str, Bracket] = {}
+    if evaluate:
+        around: dict[str, tuple[float, ...]] = {}  # label -> the chosen lr and its neighbours
+        for lb, rec in record.items():
+            if rec["chosen"] is not None:
+                grid = sorted(rec["grid"])
+                i = grid.index(rec["chosen"]["lr"])
+                around[lb] = tuple(grid[max(0, i - 1) : i + 2])
+        runs.train(
+            "evaluate",
+            [
+                (Point(lb, dataclasses.replace(by_label[lb].cfg, lr=lr), by_label[lb].extra), s)
+                for lb, lrs in around.items()
+                for lr in lrs
+                for s in evaluate
+            ],
+        )
+        loss_of = {
+            (r["method"], r["lr"], r["seed"]): r["final_loss"]
+            for r in runs.rows
+            if r["phase"] == "evaluate"
+        }
+        for lb, lrs in around.items():
+            losses = [[loss_of.get((lb, lr, s)) for s in evaluate] for lr in lrs]
+            brackets[lb] = Bracket(
+                by_label[lb].cfg.batch_size,
+                lrs,
+                np.array([[math.nan if x is None else x for x in row] for row in losses]),
+            )
     rng = np.random.default_rng(0)
     resamples = [rng.choice(seeds, size=len(seeds)) for _ in range(BOOTSTRAP)]
+    eval_resamples = [rng.integers(0, len(evaluate), len(evaluate)) for _ in range(BOOTSTRAP)]
     fits, table = [], []
     for m, power in BATCH_POWER.items():
         for arm in ARMS:
             mine = {b: labels[(m, arm, b)] for b in scale.batch_sizes}
             interior = {b: lb for b, lb in mine.items() if record[lb]["edge"] is None}
-            point = fit_exponent(best_lr_per_b(runs.rows, interior, seeds))
-            boot = [
+            # On the selection seeds (the only fit of leave-one-seed-out; beside the held-out
+            # one, what it was before): best grid lrs, seeds resampled, each re-choosing.
+            sel_point = fit_exponent(best_lr_per_b(runs.rows, interior, seeds))
+            sel_boot = [
                 e
                 for r in resamples
                 if (e := fit_exponent(best_lr_per_b(runs.rows, interior, list(r)))) is not None
             ]
+            sel_ci = np.percentile(sel_boot, [2.5, 97.5]).tolist() if sel_boot else [None, None]
+            mine_br = [brackets[lb] for lb in interior.values() if lb in brackets]
+            per_seed_exp: dict[int, float | None] = {}
+            at_end: list[int] = []
+            if evaluate:
+                point, found = eval_exponent(mine_br, range(len(evaluate)))
+                at_end = sorted(b for b, (_, end) in found.items() if end)
+                boot = [
+                    e for r in eval_resamples if (e := eval_exponent(mine_br, r)[0]) is not None
+                ]
+                per_seed_exp = {s: eval_exponent(mine_br, [j])[0] for j, s in enumerate(evaluate)}
+                source = f"evaluation seeds {seeds_text(evaluate)}"
+            else:
+                point, boot, source = sel_point, sel_boot, f"selection seeds {seeds_text(seeds)}"
             lo, hi = np.percentile(boot, [2.5, 97.5]).tolist() if boot else (None, None)
             inside = None if lo is None or hi is None else lo - 1e-9 <= power <= hi + 1e-9
             verdict = (
                 "no verdict: fewer than two batch sizes with an interior best lr"
-                if point is None
-                else f"exponent {point:.2f} (95% seed-bootstrap interval [{lo:.2f}, {hi:.2f}], "
-                f"{len(interior)} B with an interior best lr); predicted {power:g}: "
+                if point is None or lo is None or hi is None
+                else f"exponent {point:.2f} (95% bootstrap interval [{lo:.2f}, {hi:.2f}] over the "
+                f"{source}; {len(interior)} B with an interior best lr"
+                + (
+                    f", at B {', '.join(map(str, at_end))} the evaluation seeds' best lr is at "
+                    "the end of its bracket"
+                    if at_end
+                    else ""
+                )
+                + f"); predicted {power:g}: "
                 + ("inside the interval" if inside else "outside the interval")
             )
             fits.append(
@@ -2214,7 +2323,11 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
                     "predicted": power,
                     "exponent": point,
                     "ci95": [lo, hi],
+                    "seeds": list(evaluate or seeds),
+                    "exponent_per_seed": per_seed_exp,
+                    "bracket_end_at_b": at_end,
                     "batch_sizes_fitted": sorted(interior),
+                    "selection_fit": {"exponent": sel_point, "ci95": sel_ci, "seeds": list(seeds)},
                     "verdict": verdict,
                 }
             )
@@ -2230,6 +2343,10 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
                     if ok:
                         per_seed[s] = min(ok, key=lambda r: r["final_loss"])["lr"]
                 c = rec["chosen"]
+                br = brackets.get(lb)
+                ev = None if br is None else lr_vertex(br.lrs, br.losses.mean(axis=1))
+                at_c = None if br is None or c is None else br.losses[br.lrs.index(c["lr"])]
+                ok = None if at_c is None or not np.isfinite(at_c).all() else at_c
                 table.append(
                     {
                         "method": m,
@@ -2243,6 +2360,11 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
                         "best_lr_per_seed": per_seed,
                         "final_loss": None if c is None else c["mean"],
                         "sd": None if c is None else c["sd"],
+                        "eval_lrs": None if br is None else list(br.lrs),
+                        "eval_best_lr": None if ev is None else ev[0],
+                        "eval_at_bracket_end": None if ev is None else ev[1],
+                        "eval_final_loss": None if ok is None else float(ok.mean()),
+                        "eval_sd": None if ok is None or len(ok) < 2 else float(ok.std(ddof=1)),
                     }
                 )
     # The regime: below the critical batch, the loss after a fixed number of examples is flat
@@ -2250,15 +2372,12 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
     regime = []
     for m in BATCH_POWER:
         for arm in ARMS:
-            mine = [
-                t
-                for t in table
-                if t["method"] == m and t["arm"] == arm and t["final_loss"] is not None
-            ]
+            key, sd = ("eval_final_loss", "eval_sd") if evaluate else ("final_loss", "sd")
+            mine = [t for t in table if t["method"] == m and t["arm"] == arm and t[key] is not None]
             if len(mine) >= 2:
                 a, b = mine[0], mine[1]
-                rise = b["final_loss"] - a["final_loss"]
-                noise = math.hypot(a["sd"] or 0.0, b["sd"] or 0.0)
+                rise = b[key] - a[key]
+                noise = math.hypot(a[sd] or 0.0, b[sd] or 0.0)
                 regime.append(
                     {
                         "method": m,
@@ -2305,7 +2424,9 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
     cfg0 = task_config(scale, scale.batch_task)
     lines = [
         f"# Batch-size scaling ({TASK_NAMES[scale.batch_task]}, {scale.batch_examples} examples "
-        f"per run, seeds {seeds_text(seeds)})\n",
+        f"per run, seeds {seeds_text(seeds)}"
+        + (f", evaluation seeds {seeds_text(evaluate)}" if evaluate else "")
+        + ")\n",
         *provenance_lines(ctx.prov),
         *code_lines(summary["code"]),
         f"Absolute lr grid {', '.join(fmt_lr(x) for x in scale.batch_lrs)} at every B (extended "
@@ -2313,8 +2434,19 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         f"or {cfg0.b2:g}^(B/{scale.batch_base}) "
         "(half-life arm).",
         "",
-        "| method | arm | B | β₂ | best lr (per seed) | final loss: mean ± sd |",
-        "|---|---|---|---|---|---|",
+        "Selection: each B's lr chosen on the selection seeds (per seed: each one's own pick). "
+        + (
+            f"Evaluation: the chosen lr and its grid neighbours on seeds {seeds_text(evaluate)}; "
+            "their best lr is the vertex of the parabola in log lr through the three mean final "
+            "losses (* where the lowest is an end of the bracket); the final loss there is at the "
+            "chosen lr."
+            if evaluate
+            else "No evaluation seeds (leave-one-seed-out): everything is on the selection seeds."
+        ),
+        "",
+        "| method | arm | B | β₂ | best lr (per seed) | final loss: mean ± sd | evaluation: "
+        "best lr | evaluation: final loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
         flag = f" **{EDGE}**" if t["edge"] else ""
@@ -2324,17 +2456,48 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
             if t["final_loss"] is None
             else (f"{t['final_loss']:.3f}" + ("" if t["sd"] is None else f" ± {t['sd']:.3f}"))
         )
+        ev_lr = (
+            "–"
+            if t["eval_best_lr"] is None
+            else f"{t['eval_best_lr']:.3g}" + ("*" if t["eval_at_bracket_end"] else "")
+        )
+        ev_loss = (
+            "–"
+            if t["eval_final_loss"] is None
+            else f"{t['eval_final_loss']:.3f}"
+            + ("" if t["eval_sd"] is None else f" ± {t['eval_sd']:.3f}")
+        )
         lines.append(
             f"| {LABELS[t['method']]} | {t['arm']} | {t['batch_size']} | {t['b2']:.5g} "
-            f"| {fmt_lr(t['best_lr'])}{flag} ({picks}) | {loss} |"
+            f"| {fmt_lr(t['best_lr'])}{flag} ({picks}) | {loss} | {ev_lr} | {ev_loss} |"
         )
     lines += [
         "",
-        "Fitted exponents (over the B whose best lr is interior; fitted on the selection "
-        "seeds alone, the evaluation seeds are not used here; interval: seed bootstrap):",
+        "Fitted exponents (over the B whose selected lr is interior; "
+        + (
+            "on the evaluation seeds: their interpolated best lrs; interval: the evaluation "
+            "seeds resampled, each resample re-locating every B's best lr):"
+            if evaluate
+            else "on the selection seeds; interval: seed bootstrap):"
+        ),
         "",
     ]
     lines += [f"- {LABELS[f['method']]} ({f['arm']}): {f['verdict']}" for f in fits]
+    if evaluate:
+        lines += [
+            "",
+            "Beside them: per evaluation seed alone, and the selection seeds' grid fit (the "
+            "pre-issue-39 number):",
+            "",
+        ]
+        lines += [
+            f"- {LABELS[f['method']]} ({f['arm']}): per seed "
+            + ", ".join(f"{s}: {fmt_num(e, '.2f')}" for s, e in f["exponent_per_seed"].items())
+            + f"; selection seeds {fmt_num(f['selection_fit']['exponent'], '.2f')} "
+            f"[{fmt_num(f['selection_fit']['ci95'][0], '.2f')}, "
+            f"{fmt_num(f['selection_fit']['ci95'][1], '.2f')}]"
+            for f in fits
+        ]
     lines += ["", "Regime (loss after a fixed number of examples, smallest B vs the next):", ""]
     lines += [
         f"- {LABELS[r['method']]} ({r['arm']}): B={r['smallest_b']} → next: "

@@ -236,6 +236,10 @@ def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
         c, ls = f"C{i // 2}", "-" if i % 2 == 0 else "--"
         bs = np.array([t["batch_size"] for t in mine], float)
         axes[0].plot(bs, [t["best_lr"] for t in mine], "o" + ls, color=c, label=f"{m}, {arm}")
+        ev = [t for t in mine if t.get("eval_best_lr")]  # the evaluation seeds' (issue 39)
+        axes[0].plot(
+            [t["batch_size"] for t in ev], [t["eval_best_lr"] for t in ev], "s", color=c, mfc="none"
+        )
         edge = [t for t in mine if t["edge"]]
         axes[0].plot(
             [t["batch_size"] for t in edge], [t["best_lr"] for t in edge], "x", color="k", ms=9
@@ -244,10 +248,11 @@ def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
         if mine and fit["exponent"] is not None:
             ref = mine[0]["best_lr"] * (bs / bs[0]) ** fit["predicted"]
             axes[0].plot(bs, ref, ":", color=c, lw=0.8)
+        held = all(t.get("eval_final_loss") is not None for t in mine)  # evaluation seeds
         axes[1].errorbar(
             bs,
-            [t["final_loss"] for t in mine],
-            yerr=[t["sd"] or 0 for t in mine],
+            [t["eval_final_loss" if held else "final_loss"] for t in mine],
+            yerr=[t["eval_sd" if held else "sd"] or 0 for t in mine],
             fmt="o" + ls,
             color=c,
             capsize=3,
@@ -277,7 +282,13 @@ def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
         ax.set_xscale("log", base=2)
     axes[0].set_yscale("log")
     axes[2].set_yscale("log")
-    finish(axes[0], "best lr vs B (x: at a grid edge; dotted: the predicted slope)", "B", "lr")
+    finish(
+        axes[0],
+        "best lr vs B (o: selection grid; □: evaluation seeds, interpolated; x: at a grid edge; "
+        "dotted: the predicted slope)",
+        "B",
+        "lr",
+    )
     finish(axes[1], f"final loss after {summary['examples']} examples", "B", "final eval loss")
     finish(
         axes[2],

@@ -379,6 +379,16 @@ def test_batch_scaling_arms_and_its_cache(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(summary["fits"]) == len(experiments.BATCH_POWER) * len(experiments.ARMS)
     for f in summary["fits"]:
         assert f["exponent"] is None or f["ci95"][0] <= f["ci95"][1]
+        assert f["seeds"] == list(EVALUATE)  # the fit comes from the evaluation seeds
+    for t in summary["best_lr_per_batch"]:  # each chosen lr and its neighbours, evaluated
+        if t["best_lr"] is not None:
+            assert t["best_lr"] in t["eval_lrs"] and set(t["eval_lrs"]) <= set(t["grid"])
+            ran = {
+                (float(r["lr"]), int(r["seed"]))
+                for r in rows
+                if r["phase"] == "evaluate" and r["method"].endswith(f"B={t['batch_size']}")
+            }
+            assert {(lr, s) for lr in t["eval_lrs"] for s in EVALUATE} <= ran
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("trained again instead of reading the cache")
@@ -386,6 +396,40 @@ def test_batch_scaling_arms_and_its_cache(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(sweep, "run_group", refuse)
     again = smoke("batch-scaling", tmp_path / "bs")
     assert again["best_lr_per_batch"] == summary["best_lr_per_batch"]
+
+
+def test_batch_scaling_exponent_from_evaluation_seeds_on_constructed_losses():
+    # Losses quadratic in log lr with the optimum at lr* = 0.01·(B/4)^0.75 plus per-seed noise:
+    # the vertex recovers lr* between grid points, the fit 0.75 (not a multiple of the 2×
+    # grid's step), and the seed bootstrap gives an interval around it.
+    rng = np.random.default_rng(1)
+    brackets = []
+    for b in (4, 8, 16, 32):
+        star = 0.01 * (b / 4) ** 0.75
+        c = 0.01 * 2.0 ** round(math.log2(star / 0.01))  # the grid point nearest lr*
+        lrs = (c / 2, c, 2 * c)
+        noise = rng.normal(0, 0.002, (1, 5))
+        losses = np.array([[(math.log(x / star)) ** 2 for x in lrs]]).T + noise
+        brackets.append(experiments.Bracket(b, lrs, losses))
+        v = experiments.lr_vertex(lrs, losses.mean(axis=1).tolist())
+        assert v is not None and v[0] == pytest.approx(star, rel=1e-9) and not v[1]
+    point, found = experiments.eval_exponent(brackets, range(5))
+    assert point == pytest.approx(0.75) and not any(end for _, end in found.values())
+    # An end of the bracket is flagged; a seed that did not finish drops its lr.
+    assert experiments.lr_vertex((1.0, 2.0, 4.0), (3.0, 2.0, 1.0)) == (4.0, True)
+    assert experiments.lr_vertex((1.0, 2.0, 4.0), (2.0, 1.0, math.nan)) == (2.0, True)
+    assert experiments.lr_vertex((1.0, 2.0), (math.nan, math.nan)) is None
+    # Symmetric neighbours: the vertex is the middle point.
+    assert experiments.lr_vertex((1.0, 2.0, 4.0), (2.0, 1.0, 2.0)) == (pytest.approx(2.0), False)
+    noisy = [
+        experiments.Bracket(b, (b / 2, b, 2 * b), np.array([[1.0] * 3, [0.0] * 3, [1.0] * 3]))
+        for b in (4, 8)
+    ]
+    noisy[1].losses[0, 0] = 2.0  # seed 0 alone pulls B 8's vertex up
+    boot = [
+        experiments.eval_exponent(noisy, r)[0] or 0.0 for r in ([0, 0, 0], [1, 2, 1], [0, 1, 2])
+    ]
+    assert boot[0] > boot[2] > boot[1] == pytest.approx(1.0)
 
 
 def test_batch_scaling_runs_on_the_task_asked_for(tmp_path: Path):
