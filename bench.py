@@ -34,7 +34,8 @@ Sections:
 * paper: `TransformerConfig.paper()` (GPT-2-small shape) compiled but never run, for its
   memory profile; inputs are `jax.ShapeDtypeStruct`s, so nothing model-sized is allocated.
 * families: the model families people train, B = `family_batch`, mean and mean+sq_mean:
-  an MLP; transformers as a list of blocks, as stacked blocks in `lax.scan`, and with
+  an MLP; transformers as a list of blocks, as stacked blocks in `lax.scan` or read as W[l] in
+  a Python loop, and with
   grouped-query attention + RoPE; a GPT written with flax.linen layers (Dense, LayerNorm,
   Embed, MultiHeadDotProductAttention) called on x[None], as a list of blocks and in nn.scan
   (needs flax, from the test extra); a CNN (`eqx.nn.Conv2d`) on 16×16 images (positions above
@@ -101,6 +102,7 @@ FAMILIES = (
     "mlp",
     "transformer",
     "transformer-scan",
+    "transformer-stacked",
     "gqa-rope",
     "flax-gpt",
     "flax-gpt-scan",
@@ -592,6 +594,17 @@ class _MoE(eqx.Module):
         return self.head(h)
 
 
+def _stacked_blocks_in_a_loop(model: models.TransformerLM, example: tuple[Array, Array]) -> Array:
+    """`models.lm_loss` of a model whose blocks are stacked (scan_layers) but read as W[l] in a
+    Python loop, as a hand-written model indexes its stacked weights."""
+    arrays, rest = eqx.partition(model.blocks, eqx.is_array)
+    layers = jax.tree.leaves(arrays)[0].shape[0]
+    blocks = tuple(
+        eqx.combine(jax.tree.map(lambda a, k=k: a[k], arrays), rest) for k in range(layers)
+    )
+    return models.lm_loss(eqx.tree_at(lambda m: m.blocks, model, blocks), example)
+
+
 def family_workloads(config: Config) -> list[Callable[[], Workload]]:
     """The "families" section: one workload per model family (built when measured)."""
     b, d, seq = config.family_batch, config.family_width, config.family_seq
@@ -615,7 +628,7 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
     def classify(x: Array) -> tuple[Array, Array]:
         return x, jax.random.randint(keys[7], (b,), 0, 10, jnp.int32)
 
-    def lm(name: str, **options: Any) -> Workload:
+    def lm(name: str, loss: Callable = models.lm_loss, **options: Any) -> Workload:
         fields = {f.name for f in dataclasses.fields(models.TransformerConfig)}
         missing = sorted(set(options) - fields)
         if missing:  # an option this models.py does not offer
@@ -630,7 +643,7 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
         )
         tokens = jax.random.randint(keys[6], (b, seq + 1), 0, config_lm.vocab_size, jnp.int32)
         model = models.TransformerLM(config_lm, key=keys[5])
-        return workload(name, model, models.lm_loss, (tokens[:, :-1], tokens[:, 1:]))
+        return workload(name, model, loss, (tokens[:, :-1], tokens[:, 1:]))
 
     def mlp() -> Workload:
         model = models.MLP(d, 10, d, 3, key=keys[0])
@@ -733,6 +746,11 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
         "transformer": lambda: lm(f"transformer {shape}, list of blocks"),
         "transformer-scan": lambda: lm(
             f"transformer {shape}, blocks in lax.scan", scan_layers=True
+        ),
+        "transformer-stacked": lambda: lm(
+            f"transformer {shape}, stacked blocks read as W[l] in a loop",
+            _stacked_blocks_in_a_loop,
+            scan_layers=True,
         ),
         "gqa-rope": lambda: lm(f"transformer {shape}, GQA + RoPE", position="rotary", n_kv_heads=1),
         "flax-gpt": lambda: flax_gpt(scan=False),

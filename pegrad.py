@@ -1616,15 +1616,10 @@ class Graph:
 
     def nonlinear_in_seed(self, eqns: Sequence[Eqn], out: Atom | None = None) -> str:
         """Why `eqns` (computing `out`) are not proven linear in their cotangent (seeded)
-        inputs, or "".
-
-        Each equation that reads a cotangent must be linear in the cotangents it reads, the
-        other operands fixed: a sum of cotangents (or proven zeros), a product or contraction
-        with exactly one cotangent factor, a division of one, and the ops that only move or
-        add up entries of one, with parameters that add nothing (a gather fills with 0, a pad
-        pads with 0). By induction every seeded value is then linear in the cotangents, and
-        a value that is not seeded is a constant of the map: `out` must be seeded, or the map
-        is affine (a custom_vjp backward that ignores its cotangent)."""
+        inputs, or "". Each equation that reads a cotangent must be linear in the cotangents it
+        reads, the other operands fixed (`_LINEARITY`); by induction every seeded value is then
+        linear in the cotangents. A value not seeded is a constant of the map: `out` must be
+        seeded, or the map is affine (a custom_vjp backward that ignores its cotangent)."""
         if out is not None and not (isinstance(out, Var) and out in self.seeded):
             return "the gradient does not depend on the cotangent: affine, not linear"
         for eqn in eqns:
@@ -3186,8 +3181,19 @@ class _Composite(Route):
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array: ...
 
     def compute(self, env: Env, what: str) -> Array:
-        parts = [p.compute_many(env, [what])[what] for p in self.parts]
-        return self._combine(parts, what, env)
+        return self.compute_many(env, [what])[what]
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        """Each part's ingredients at once (a part may share work between them), combined."""
+        found = [p.compute_many(env, wanted) for p in self.parts]
+        return {w: self._combine([f[w] for f in found], w, env) for w in wanted}
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        """The parts' own costs of the factorized ingredients (with what they share), and the
+        chunk loop's for the rest."""
+        factored = {w: how for w, how in methods.items() if how == "factorized"}
+        rest = {w: how for w, how in methods.items() if how != "factorized"}
+        return super().cost(rest) + sum((p.cost(factored) for p in self.parts), Cost())
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
@@ -3394,8 +3400,9 @@ def _placed_part(
     size = _shape(part)
     if stacked is not None:
         size = (*size[:stacked], 1, *size[stacked:])
+    part_leaf = dataclasses.replace(leaf, shape=_shape(part), grad=part)  # costed as the part
     for route in _PART_ROUTES:
-        m = route.match(graph, leaf, part)
+        m = route.match(graph, part_leaf, part)
         if isinstance(m, CoreRoute):
             window = tuple((s, s + k) for s, k in zip(starts, size, strict=True))
             return (window, m, Placement(tuple(starts), size, stacked))
@@ -3726,10 +3733,8 @@ _NOT_SEARCHED = "the loss was not searched for a backward rule of the user's (_u
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MeanLoss(Route):
-    """The mean alone, every leaf at once (`_plain_mean` decides, before any leaf's route, and
-    `_user_backward` finds no custom_vjp): backpropagation of the mean loss,
-    (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i — plain grad's own program (`_gradient_of_mean_loss`), no
-    extra cost. Not in ROUTES: it is no leaf's proof."""
+    """The mean alone, every leaf at once, where `_plain_mean` and `_user_backward` allow it:
+    plain grad of the mean loss (`_gradient_of_mean_loss`). Not in ROUTES: no leaf's proof."""
 
     name = "mean-loss"
     proof: ClassVar[str] = (
@@ -3749,7 +3754,7 @@ class MeanLoss(Route):
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
-_PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution)  # parts
+_PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution, UnitSum)
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
 ROUTES: tuple[type[Route], ...] = (
     Empty,
@@ -4472,12 +4477,9 @@ def _plain_mean(
     stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
 ) -> bool:
     """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
-    loss: (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i, by linearity of the gradient, with no
-    precondition. Backpropagation already sums over examples where each gradient is formed; a
-    rewrite forms the same sums in vmap's layout, at best as fast. Not with choose="first"
-    (which runs the routes), per-token units (whose split the rewrite proves) or parameters
-    narrower than their statistics (plain grad would sum them in their own precision); and
-    only where the loss has no backward rule of the user's (`_user_backward`)."""
+    loss, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i (no rewrite of that sum is cheaper). Not with
+    choose="first", per-token units (whose split the rewrite proves) or parameters narrower than
+    their statistics; and only where the loss has no backward rule of the user's."""
     return (
         _ingredients(stats) == ("sum",)
         and choose == "cheapest"
@@ -4492,14 +4494,10 @@ _USER_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_tra
 
 
 def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
-    """Why plain grad of the mean loss is not proven to be the mean of the per-example
-    gradients, or "". Backpropagation through JAX's own operations is linear in the cotangent,
-    so ∇ Σ_i ℓ_i = Σ_i g_i whatever the seed's scale and wherever the examples' cotangents are
-    summed. A backward rule the user wrote is a function of its cotangent that need not be
-    linear (the gradient clipping of JAX's custom_vjp tutorial): plain grad of the mean loss
-    applies it to c_i/B, and once to Σ_i c_i where its inputs do not depend on the example,
-    where each g_i applies it to c_i; clip(Σ_i c_i) ≠ Σ_i clip(c_i). `loss_fn` returns
-    (loss, aux); its one-example jaxpr is searched, sub-jaxprs included."""
+    """Why plain grad of the mean loss is not proven the mean of the per-example gradients, or
+    "". JAX's own transposes are linear in the cotangent, so ∇ Σ_i ℓ_i = Σ_i g_i; a backward
+    rule the user wrote need not be (clipping in JAX's custom_vjp tutorial: clip(Σ_i c_i) ≠
+    Σ_i clip(c_i)). The one-example jaxpr of `loss_fn` (→ (loss, aux)) is searched, deeply."""
     closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
     todo = [closed.jaxpr]  # jax.extend.core.jaxprs_in_params would do: not in JAX 0.7.2
     while todo:

@@ -998,3 +998,31 @@ def test_norms_after_a_scaling_by_a_vector_are_not_formed_in_the_head():
     want = naive_stats(naive_unit_grads(loss, params, batch)[1], 0.5)
     got = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "sq_norms")))(params, batch)[1]
     assert_tree_close(got["sq_norms"], want["sq_norms"], "sq_norms")
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("stats", [("mean", "sq_mean"), ("mean", "var"), ("mean", "sq_norms")])
+def test_stacked_weights_read_by_a_static_index_take_the_unstacked_routes(n: int, stats):
+    """Weights stacked over layers and read as W[l], b[l] in a Python loop, each applied at
+    every position: each layer's part takes the route an unstacked layer takes (contraction,
+    unit-sum) inside disjoint-parts — never the fallback — and every statistic equals the naive
+    loop at float64."""
+    rng = np.random.default_rng(3)
+    layers, width = 3, 8
+    params = {
+        "W": jnp.asarray(rng.normal(size=(layers, width, width)) / 3),
+        "b": jnp.asarray(rng.normal(size=(layers, width))),
+    }
+
+    def loss(p, x):  # x [T, width]
+        for layer in range(layers):
+            x = jnp.tanh(x @ p["W"][layer] + p["b"][layer])
+        return jnp.sum(x**2)
+
+    batch = jnp.asarray(rng.normal(size=(n, 5, width)))
+    stats = ("mean", "sq_mean") if n == 1 and "var" in stats else stats  # var needs B ≥ 2
+    plans = pegrad.explain(loss, params, batch, stats)
+    assert [(p.route, p.status) for p in plans] == [("disjoint-parts", "factorized")] * 2, str(
+        plans
+    )
+    check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "W[l]")
