@@ -151,18 +151,6 @@ import plots
 import sweep
 import train
 
-EXPERIMENTS = (
-    "sign",
-    "sign-decided",
-    "noise-floor",
-    "precond",
-    "msq",
-    "clipping",
-    "batch-scaling",
-    "windows",
-    "overhead",
-    "vectorize",
-)
 # seeded studies
 TRAINING = (
     "sign",
@@ -174,6 +162,7 @@ TRAINING = (
     "batch-scaling",
     "windows",
 )
+EXPERIMENTS = (*TRAINING, "overhead", "vectorize")
 TASK_NAMES = {"mlp": "MLP teacher-student", "lm": "byte-level LM"}  # in figure titles
 SIGN_METHODS = ("micro_sign_sgd", "sign_sgd", "sign_ema")
 PRECOND_METHODS = ("adam", "micro_adam", "micro_adam_var")

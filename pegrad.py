@@ -654,7 +654,7 @@ def _refuse_coupled(params: PyTree) -> None:
     ):
         flag = "use_running_average" if hasattr(node, "use_running_average") else "inference"
         if getattr(node, flag, None) is False and (
-            flag == "use_running_average" or "BatchNorm" in str(type(node))
+            flag == "use_running_average" or type(node).__name__ == "BatchNorm"
         ):
             raise ValueError(
                 f"params{jax.tree_util.keystr(path)} is a {type(node).__module__.split('.')[0]} "
@@ -1239,7 +1239,7 @@ def _positions(*names: str) -> Callable[[PositionRule], PositionRule]:
 
 def _kept(eqn: Eqn, ins: list[Axes], gone: Sequence[int | np.integer]) -> list[Axes]:
     """The input's axes not in `gone`, renumbered in order (squeeze, reductions)."""
-    kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in {int(a) for a in gone}]
+    kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in gone]
     return [frozenset(j for j, k in enumerate(kept) if k in ins[0])] * len(eqn.outvars)
 
 
@@ -1264,10 +1264,9 @@ def _elementwise(eqn: Eqn, ins: list[Axes]) -> list[Axes]:
 _positions("optimization_barrier")(lambda eqn, ins: list(ins))
 _positions("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")(lambda eqn, ins: [ins[0]])
 _positions("squeeze")(lambda eqn, ins: _kept(eqn, ins, eqn.params["dimensions"]))
-_positions(*_names("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or"))(
-    lambda eqn, ins: _kept(eqn, ins, eqn.params["axes"])
-)
-_positions("argmax", "argmin")(lambda eqn, ins: _kept(eqn, ins, eqn.params["axes"]))
+_positions(
+    *_names("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin")
+)(lambda eqn, ins: _kept(eqn, ins, eqn.params["axes"]))
 _positions("transpose")(
     lambda eqn, ins: [frozenset(j for j, k in enumerate(eqn.params["permutation"]) if k in ins[0])]
 )
@@ -4558,9 +4557,10 @@ def _graph(
     stats: Sequence[str],
     options: Options,
     weighted: bool = False,
+    backward: str | None = None,
 ) -> Graph:
     """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
-    loss is not proven its value ("" where it is)."""
+    loss is not proven its value ("" where it is; `backward`: already found by the caller)."""
     granularity, choose, chunk_size, memory_budget = options
     graph = Graph.build(loss, params, batch, per_example, _means_only(stats), memory_budget)
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
@@ -4569,7 +4569,7 @@ def _graph(
         weighted=weighted,
         chunk_size=chunk_size,
         memory_budget=memory_budget,
-        user_backward=_user_backward(loss, params, batch) if plain else None,
+        user_backward=(backward or _user_backward(loss, params, batch)) if plain else None,
     )
 
 
@@ -4584,15 +4584,17 @@ def _factorized(
     keep: Array | None,
     drop: bool,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """impl="factorized", Part I's entry point: the mean alone as plain grad of the mean loss
-    where that is proven, else the graph, its plan and the executor."""
+    """impl="factorized" (an entry point): plain grad of the mean loss where proven, else
+    the graph, its plan and the executor."""
     granularity, choose = options[:2]
     dtypes = [x.dtype for x in jax.tree.leaves(params)]
     plain = not drop and _plain_mean(stats, choose, granularity, dtypes)
-    if plain and not _user_backward(loss, params, batch):
+    backward = _user_backward(loss, params, batch) if plain else None
+    if plain and not backward:
         return _gradient_of_mean_loss(loss, params, batch, keep)
     wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
-    graph = _graph(loss, params, batch, per_example, wanted, options, keep is not None or drop)
+    weighted = keep is not None or drop  # a mask or dropped examples weigh them 0 or 1
+    graph = _graph(loss, params, batch, per_example, wanted, options, weighted, backward)
     return _execute(
         graph, plan(graph, wanted, choose=choose), stats, clip_norm, params, batch, keep, drop
     )
