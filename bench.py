@@ -1321,12 +1321,26 @@ def _run_key(run: Record) -> tuple[str, str]:
     return run["meta"]["model"], run["meta"]["command"]
 
 
+NOTES = "\n## Notes"  # PATH.md from this heading on is written by hand: every rewrite keeps it
+
+
+def _scale_text(path: str, runs: list[Record]) -> str:
+    """PATH.md's text: the tables from `runs`, then PATH.md's own hand-written notes, if any."""
+    notes = ""
+    if os.path.exists(path + ".md"):
+        with open(path + ".md") as f:
+            old = f.read()
+        notes = old[old.index(NOTES) :] if NOTES in old else ""
+    return scale_markdown(runs).rstrip("\n") + "\n" + notes if notes else scale_markdown(runs)
+
+
 def rewrite_scale_markdown(path: str) -> None:
     """PATH.md again from PATH.json (after a change to the table's layout, or runs stopped)."""
     with open(path + ".json") as f:
         runs = json.load(f)["runs"]
+    text = _scale_text(path, runs)
     with open(path + ".md", "w") as f:
-        f.write(scale_markdown(runs))
+        f.write(text)
 
 
 def write_scale(path: str, run: Record) -> None:
@@ -1339,7 +1353,7 @@ def write_scale(path: str, run: Record) -> None:
     runs = [r for r in runs if _run_key(r) != _run_key(run)] + [run]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     for suffix, text in ((".json", json.dumps({"runs": runs}, indent=1)), (".md", None)):
-        text = scale_markdown(runs) if text is None else text
+        text = _scale_text(path, runs) if text is None else text
         with open(f"{path}{suffix}.{os.getpid()}", "w") as f:
             f.write(text)
         os.replace(f"{path}{suffix}.{os.getpid()}", path + suffix)  # whole, for a run beside

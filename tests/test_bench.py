@@ -202,6 +202,13 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     assert json.loads((tmp_path / "scale.json").read_text())["runs"][0]["rows"] == json.loads(
         json.dumps(rows)
     )
+    # Notes written by hand below the tables survive the next run's rewrite, once.
+    notes = "\n## Notes\n\n- written by hand\n"
+    (tmp_path / "scale.md").write_text(text.rstrip("\n") + "\n" + notes)
+    bench.write_scale(str(tmp_path / "scale"), {"meta": {**meta, "command": "again"}, "rows": rows})
+    again = (tmp_path / "scale.md").read_text()
+    assert again.endswith(notes) and again.count("## Notes") == 1
+    assert "- `again` at commit abc" in again and "- `test` at commit abc" in again
 
 
 def test_the_scale_peers_compute_what_they_name():
