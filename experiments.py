@@ -9,6 +9,8 @@ computed on seeds its learning rates were not chosen on.
     python experiments.py clipping --out results/clipping   # MicroAdam and Adam, clipped
     python experiments.py batch-scaling --out results/bs    # best lr vs B, two β₂ arms
     python experiments.py windows --out results/windows     # μ̂²/σ̂² of the LM vs its window
+    python experiments.py critical-batch --task mlp --out results/cb   # steps to a target loss
+                                                            #   vs B: B_crit, and B_simple's
     python experiments.py overhead --out runs/overhead      # bench.py's cost table
     python experiments.py vectorize --out runs/vec          # runs/hour: vmap vs one by one
     python experiments.py sign --select-seeds 0,1,2 --seeds 3-7    # the protocol, explicitly
@@ -123,6 +125,24 @@ Definitions used in the summaries:
   that matters). Beside it the summary keeps each evaluation seed's own exponent and the
   selection seeds' grid fit (best grid lrs, seeds resampled: the number before issue 39, the
   only one under leave-one-seed-out, and on 3 seeds of a 2× grid a degenerate interval).
+* critical-batch (issue 39; held-out only): Adam at a constant lr (after a short warmup fixed
+  in steps) at each B of `CritBatch.batch_sizes`, max(min_steps, examples // B) steps. A run's
+  loss curve: its training loss (each step's fresh batch, before the update) averaged over a
+  centred window of about `window` examples (2h + 1 steps: the same noise at every B, no lag);
+  its steps to a target: the first step whose smoothed loss is ≤ the target (None: never). On
+  the selection seeds each B's grid is grown until its best final loss is interior; the target
+  is `margin` × the highest over B of the level every selection seed reached at B's best lr (a
+  level: the lowest smoothed loss), so every B reaches it; each B's lr is then the one with the
+  fewest mean steps to the target over the selection seeds (the grid grown past an edge where
+  it sits). On the evaluation seeds, at those lrs: S(B) = the mean steps over seeds, E = B·S,
+  and S = S_min + E_min/B (McCandlish et al. 2018: S/S_min − 1 = (E/E_min − 1)⁻¹) fitted by
+  least squares in relative residuals; B_crit = E_min/S_min, its 95 % interval the percentile
+  interval of BOOTSTRAP resamples of the evaluation seeds (S_min ≤ 0 in a resample: unbounded).
+  The prediction: B_simple = tr Σ/|G|² (train.diagnostics' trace_cov and grad_sq, each
+  unbiased) of the same evaluation runs, each averaged plainly over a centred window of about
+  `noise_window` examples at the step the run reached the target, the ratio taken per seed of
+  the means over its runs (every B), then the mean over seeds with its t-interval; the verdict
+  says whether it lies in B_crit's interval, else by what factor it misses.
 """
 
 import argparse
@@ -160,6 +180,7 @@ TRAINING = (
     "msq",
     "clipping",
     "batch-scaling",
+    "critical-batch",
     "windows",
 )
 EXPERIMENTS = (*TRAINING, "overhead", "vectorize")
@@ -246,6 +267,28 @@ class Scale:
     vectorize_runs: int  # runs of the timed group (lrs × seeds); the sequential side times...
     vectorize_sequential: int  # ...this many of them one by one with train.main
     bench: dict[str, Any]  # bench.Config overrides ("quick": True for bench's --quick)
+    # critical-batch's settings per task ("mlp", "lm"); a task missing here is refused
+    critical_batch: dict[str, "CritBatch"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class CritBatch:
+    """critical-batch's settings for one task (module docstring): Adam, constant lr after a
+    warmup of `warmup` steps, at each B in `batch_sizes` for max(min_steps, examples // B)
+    steps; the lr grid (the same at every B, extended at edges up to max_extensions points);
+    the centred window (in examples) that smooths the training loss, and the one (in
+    examples) over which B_simple's numerator and denominator are averaged at the target;
+    the target is `margin` × the highest loss level of the selection seeds (`crit_target`)."""
+
+    batch_sizes: tuple[int, ...]
+    examples: int
+    min_steps: int
+    lrs: tuple[float, ...]
+    window: int
+    noise_window: int
+    margin: float
+    warmup: int = 20
+    max_extensions: int = 3
 
 
 def _mlp(size: str, **kw: Any) -> train.Config:
@@ -298,6 +341,9 @@ SCALES: dict[str, Scale] = {
         bench=dict(quick=True, sections=("mlp",), stat_sets=("mean+sq_mean",), reps=1,
                    min_time_s=0.0, mlp_in=16, mlp_width=32, mlp_depth=2, mlp_batch=8,
                    mlp_batch_sizes=(8,)),
+        critical_batch={t: CritBatch(batch_sizes=(4, 8), examples=64, min_steps=8,
+                                     lrs=(1e-3, 1e-2), window=8, noise_window=8, margin=1.05,
+                                     warmup=1, max_extensions=1) for t in ("mlp", "lm")},
     ),
     "tiny": Scale(  # the "mini" LM (120k parameters) on 32-token windows and the "mini" MLP: CPU
         task="lm",
@@ -328,6 +374,17 @@ SCALES: dict[str, Scale] = {
         snr_batches=8, snr_batch_size=128, windows=(32, 64, 128, 256), windows_trained=(32, 128),
         windows_lr=3e-3, vectorize_runs=9, vectorize_sequential=3,
         bench=dict(quick=True),
+        # The MLP is cheap: B up to 1024, 32000 examples at small B (~8 minutes of runs). The
+        # LM (~1 ms per example and step here): B 4-64, 8000 windows at small B (~25 minutes).
+        critical_batch={
+            "mlp": CritBatch(batch_sizes=(4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                             examples=32000, min_steps=1000,
+                             lrs=(5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2), window=512,
+                             noise_window=2048, margin=1.2),
+            "lm": CritBatch(batch_sizes=(4, 8, 16, 32, 64), examples=8000, min_steps=250,
+                            lrs=(1e-3, 2e-3, 4e-3, 8e-3), window=256, noise_window=1024,
+                            margin=1.02),
+        },
     ),
     "small": Scale(  # an hour or more per study on a CPU
         task="lm",
@@ -2504,6 +2561,437 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# Critical batch (issue 39): steps to a target loss against B, and B_simple's prediction.
+
+
+def crit_config(scale: Scale, cb: CritBatch, b: int) -> train.Config:
+    """The task's config at batch size b: Adam, constant lr after cb.warmup steps, the step
+    budget max(min_steps, examples // b), the same number of held-out examples at every B."""
+    base = task_config(scale)
+    steps = max(cb.min_steps, cb.examples // b)
+    return dataclasses.replace(
+        base,
+        optimizer="adam",
+        batch_size=b,
+        steps=steps,
+        schedule="constant",
+        warmup=cb.warmup,
+        eval_interval=max(1, steps // 4),
+        eval_batches=max(1, -(-base.eval_batches * base.batch_size // b)),
+    )
+
+
+def half_window(examples: int, b: int) -> int:
+    """h such that a centred window of 2h + 1 steps of b examples holds about `examples`."""
+    return max(0, round((examples / b - 1) / 2))
+
+
+def smoothed_loss(loss: np.ndarray, half: int) -> np.ndarray:
+    """The centred moving average of a per-step loss over 2·half + 1 steps; NaN where the
+    window does not fit inside the run (its ends) or holds a NaN (a diverged run)."""
+    loss = np.asarray(loss, np.float64)
+    out = np.full(len(loss), np.nan)
+    width = 2 * half + 1
+    if len(loss) >= width:
+        out[half : len(loss) - half] = np.convolve(loss, np.ones(width) / width, "valid")
+    return out
+
+
+def steps_to_target(loss: np.ndarray, target: float, half: int) -> int | None:
+    """The first step s whose smoothed loss (`smoothed_loss`, centred on s) is ≤ target: the
+    updates taken before it (the loss of step s is measured before step s's update); None
+    when the run never gets there."""
+    hit = np.flatnonzero(smoothed_loss(loss, half) <= target)
+    return int(hit[0]) if len(hit) else None
+
+
+def loss_level(loss: np.ndarray, half: int) -> float | None:
+    """The lowest smoothed loss a run reaches (None: none finite)."""
+    sm = smoothed_loss(loss, half)
+    return float(np.nanmin(sm)) if np.isfinite(sm).any() else None
+
+
+def crit_target(levels: Mapping[int, Mapping[float, Sequence[float | None]]], margin: float):
+    """The target loss: per B, the level every selection seed reached at the best lr (per lr
+    the highest of its seeds' `loss_level`s; an lr where one did not get a level is left out;
+    per B the lowest over lrs); the target is `margin` × the highest of those over B, so
+    every B can reach it (and, by the margin, the evaluation seeds too). Returns (target, the
+    per-B levels); None where some B has no level."""
+    per_b: dict[int, float] = {}
+    for b, per_lr in levels.items():
+        full = [[x for x in v if x is not None] for v in per_lr.values()]
+        ok = [max(v) for v, w in zip(full, per_lr.values(), strict=True) if v and len(v) == len(w)]
+        if not ok:
+            return None, per_b
+        per_b[b] = min(ok)
+    return margin * max(per_b.values()), per_b
+
+
+def fit_critical(bs: Sequence[float], steps: Sequence[float]) -> dict[str, float | None]:
+    """S(B) = S_min + E_min/B (McCandlish et al. 2018: S/S_min − 1 = (E/E_min − 1)⁻¹) fitted by
+    least squares in relative residuals ((S − S_min − E_min/B)/max(S, 1), linear in S_min and
+    E_min; exact on exact data) over the B given; B_crit = E_min/S_min. S_min ≤ 0 (no saturation in
+    the range of B): B_crit is +inf (unbounded above); E_min ≤ 0: 0."""
+    b = np.asarray(bs, np.float64)
+    s = np.asarray(steps, np.float64)
+    if len(b) < 2:
+        return {"s_min": None, "e_min": None, "b_crit": None}
+    design = np.stack([np.ones_like(b), 1.0 / b], axis=1) / np.maximum(s, 1.0)[:, None]
+    (s_min, e_min), *_ = np.linalg.lstsq(design, s / np.maximum(s, 1.0), rcond=None)
+    s_min, e_min = float(s_min), float(e_min)
+    b_crit = 0.0 if e_min <= 0 else math.inf if s_min <= 0 else e_min / s_min
+    return {"s_min": s_min, "e_min": e_min, "b_crit": b_crit}
+
+
+def crit_fit(
+    steps: Mapping[int, Sequence[int | None]], pick: Sequence[int] | np.ndarray
+) -> dict[str, float | None]:
+    """`fit_critical` of the mean steps per B over the evaluation seeds at column indices
+    `pick` (repeats count: a bootstrap resample); a B none of whose picked seeds reached the
+    target is left out."""
+    bs, means = [], []
+    for b, per_seed in sorted(steps.items()):
+        got = [x for j in pick if (x := per_seed[j]) is not None]
+        if got:
+            bs.append(b)
+            means.append(float(np.mean(got)))
+    return fit_critical(bs, means)
+
+
+def percentile_interval(values: Sequence[float | None]) -> list[float | None]:
+    """The 95 % percentile interval (2.5 %, 97.5 %) of bootstrap values; inverted-CDF
+    percentiles, so +inf (an unbounded B_crit) is kept, not interpolated."""
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], np.float64)
+    if not len(x):
+        return [None, None]
+    lo, hi = np.percentile(x, [2.5, 97.5], method="inverted_cdf").tolist()
+    return [float(lo), float(hi)]
+
+
+def json_number(x: float | None) -> float | None:
+    """JSON has no infinity: an unbounded value is written as None (the text says which)."""
+    return None if x is None or not math.isfinite(x) else x
+
+
+def noise_scale_at(trace: sweep.Trace, step: int, half: int) -> tuple[float, float]:
+    """B_simple's numerator tr Σ and denominator |G|² (train.diagnostics' trace_cov and
+    grad_sq, each unbiased), each the plain mean over the steps step − half … step + half of
+    the run (clipped to it), NaN steps left out."""
+    lo, hi = max(0, step - half), min(trace.cfg.steps, step + half + 1)
+    tc = trace.diagnostics["trace_cov"][lo:hi]
+    gs = trace.diagnostics["grad_sq"][lo:hi]
+    return float(np.nanmean(tc)), float(np.nanmean(gs))
+
+
+def crit_verdict(
+    b_simple: float | None,
+    b_simple_ci: Sequence[float | None],
+    b_crit: float | None,
+    b_crit_ci: Sequence[float | None],
+) -> str:
+    """B_simple (its t-interval) against the measured B_crit (its bootstrap interval; +inf:
+    unbounded): inside that interval, or the factor between the two."""
+    if b_simple is None or b_crit is None:
+        return "no verdict: " + ("B_simple" if b_simple is None else "B_crit") + " not measured"
+    lo, hi = b_crit_ci
+    inf = lambda x: "∞" if x is None or math.isinf(x) else format(x, ".3g")
+    span = (
+        f"measured B_crit {b_crit:.3g} (95% bootstrap interval [{fmt_num(lo, '.3g')}, {inf(hi)}])"
+        if math.isfinite(b_crit)
+        else f"measured B_crit, unbounded (S still falls like 1/B at the largest B; interval "
+        f"[{fmt_num(lo, '.3g')}, {inf(hi)}])"
+    )
+    pl, ph = b_simple_ci
+    said = f"B_simple {b_simple:.3g} (95% t-interval [{fmt_num(pl, '.3g')}, {fmt_num(ph, '.3g')}])"
+    if lo is not None and lo <= b_simple <= (math.inf if hi is None else hi):
+        return f"{said} is inside the interval of the {span}: the prediction holds"
+    if not math.isfinite(b_crit) or b_crit <= 0:
+        return f"{said} is outside the interval of the {span}"
+    factor = b_simple / b_crit
+    within = "within" if 0.1 <= factor <= 10 else "not within"
+    side = "above" if factor > 1 else "below"
+    return (
+        f"{said} is outside the interval of the {span}: {max(factor, 1 / factor):.2g}× {side} "
+        f"it, {within} an order of magnitude (McCandlish et al. report B_simple predicting "
+        "B_crit to within one)"
+    )
+
+
+def run_critical_batch(ctx: Context) -> dict[str, Any]:
+    scale, proto = ctx.scale, ctx.proto
+    if proto.name != "held-out":
+        raise ValueError(
+            "critical-batch measures steps on evaluation seeds at lrs chosen on others: give "
+            "--select-seeds and --seeds (or neither: the scale's), not --lrs-from"
+        )
+    task = scale.task
+    if task not in scale.critical_batch:
+        raise ValueError(f"scale has no critical-batch settings for task {task!r}")
+    cb = scale.critical_batch[task]
+    seeds, evaluate = proto.select, proto.evaluate
+    labels = {b: f"Adam B={b}" for b in cb.batch_sizes}
+    variants = [Variant(labels[b], crit_config(scale, cb, b), cb.lrs) for b in cb.batch_sizes]
+    by_b = {b: v for b, v in zip(cb.batch_sizes, variants, strict=True)}
+    halves = {b: half_window(cb.window, b) for b in cb.batch_sizes}
+    runs = Runs("critical-batch", ctx.cache)
+    # 1. Each B's grid on the selection seeds, grown until its best final loss is interior.
+    record = select_lrs(runs, variants, seeds, cb.max_extensions)
+
+    def loss_of(b: int, lr: float, s: int) -> np.ndarray | None:
+        t = runs.trace(labels[b], lr, s)
+        return None if t is None else t.loss
+
+    # 2. The target: reached by every selection seed at some lr of every B (then × margin).
+    levels = {
+        b: {
+            lr: [
+                None if (x := loss_of(b, lr, s)) is None else loss_level(x, halves[b])
+                for s in seeds
+            ]
+            for lr in record[labels[b]]["grid"]
+        }
+        for b in cb.batch_sizes
+    }
+    target, level_per_b = crit_target(levels, cb.margin)
+    if target is None:
+        raise ValueError("critical-batch: some B reached no finite loss on the selection seeds")
+
+    # 3. Each B's lr: fewest mean steps to the target over the selection seeds (among the lrs
+    # where every one reached it); the grid grows past an edge where that lr sits.
+    grids = {b: sorted(record[labels[b]]["grid"]) for b in cb.batch_sizes}
+    added = {b: list(record[labels[b]]["extended_with"]) for b in cb.batch_sizes}
+
+    def steps_on(b: int, lr: float, ss: Sequence[int]) -> list[int | None]:
+        return [
+            None if (x := loss_of(b, lr, s)) is None else steps_to_target(x, target, halves[b])
+            for s in ss
+        ]
+
+    def fastest(b: int) -> tuple[float | None, float | None]:
+        found = {}
+        for lr in grids[b]:
+            got = steps_on(b, lr, seeds)
+            if all(x is not None for x in got):
+                found[lr] = float(np.mean([x for x in got if x is not None]))
+        if not found:
+            return None, None
+        lr = min(found, key=lambda k: found[k])
+        return lr, found[lr]
+
+    while True:
+        grew = False
+        for b in cb.batch_sizes:
+            lr, _ = fastest(b)
+            side = grid_edge(grids[b], lr)
+            if side is not None and len(added[b]) < 2 * cb.max_extensions:
+                new = extend_grid(grids[b], side)
+                grids[b] = sorted({*grids[b], new})
+                added[b].append(new)
+                grew = True
+        if not grew:
+            break
+        runs.train(
+            "select",
+            [
+                (Point(labels[b], dataclasses.replace(by_b[b].cfg, lr=lr)), s)
+                for b in cb.batch_sizes
+                for lr in grids[b]
+                for s in seeds
+            ],
+        )
+    chosen = {b: fastest(b) for b in cb.batch_sizes}
+
+    # 4. The chosen lrs on the evaluation seeds: steps to the target, and B_simple there.
+    runs.train(
+        "evaluate",
+        [
+            (Point(labels[b], dataclasses.replace(by_b[b].cfg, lr=lr)), s)
+            for b, (lr, _) in chosen.items()
+            if lr is not None
+            for s in evaluate
+        ],
+    )
+    steps: dict[int, list[int | None]] = {}
+    noise: dict[int, list[tuple[float, float] | None]] = {}
+    for b, (lr, _) in chosen.items():
+        if lr is None:
+            continue
+        steps[b] = steps_on(b, lr, evaluate)
+        noise[b] = []
+        for s, n_steps in zip(evaluate, steps[b], strict=True):
+            t = runs.trace(labels[b], lr, s)
+            at = None if t is None or n_steps is None else n_steps
+            noise[b].append(
+                None
+                if t is None or at is None
+                else noise_scale_at(t, at, half_window(cb.noise_window, b))
+            )
+    # The fit on the evaluation seeds, its interval a bootstrap of them.
+    point = crit_fit(steps, range(len(evaluate)))
+    rng = np.random.default_rng(0)
+    boot = [
+        crit_fit(steps, rng.integers(0, len(evaluate), len(evaluate))) for _ in range(BOOTSTRAP)
+    ]
+    measured: dict[str, Any] = {k: json_number(point[k]) for k in ("s_min", "e_min", "b_crit")}
+    ci = {k: percentile_interval([f[k] for f in boot if f[k] is not None]) for k in point}
+    measured |= {
+        "b_crit_unbounded": point["b_crit"] is not None and math.isinf(point["b_crit"]),
+        "ci95": [json_number(ci["b_crit"][0]), json_number(ci["b_crit"][1])],
+        "ci95_upper_unbounded": ci["b_crit"][1] is not None and math.isinf(ci["b_crit"][1]),
+        "s_min_ci95": ci["s_min"],
+        "e_min_ci95": ci["e_min"],
+        "batch_sizes_fitted": sorted(b for b, v in steps.items() if any(x is not None for x in v)),
+        "fit": "least squares of S = S_min + E_min/B in relative residuals, over the mean steps "
+        "per B on the evaluation seeds; interval: the evaluation seeds resampled",
+    }
+    # B_simple per evaluation seed: the ratio of its numerator and denominator, each averaged
+    # over every B's run of that seed (each at its target step); mean and t-interval over seeds.
+    per_seed_bs: dict[int, float | None] = {}
+    for j, s in enumerate(evaluate):
+        got = [noise[b][j] for b in noise if noise[b][j] is not None]
+        ok = [g for g in got if g is not None]
+        den = float(np.mean([g[1] for g in ok])) if ok else math.nan
+        per_seed_bs[s] = float(np.mean([g[0] for g in ok])) / den if ok and den > 0 else None
+    vals = [v for v in per_seed_bs.values() if v is not None]
+    n = len(vals)
+    mean_bs = float(np.mean(vals)) if vals else None
+    half_ci = t975(n - 1) * float(np.std(vals, ddof=1)) / math.sqrt(n) if n > 1 else None
+    predicted = {
+        "mean": mean_bs,
+        "ci95": [None, None]
+        if mean_bs is None or half_ci is None
+        else [mean_bs - half_ci, mean_bs + half_ci],
+        "per_seed": per_seed_bs,
+        "estimator": "B_simple = tr Σ / |G|² (pegrad.gradient_noise_scale, logged every step "
+        "as trace_cov and grad_sq): per run, the plain mean of each over a centred window of "
+        f"about {cb.noise_window} examples at the step the run reached the target; per "
+        "evaluation seed, the ratio of their means over its runs (every B); mean over seeds, "
+        "95% t-interval (n − 1 df)",
+    }
+    per_b = []
+    for b in cb.batch_sizes:
+        lr, sel_steps = chosen[b]
+        rec = record[labels[b]]
+        st = steps.get(b, [])
+        ok = [x for x in st if x is not None]
+        nz = [g for g in noise.get(b, []) if g is not None]
+        den = float(np.mean([g[1] for g in nz])) if nz else math.nan
+        per_b.append(
+            {
+                "batch_size": b,
+                "budget_steps": by_b[b].cfg.steps,
+                "grid": grids[b],
+                "extended_with": added[b],
+                "final_loss_lr": None if rec["chosen"] is None else rec["chosen"]["lr"],
+                "level": level_per_b.get(b),
+                "lr": lr,
+                "edge": grid_edge(grids[b], lr),
+                "selection_steps": sel_steps,
+                "steps_per_seed": dict(zip(evaluate, st, strict=True)) if st else {},
+                "steps": float(np.mean(ok)) if ok else None,
+                "steps_sd": float(np.std(ok, ddof=1)) if len(ok) > 1 else None,
+                "examples": float(b * np.mean(ok)) if ok else None,
+                "missed": len(st) - len(ok),
+                "b_simple": float(np.mean([g[0] for g in nz])) / den if nz and den > 0 else None,
+                "smoothing_steps": 2 * halves[b] + 1,
+            }
+        )
+    verdict = crit_verdict(mean_bs, predicted["ci95"], point["b_crit"], ci["b_crit"])
+    edges = [t["batch_size"] for t in per_b if t["edge"]]
+    if edges:
+        verdict += f"; {EDGE} (the lr of B {', '.join(map(str, edges))} at its grid's edge)"
+    print(f"  critical batch: {verdict}", flush=True)
+    rows = runs.rows
+    summary = {
+        "experiment": "critical-batch",
+        **ctx.prov,
+        "task": task,
+        "target_loss": target,
+        "target_rule": f"{cb.margin:g} × the highest over B of the level every selection seed "
+        "reached at B's best lr (a run's level: its lowest smoothed training loss)",
+        "smoothing": f"training loss (each step's batch, before its update) averaged over a "
+        f"centred window of about {cb.window} examples (2h + 1 steps at B)",
+        "settings_per_task": dataclasses.asdict(cb),
+        "per_batch": per_b,
+        "measured": measured,
+        "predicted": predicted,
+        "verdict": verdict,
+        "variants": [
+            {"method": labels[b], "grid": grids[b], "extended_with": added[b], "lr": chosen[b][0]}
+            for b in cb.batch_sizes
+        ],
+        "chosen": [
+            {
+                "family": labels[b],
+                "method": labels[b],
+                "lr": chosen[b][0],
+                "edge": grid_edge(grids[b], chosen[b][0]),
+            }
+            for b in cb.batch_sizes
+        ],
+        "settings": aggregate(rows, ("method", "lr")),
+        "instability": instability(rows),
+        "code": code_record(rows),
+    }
+    with open(ctx.out / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
+    write_traces(ctx.out / "traces.csv.gz", runs)
+    (ctx.out / "summary.json").write_text(json.dumps({**summary, "runs": rows}, indent=1))
+    lines = [
+        f"# Critical batch ({TASK_NAMES[task]}, Adam, constant lr; selection seeds "
+        f"{seeds_text(seeds)}, evaluation seeds {seeds_text(evaluate)})\n",
+        *provenance_lines(ctx.prov),
+        *code_lines(summary["code"]),
+        f"Target loss {target:.4g}: {summary['target_rule']}. Steps to the target: the first "
+        f"step whose {summary['smoothing']} is ≤ the target. Each B's lr: the fewest mean steps "
+        "to the target on the selection seeds (grid grown past an edge); then on the "
+        "evaluation seeds. Warmup "
+        f"{cb.warmup} steps at every B; budget max({cb.min_steps}, {cb.examples} // B) steps.",
+        "",
+        "| B | budget (steps) | lr grid (added) | chosen lr | steps to target per evaluation "
+        "seed | S: mean ± sd | E = B·S | B_simple at the target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in per_b:
+        grid = ", ".join(fmt_lr(x) for x in t["grid"])
+        if t["extended_with"]:
+            grid += f" (added {', '.join(fmt_lr(x) for x in t['extended_with'])})"
+        flag = f" **{EDGE}**" if t["edge"] else ""
+        per = ", ".join("–" if x is None else str(x) for x in t["steps_per_seed"].values())
+        sd = "" if t["steps_sd"] is None else f" ± {t['steps_sd']:.0f}"
+        lines.append(
+            f"| {t['batch_size']} | {t['budget_steps']} | {grid} | {fmt_lr(t['lr'])}{flag} | "
+            f"{per} | {fmt_num(t['steps'], '.0f')}{sd} | {fmt_num(t['examples'], '.0f')} | "
+            f"{fmt_num(t['b_simple'], '.3g')} |"
+        )
+    sl, sh = measured["s_min_ci95"]
+    el, eh = measured["e_min_ci95"]
+    lines += [
+        "",
+        f"Fit ({measured['fit']}): S_min = {fmt_num(measured['s_min'], '.4g')} "
+        f"[{fmt_num(sl, '.4g')}, {fmt_num(sh, '.4g')}], E_min = "
+        f"{fmt_num(measured['e_min'], '.4g')} [{fmt_num(el, '.4g')}, {fmt_num(eh, '.4g')}], "
+        f"B_crit = E_min/S_min = "
+        + ("unbounded" if measured["b_crit_unbounded"] else fmt_num(measured["b_crit"], ".3g"))
+        + f" [{fmt_num(measured['ci95'][0], '.3g')}, "
+        + ("∞" if measured["ci95_upper_unbounded"] else fmt_num(measured["ci95"][1], ".3g"))
+        + "].",
+        "",
+        f"Prediction ({predicted['estimator']}): B_simple = {fmt_num(mean_bs, '.3g')} "
+        f"[{fmt_num(predicted['ci95'][0], '.3g')}, {fmt_num(predicted['ci95'][1], '.3g')}]; "
+        "per seed " + ", ".join(f"{s}: {fmt_num(v, '.3g')}" for s, v in per_seed_bs.items()) + ".",
+        "",
+        f"**Verdict**: {verdict}",
+    ]
+    (ctx.out / "summary.md").write_text("\n".join(lines) + "\n")
+    plots.draw(ctx.out)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
 # 4. Overhead: bench.py's table.
 
 
@@ -2766,6 +3254,7 @@ RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "msq": run_msq,
     "clipping": run_clipping,
     "batch-scaling": run_batch_scaling,
+    "critical-batch": run_critical_batch,
     "windows": run_windows,
     "overhead": run_overhead,
     "vectorize": run_vectorize,

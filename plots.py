@@ -170,6 +170,8 @@ def draw(out: Path) -> None:
     name = summary["experiment"]
     if name == "batch-scaling":
         fig = _draw_batch(plt, summary, curves)
+    elif name == "critical-batch":
+        fig = _draw_critical(plt, summary)
     else:
         fig = _draw_selected(plt, summary, curves)
     fig.suptitle(
@@ -296,6 +298,54 @@ def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
         "examples seen",
         "training loss (binned)",
     )
+    return fig
+
+
+def _draw_critical(plt: Any, summary: dict[str, Any]) -> Any:
+    """critical-batch: S against E (every evaluation seed, the means, the fitted hyperbola
+    S/S_min − 1 = (E/E_min − 1)⁻¹), S against B with the fit, and the measured B_crit beside
+    the predicted B_simple (each with its interval; B_simple also per B)."""
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
+    per_b = [t for t in summary["per_batch"] if t["steps"] is not None]
+    meas, pred = summary["measured"], summary["predicted"]
+    cmap = plt.get_cmap("viridis")
+    for j, t in enumerate(per_b):
+        c = cmap(j / max(1, len(per_b) - 1))
+        s = np.array([x for x in t["steps_per_seed"].values() if x is not None], float)
+        b = t["batch_size"]
+        axes[0].plot(b * s, s, ".", color=c, alpha=0.5)
+        axes[0].plot(b * t["steps"], t["steps"], "o", color=c, mec="k", label=f"B={b}")
+        axes[1].plot([b] * len(s), s, ".", color=c, alpha=0.5)
+        axes[1].plot(b, t["steps"], "o", color=c, mec="k")
+    bs = np.array([t["batch_size"] for t in per_b], float)
+    if meas["s_min"] is not None and meas["e_min"] is not None and len(bs):
+        grid = np.geomspace(bs.min() / 2, bs.max() * 2, 200)
+        fit = meas["s_min"] + meas["e_min"] / grid
+        ok = fit > 0
+        label = f"fit: S_min {meas['s_min']:.3g}, E_min {meas['e_min']:.3g}"
+        axes[0].plot((grid * fit)[ok], fit[ok], "-", color="C3", label=label)
+        axes[1].plot(grid[ok], fit[ok], "-", color="C3", label=label)
+    for ax in axes[:2]:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    finish(axes[0], f"steps vs examples to loss {summary['target_loss']:.4g}", "E = B·S", "S")
+    finish(axes[1], "steps to the target vs B (dots: seeds; o: mean)", "B", "S")
+    ax = axes[2]
+    bsim = [(t["batch_size"], t["b_simple"]) for t in summary["per_batch"] if t["b_simple"]]
+    if bsim:
+        ax.plot(*zip(*bsim, strict=True), "s-", color="C0", label="B_simple at the target, per B")
+    for value, (lo, hi), color, name in (
+        (meas["b_crit"], meas["ci95"], "C3", "measured B_crit = E_min/S_min"),
+        (pred["mean"], pred["ci95"], "C0", "predicted B_simple (mean over seeds)"),
+    ):
+        if value is not None:
+            ax.axhline(value, color=color, lw=2, label=f"{name}: {value:.3g}")
+        if lo is not None:
+            top = hi if hi is not None else ax.get_ylim()[1] * 10
+            ax.axhspan(max(lo, 1e-3), top, color=color, alpha=0.15, lw=0)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    finish(ax, "measured B_crit vs predicted B_simple", "B", "examples (band: 95% interval)")
     return fig
 
 

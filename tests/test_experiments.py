@@ -985,3 +985,161 @@ def test_sign_decided_states_its_verdicts_against_the_floor(
     assert (ema_sgd["a"], ema_sgd["b"]) == ("SignEMA", "SignSGD")
     assert ema_sgd["verdict"].startswith(kind) and ema_sgd["strength_without_floor"] == "consistent"
     assert f"--noise-floor {floor}" in data["command"]
+
+
+# --------------------------------------------------------------------------------------------
+# The critical batch (issue 39): steps to a target loss against B, and B_simple's prediction.
+
+
+@pytest.mark.parametrize("s_min, b_crit", [(100.0, 16.0), (37.0, 3.0), (5.0, 400.0)])
+@pytest.mark.parametrize("bs", [(4, 8, 16, 32, 64, 128), (2, 1000)])
+def test_critical_batch_fit_recovers_s_min_e_min_and_b_crit(
+    s_min: float, b_crit: float, bs: tuple[int, ...]
+):
+    # S(B) = S_min (1 + B_crit/B), i.e. S/S_min − 1 = (E/E_min − 1)⁻¹ with E_min = S_min·B_crit.
+    steps = [s_min * (1 + b_crit / b) for b in bs]
+    fit = experiments.fit_critical(bs, steps)
+    assert fit["s_min"] == pytest.approx(s_min, rel=1e-9)
+    assert fit["e_min"] == pytest.approx(s_min * b_crit, rel=1e-9)
+    assert fit["b_crit"] == pytest.approx(b_crit, rel=1e-9)
+    # From per-seed steps: the mean per B is fitted (a seed that missed is left out), and a
+    # resample that picks seeds whose means are exact recovers it too.
+    per_seed = {b: [s - 1.0, s + 1.0, None] for b, s in zip(bs, steps, strict=True)}
+    again = experiments.crit_fit(per_seed, [0, 1, 2])
+    assert again["b_crit"] == pytest.approx(b_crit, rel=1e-9)
+    assert experiments.crit_fit(per_seed, [0, 1, 1, 0])["b_crit"] == pytest.approx(b_crit)
+
+
+def test_critical_batch_fit_at_the_edges_of_its_model():
+    # S falling like 1/B with no floor in range (S_min < 0): B_crit unbounded; S not falling
+    # with B (E_min ≤ 0): every B is past the critical batch, B_crit 0; one B: no fit.
+    assert experiments.fit_critical([4, 8, 16], [-5 + 1000 / b for b in (4, 8, 16)])["b_crit"] == (
+        math.inf
+    )
+    assert experiments.fit_critical([4, 8], [100.0, 110.0])["b_crit"] == 0.0
+    assert experiments.fit_critical([4], [100.0])["b_crit"] is None
+    # The bootstrap interval keeps an unbounded end instead of interpolating it.
+    assert experiments.percentile_interval([1.0] * 10 + [math.inf] * 90) == [1.0, math.inf]
+    assert experiments.percentile_interval([None, math.nan]) == [None, None]
+
+
+@pytest.mark.parametrize("half", [0, 3, 10])
+def test_steps_to_target_on_a_constructed_trace(half: int):
+    # A straight line 1 − s/1000: its centred average is the line itself (no lag), so the
+    # first step at or below 0.5 is 500 whatever the window; a target below the lowest
+    # smoothed value is never reached (None), and neither is one after the run diverged.
+    loss = 1.0 - np.arange(1000) / 1000
+    assert experiments.steps_to_target(loss, 0.5, half) == 500
+    assert experiments.loss_level(loss, half) == pytest.approx(1.0 - (999 - half) / 1000)
+    assert experiments.steps_to_target(loss, 0.0, half) is None
+    diverged = loss.copy()
+    diverged[400:] = np.nan
+    assert experiments.steps_to_target(diverged, 0.5, half) is None
+    # Noise around the line averages out over the window: the smoothed first crossing sits
+    # near 500 (an alternating ±0.05 leaves at most 0.05/(2h + 1), i.e. 50/(2h + 1) steps of
+    # the line), where the raw per-step loss crosses at the first lucky batch (451).
+    noisy = loss + np.where(np.arange(1000) % 2 == 0, 0.05, -0.05)
+    assert experiments.steps_to_target(noisy, 0.5, 0) == 451
+    if half:
+        got = experiments.steps_to_target(noisy, 0.5, half)
+        assert got is not None and abs(got - 500) <= 50 / (2 * half + 1) + 1
+    assert experiments.half_window(512, 4) == 64 and experiments.half_window(512, 1024) == 0
+
+
+def test_critical_batch_target_is_reached_by_every_batch_size():
+    # Per B, per lr: each selection seed's level (lowest smoothed loss). The level of a B is its
+    # best lr's worst seed; an lr where a seed has no level is left out; the target is the
+    # margin times the highest B's level, and None where some B has none.
+    levels = {
+        4: {1e-3: [0.30, 0.32], 1e-2: [0.20, 0.25]},
+        8: {1e-3: [0.10, None], 1e-2: [0.4, 0.5]},
+    }
+    target, per_b = experiments.crit_target(levels, 1.2)
+    assert per_b == {4: 0.25, 8: 0.5} and target == pytest.approx(0.6)
+    assert experiments.crit_target({4: {1e-3: [None, 0.1]}}, 1.2)[0] is None
+
+
+@pytest.mark.parametrize(
+    "b_simple, b_crit, ci, starts, says",
+    [
+        (20.0, 16.0, (10.0, 30.0), "B_simple 20", "inside the interval"),
+        (64.0, 16.0, (12.0, 20.0), "B_simple 64", "4× above it, within an order of magnitude"),
+        (1.0, 16.0, (12.0, 20.0), "B_simple 1 ", "16× below it, not within an order"),
+        (20.0, math.inf, (10.0, math.inf), "B_simple 20", "inside the interval of the measured "
+         "B_crit, unbounded"),
+    ],
+)  # fmt: skip
+def test_critical_batch_verdict(
+    b_simple: float, b_crit: float, ci: tuple[float, float], starts: str, says: str
+):
+    verdict = experiments.crit_verdict(b_simple, (b_simple - 1, b_simple + 1), b_crit, ci)
+    assert verdict.startswith(starts) and says in verdict
+    assert experiments.crit_verdict(None, (None, None), b_crit, ci).startswith("no verdict")
+
+
+CRIT = dict(s_min=40.0, b_crit=8.0, b_simple=32.0, best_lr=1e-2)  # the constructed study
+
+
+def crit_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sweep.run returns loss curves 1/(1 + r·s) with r ∝ g(lr)/S(B), S(B) = S_min(1 +
+    B_crit/B), g peaked at best_lr: at the best lr the steps to any target are proportional to
+    S(B), so the fit gives B_crit; tr Σ/|G|² is B_simple at every step."""
+
+    def run(configs: Sequence[train.Config], **_: Any) -> list[sweep.Trace]:
+        out = []
+        for c in configs:
+            rate = math.exp(-(math.log(c.lr / CRIT["best_lr"]) ** 2)) / (
+                CRIT["s_min"] * (1 + CRIT["b_crit"] / c.batch_size)
+            )
+            loss = 1.0 / (1.0 + 10 * rate * np.arange(c.steps))
+            diags = {k: np.ones(c.steps) for k in sweep.DIAGNOSTICS}
+            diags["trace_cov"] = np.full(c.steps, CRIT["b_simple"] * 0.01)
+            diags["grad_sq"] = np.full(c.steps, 0.01)
+            out.append(
+                sweep.Trace(
+                    cfg=c,
+                    loss=loss,
+                    diagnostics=diags,
+                    eval_steps=np.array([0, c.steps]),
+                    eval_loss=np.array([1.0, float(loss[-1])]),
+                    diverged_step=None,
+                    params=None,
+                    seconds=0.0,
+                )
+            )
+        return out
+
+    monkeypatch.setattr(sweep, "run", run)
+
+
+def test_critical_batch_study_on_constructed_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    crit_sweep(monkeypatch)
+    settings = experiments.CritBatch(
+        batch_sizes=(2, 4, 8, 16, 32), examples=600, min_steps=100, lrs=(1e-3, 1e-2, 1e-1),
+        window=1, noise_window=8, margin=1.1, warmup=1,
+    )  # fmt: skip
+    smoke_scale = dataclasses.replace(experiments.SCALES["smoke"], critical_batch={"mlp": settings})
+    monkeypatch.setitem(experiments.SCALES, "smoke", smoke_scale)
+    smoke("critical-batch", tmp_path / "cb", task="mlp")
+    rows, data = check_files(tmp_path / "cb", "critical-batch")
+    assert data["task"] == "mlp" and "--task mlp" in data["command"]
+    assert {r["optimizer"] for r in rows} == {"adam"}
+    per_b = {t["batch_size"]: t for t in data["per_batch"]}
+    for b, t in per_b.items():  # every B: the best lr, reached by every evaluation seed in budget
+        assert t["lr"] == CRIT["best_lr"] and t["edge"] is None and t["missed"] == 0
+        assert t["steps"] < t["budget_steps"] == max(100, 600 // b)
+        assert t["b_simple"] == pytest.approx(CRIT["b_simple"])
+        assert {(float(r["lr"]), int(r["seed"])) for r in rows if r["phase"] == "evaluate"
+                and int(r["batch_size"]) == b} == {(t["lr"], s) for s in EVALUATE}  # fmt: skip
+    measured = data["measured"]
+    assert measured["b_crit"] == pytest.approx(CRIT["b_crit"], rel=0.05)  # steps are integers
+    lo, hi = measured["ci95"]
+    assert lo == hi == pytest.approx(measured["b_crit"])  # identical seeds: no spread
+    assert data["predicted"]["mean"] == pytest.approx(CRIT["b_simple"])
+    assert "4× above it, within an order of magnitude" in data["verdict"]
+    assert data["verdict"] in (tmp_path / "cb" / "summary.md").read_text()
+    # Only the held-out protocol, and only a task the scale has settings for.
+    with pytest.raises(ValueError, match="evaluation seeds"):
+        smoke("critical-batch", tmp_path / "loo", task="mlp", seeds=(0, 1))
+    with pytest.raises(ValueError, match="no critical-batch settings for task 'lm'"):
+        smoke("critical-batch", tmp_path / "lm", task="lm")
