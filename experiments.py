@@ -410,6 +410,16 @@ SCALES: dict[str, Scale] = {
         snr_batches=16, snr_batch_size=128, windows=(64, 128, 256, 512),
         windows_trained=(64, 256), windows_lr=1e-3, vectorize_runs=12, vectorize_sequential=2,
         bench=dict(),
+        # tiny's protocol with 2-8x the examples; the lr grids centred on batch-scaling's.
+        critical_batch={
+            "mlp": CritBatch(batch_sizes=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+                             examples=128000, min_steps=2000,
+                             lrs=(5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2), window=1024,
+                             noise_window=4096, margin=1.2),
+            "lm": CritBatch(batch_sizes=(4, 8, 16, 32, 64, 128, 256), examples=64000,
+                            min_steps=500, lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+                            window=1024, noise_window=4096, margin=1.02),
+        },
     ),
     "paper": Scale(  # the paper's transformer shape (TransformerConfig.paper()): accelerators
         task="lm",
@@ -433,6 +443,11 @@ SCALES: dict[str, Scale] = {
         snr_batches=16, snr_batch_size=32, windows=(128, 512, 1024), windows_trained=(512,),
         windows_lr=3e-4, vectorize_runs=8, vectorize_sequential=1,
         bench=dict(),
+        critical_batch={
+            "lm": CritBatch(batch_sizes=(8, 16, 32, 64, 128, 256, 512), examples=64 * 5000,
+                            min_steps=1000, lrs=(1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3),
+                            window=4096, noise_window=16384, margin=1.02),
+        },
     ),
 }
 # fmt: on

@@ -865,6 +865,11 @@ def test_the_accelerator_scales_are_ready_to_run(
     for name in READY_STUDIES:
         summary = experiments.run(name, scale=scale, out=str(tmp_path / name))
         assert summary["scale"] == scale and (tmp_path / name / "summary.md").exists()
+    # critical-batch smooths the loss over hundreds of steps: its fake runs are full length.
+    whole = fake_sweep(monkeypatch, lambda c: bowl(3e-3)(c.lr, c.seed))
+    summary = experiments.run("critical-batch", scale=scale, out=str(tmp_path / "cb"))
+    assert summary["scale"] == scale and (tmp_path / "cb" / "summary.md").exists()
+    asked += whole
     the_scale = experiments.SCALES[scale]
     assert {c.batch_size for c in asked} >= set(the_scale.batch_sizes)
     for c in asked:
