@@ -1,9 +1,9 @@
 """Per-example gradient statistics in JAX: an exact reference and a factorized graph rewrite.
 
 `value_and_grad_stats(loss_fn, stats, impl=...)` returns the mean loss and statistics of the
-per-example gradients g_i = ∇ loss_fn(params, example_i). The loss contract (SPEC §1):
-`loss_fn(params, example)` is the loss of ONE example, every batch leaf has the leading axis B,
-and the batch loss is the mean. The statistics, elementwise over parameters:
+per-example gradients g_i = ∇ loss_fn(params, example_i), where `loss_fn(params, example)` is
+the loss of ONE example, every batch leaf has the leading axis B, and the batch loss is the mean
+(SPEC §1). The statistics, elementwise over parameters:
 
     mean          (1/B) Σ_i g_i                  sq_norms      ‖g_i‖² over all parameters, [B]
     sq_mean       (1/B) Σ_i g_i²                 clipped_mean  (1/B) Σ_i g_i·min(1, C/‖g_i‖)
@@ -11,33 +11,28 @@ and the batch loss is the mean. The statistics, elementwise over parameters:
 
 and "batch_size", the number N of units: B, or B·T with granularity="token", where position t
 of each example is a unit whose gradient is its contribution to the example's (δ_t ⊗ x_t for a
-dense weight) — a different, equally exact quantity. Two implementations, equal by contract:
+dense weight). Two implementations, equal by contract:
 
-* impl="vmap", the exact reference: vmap(grad) materialized in chunks, φ, reduce; the variance
-  in two passes. Per token every position gets its own copy of the parameters (`Untie`), so the
-  gradient with respect to copy t is position t's contribution.
+* impl="vmap", the exact reference: vmap(grad) in chunks, φ, reduce; the variance in two passes.
+  Per token every position gets its own copy of the parameters (`Untie`).
 * impl="factorized" rewrites the graph: grad(loss_fn) of ONE example traced to a flat jaxpr,
   run batched down to the inputs of each parameter's last gradient operation, and each leaf
-  given the cheapest route whose preconditions are proven on the jaxpr. A dense weight used
-  once has the rank-one g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
-  Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖², the clipped sum (c∘Δ)ᵀX. A leaf no
-  route proves takes the exact fallback, per example in bounded chunks; a route whose proof
+  given the cheapest route whose preconditions are proven on the jaxpr (a dense weight used
+  once: g_i = δ_i ⊗ x_i, so Σ_i φ(g_i) = φ(Δ)ᵀφ(X) for multiplicative φ, ‖g_i‖² = ‖δ_i‖²‖x_i‖²).
+  A leaf no route proves takes the exact fallback, per example in bounded chunks; a proof that
   cannot be completed refuses, never raises. `explain` returns the plan without running it.
-  The mean alone is plain grad of the mean loss, unless the loss has a backward rule of the
-  user's (jax.custom_vjp), which need not be linear in the cotangent.
+  The mean alone is plain grad of the mean loss, unless the loss has a user backward rule.
 
-Layout: Part I is the definition — §1 the public API (value_and_grad_stats, explain,
-Accumulator), §2 the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the
-jaxpr interpreter and position tracing they run on. It reaches the engine only through
-`_factorized` and `Plan.build` (tests/test_layout.py). Part II is the engine: §6 the graph, §6′
-scan hoisting, §7 the routes, §8 the planner, §9 the executor, §10 the mean-loss policy.
-The reference shares §5 with the rewrite (`Graph.build` builds the same `Untie`, which the token
-fallback runs); the independent check is tests/helpers.py's naive loop, which never calls
-pegrad: `jax.grad` one example at a time, per token of a loss written with one parameter copy
-per position (tests/pieces.py). Proof of equality (float64, every statistic × implementation ×
-granularity × batch size, one test per precondition broken): tests/test_pegrad.py,
-tests/test_zoo.py; the conventions: tests/test_api.py, tests/test_accumulate.py. "SPEC §N" is
-the repository's SPEC.md. Depends on jax (with numpy) and jaxtyping only: copy this file.
+Layout: Part I is the definition — §1 the API (value_and_grad_stats, explain, Accumulator), §2
+the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the jaxpr interpreter and
+position tracing they run on; it reaches the engine only through `_factorized` and `Plan.build`
+(tests/test_layout.py). Part II is the engine: §6 the graph, §6′ scan hoisting, §7 the routes,
+§8 the planner, §9 the executor, §10 the mean-loss policy. The reference shares §5 with the
+rewrite (`Graph.build` builds the same `Untie`, which the token fallback runs); the independent
+check is tests/helpers.py's naive loop, which never calls pegrad: `jax.grad` one example at a
+time, per token of a loss written with one parameter copy per position (tests/pieces.py), equal
+at float64 for every statistic, implementation, granularity and batch size (tests/test_pegrad.py,
+tests/test_zoo.py). Depends on jax (with numpy) and jaxtyping only: copy this file.
 """
 
 import abc
@@ -80,10 +75,9 @@ _NONE: Axes = frozenset()
 
 
 def __getattr__(name: str) -> types.ModuleType:
-    """`from pegrad import models, optimizers, train` (PEP 562): the same line installed, in an
-    editable install and in a checkout on sys.path, never a user's own file of that name.
-    Installed, pegrad is a package and these are its modules; otherwise they are the files
-    beside this one, loaded by path as `pegrad.<name>` (so train.py's `from . import` is this)."""
+    """`from pegrad import models, optimizers, train` (PEP 562): the package's modules when
+    installed, else the files beside this one loaded by path as `pegrad.<name>` (never a user's
+    own file of that name; train.py's `from . import` is this)."""
     if name not in ("models", "optimizers", "train"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     full = f"{__name__}.{name}"
@@ -228,20 +222,19 @@ _AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units
 
 class Accumulator(NamedTuple):
     """The statistics of k micro-batches combined into those of their union (gradient
-    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+    accumulation), exactly; a pytree (a `lax.scan` carry or a jit argument):
 
         acc = Accumulator.init(params, ("mean", "var"))
         for micro in batches:                       # or jax.lax.scan
             acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
         loss, stats = acc.finalize()
 
-    For N = Σ_k N_k units the averaged statistics (a clip factor depends on its own unit only)
-    and the mean loss are count-weighted, m ← m + (m_k − m)·N_k/N; the variance is Chan et
-    al.'s merge of M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no
-    cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). N_k is a micro-batch's
-    "batch_size" (any size, masked or not; N_k = 0 changes nothing). M2_k is the "m2" of
-    `Accumulator.value_and_grad_stats` (any N_k) or var_k·(N_k − 1). Only the union needs
-    N ≥ 2 for "var" (`finalize`); N = 0 gives NaN. "sq_norms" (one entry per unit) is refused.
+    Over N = Σ_k N_k units (N_k: a micro-batch's "batch_size", any size, masked or not) the
+    averaged statistics and the mean loss are count-weighted, m ← m + (m_k − m)·N_k/N; the
+    variance is Chan et al.'s merge of M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/
+    (N + N_k) (no cancellation; it needs each "mean"), var = M2/(N − 1), with M2_k the "m2" of
+    `Accumulator.value_and_grad_stats` or var_k·(N_k − 1). Only the union needs N ≥ 2 for "var";
+    N = 0 gives NaN. "sq_norms" (one entry per unit) is refused.
     """
 
     count: Array  # N: units so far
@@ -297,13 +290,11 @@ class Accumulator(NamedTuple):
         def fn(
             params: PyTree, batch: PyTree, mask: ArrayLike | None = None
         ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
-            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else []
+            # The kept units where known before tracing: fewer than 2 have M2 0 (a traced mask:
+            # "var" is NaN below 2 kept units, read as M2 = 0 here; no batch leaf: refused).
+            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else [2]
             per_example = math.prod(shape[1:2]) if token else 1
-            try:  # the kept units where they are known before tracing: fewer than 2 have M2 0
-                kept = per_example * (shape[0] if mask is None else int(np.sum(np.asarray(mask))))
-            except (jax.errors.TracerArrayConversionError, IndexError):
-                kept = 2  # a traced mask: "var" is NaN below 2 kept units, read as M2 = 0 here
-            if kept < 2:
+            if per_example * (shape[0] if mask is None else _concrete(mask)) < 2:
                 loss, out = without(params, batch, mask)
                 return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
             loss, out = with_var(params, batch, mask)
@@ -355,16 +346,11 @@ class Accumulator(NamedTuple):
         """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
         an error when N is concrete, NaN under jit (SPEC §6); N = 0 leaves every statistic
         NaN, as value_and_grad_stats of a batch masked whole."""
-        if self.m2 is not None:
-            try:
-                n = int(np.asarray(self.count))
-            except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
-                n = 2
-            if n < 2:
-                raise ValueError(
-                    f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
-                    "micro-batches together; the union needs ≥ 2"
-                )
+        if self.m2 is not None and (n := _concrete(self.count)) < 2:  # under jit: NaN
+            raise ValueError(
+                f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
+                "micro-batches together; the union needs ≥ 2"
+            )
         some = self.count > 0
         defined = lambda x: jnp.where(some, x, jnp.asarray(jnp.nan, x.dtype))  # noqa: E731
         out: Stats = {s: jax.tree.map(defined, m) for s, m in self.means.items()}
@@ -409,23 +395,16 @@ def stat_dtype(dtype: DTypeLike) -> jnp.dtype:
 def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     """The simple gradient noise scale B_simple = tr Σ / |G|² (McCandlish et al. 2018, arXiv
     1812.06162: about the batch size past which a bigger batch stops buying proportionally fewer
-    steps), from one batch's per-example statistics (no second batch size needed). With
-    N = stats["batch_size"] units, ḡ = stats["mean"] and q = stats["sq_mean"] per leaf:
+    steps) from one batch's `stats`: N = stats["batch_size"] units (tokens, kept units), per
+    leaf ḡ = stats["mean"] and σ̂² = stats["var"], or N/(N−1)·(q − ḡ²) from q = stats["sq_mean"]
+    (which loses digits where ḡ² ≫ σ̂²: ask for "var", formed from centred quantities, SPEC §3):
 
-        σ̂²   = N/(N−1)·(q − ḡ²)       per coordinate (stats["var"] instead, where it is given)
-        tr Σ  = Σ_leaves Σ σ̂²          the trace of one unit's gradient covariance
-        |G|²  = ‖ḡ‖² − tr Σ / N        the squared norm of the expected gradient
-        B_simple = tr Σ / |G|²
+        tr Σ = Σ_leaves Σ σ̂²      |G|² = ‖ḡ‖² − tr Σ / N      B_simple = tr Σ / |G|²
 
-    For N units drawn independently (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N) numerator and
-    denominator are unbiased; their ratio is not, and on one batch |G|² can be ≤ 0. So smooth
-    both over steps and divide after, as McCandlish et al. do (train.py logs both).
-
-    Returns {"trace_cov": tr Σ, "grad_sq": |G|², "b_simple": their ratio} (scalars) and
-    "per_leaf": the same three per leaf (trees shaped like stats["mean"]), which sum to the
-    global ones. N counts units (tokens with granularity="token", kept units under a mask);
-    N = 1 gives NaN. q − ḡ² loses digits where ḡ² ≫ σ̂²: ask for "var" too (formed from centred
-    quantities, SPEC §3) and it is used instead.
+    For independent units both are unbiased (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N); their
+    ratio is not, and on one batch |G|² can be ≤ 0: smooth both over steps and divide after, as
+    McCandlish et al. do (train.py logs both). Returns {"trace_cov", "grad_sq", "b_simple"}
+    (scalars) and "per_leaf": the same three per leaf, which sum to them. N = 1 gives NaN.
     """
     need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
     if missing := [k for k in need if k not in stats]:
@@ -794,15 +773,20 @@ def _check_mask(
             f"mask must be a bool array of shape ({n},) (one entry per example), got "
             f"{getattr(mask, 'dtype', type(mask))}{tuple(jnp.shape(mask))}"
         )
-    try:
-        kept = int(np.sum(np.asarray(mask))) * per_example
-    except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
-        kept = 2
+    kept = _concrete(mask) * per_example  # under jit: NaN, as documented
     if "var" in stats and kept < 2:
         raise ValueError(
             f"'var' is undefined for {kept} kept unit(s): the mask keeps too few; use ≥ 2"
         )
     return jnp.asarray(mask)
+
+
+def _concrete(x: ArrayLike) -> int:
+    """Σ x where x is concrete; under jit, 2 (what 'var' needs, which is then NaN below it)."""
+    try:
+        return int(np.sum(np.asarray(x)))
+    except jax.errors.TracerArrayConversionError:
+        return 2
 
 
 def _substitute(batch: PyTree, keep: Array) -> PyTree:
@@ -1946,14 +1930,8 @@ def _scan_hoisted(scan: Eqn, invals: list[Value], hoists: Mapping[int, _Hoist]) 
     params, body = scan.params, scan.params["jaxpr"]
     nc, ncar = params["num_consts"], params["num_carry"]
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
-    emit = list(
-        dict.fromkeys(
-            v
-            for h in hoists.values()
-            for v in h.dot.invars[:2]
-            if _operand_source(scan, v)[0] == "emit"
-        )
-    )
+    operands = (v for h in hoists.values() for v in h.dot.invars[:2])
+    emit = list(dict.fromkeys(v for v in operands if _operand_source(scan, v)[0] == "emit"))
     n_out = len(body.jaxpr.outvars)
 
     def step(carry: list, x: list) -> tuple[list, tuple[list, list]]:
@@ -2046,7 +2024,8 @@ Env = Mapping[Var, Any]  # graph variables -> values (batched ones with a leadin
 @dataclasses.dataclass(frozen=True, eq=False)
 class Route(abc.ABC):
     """One way to compute a leaf's statistics, proven for `leaf`; subclasses document their
-    identities and hold the operands their `match` proved."""
+    identities and hold the operands their `match` proved. A method is abstract here and
+    implemented once below (by a route or a mixin), or concrete and never overridden."""
 
     name: ClassVar[str]
     graph: Graph = dataclasses.field(repr=False)
@@ -2063,10 +2042,42 @@ class Route(abc.ABC):
     def dtype(self) -> jnp.dtype:  # the statistics'
         return self.leaf.stat_dtype
 
+    @abc.abstractmethod
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        return {w: "factorized" for w in need}
+        """Per ingredient needed, "factorized" or "chunked" (`LeafPlan`)."""
 
+    @abc.abstractmethod
     def cost(self, methods: Mapping[str, str]) -> Cost:
+        """The cost model's estimate of computing the ingredients so."""
+
+    @abc.abstractmethod
+    def reads(self) -> list[Var]:
+        """The head's values this route reads."""
+
+    @abc.abstractmethod
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        """Factorized ingredients: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
+
+    @abc.abstractmethod
+    def clipped(self, env: Env, weights: Array) -> Array:
+        """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
+
+    @abc.abstractmethod
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
+        """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
+
+
+class _Priced(Route):
+    """A route costed per factorized ingredient (`factored_cost`) and for the chunk loop."""
+
+    @abc.abstractmethod
+    def factored_cost(self, what: str) -> Cost: ...
+
+    @abc.abstractmethod
+    def unit_flops(self) -> float:
+        """Operations to form one example's per-unit gradients."""
+
+    def priced(self, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
         materialization of every unit's gradient (written once, read per ingredient), and
         the head's values they read are held until the chunk loop runs, after the head, and
@@ -2085,41 +2096,44 @@ class Route(abc.ABC):
             total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + 2 * held))
         return total
 
-    def factored_cost(self, what: str) -> Cost:
-        return Cost(2.0 * self.graph.n_units * self.leaf.size, 4.0 * self.leaf.size)
 
-    def unit_flops(self) -> float:
-        """Operations to form one example's per-unit gradients."""
-        return 2.0 * self.graph.per_example * self.leaf.size
-
-    def reads(self) -> list[Var]:
-        """The head's values this route reads."""
-        return []
+class _Each(Route):
+    """A route computing its ingredients one at a time."""
 
     @abc.abstractmethod
     def compute(self, env: Env, what: str) -> Array:
-        """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
+        """One factorized ingredient (`compute_many`)."""
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        """Several factorized ingredients at once (a route may share work between them)."""
         return {what: self.compute(env, what) for what in wanted}
 
-    @abc.abstractmethod
-    def clipped(self, env: Env, weights: Array) -> Array:
-        """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
 
-    @abc.abstractmethod
-    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
-        """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
+class _Factorized(Route):
+    """A route that factorizes every ingredient."""
+
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        return dict.fromkeys(need, "factorized")
+
+
+class _Simple(_Priced):
+    """A route whose cost is `priced`, forming a unit's gradient at the cost of using it."""
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        return self.priced(methods)
+
+    def unit_flops(self) -> float:
+        return 2.0 * self.graph.per_example * self.leaf.size
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class CoreRoute(Route):
+class CoreRoute(_Priced):
     """A route reading the operands of its core, the gradient being `post` (layout,
     batch-independent scalings) after it. Norms factorize where every scaling is by a scalar
-    (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked."""
+    (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked, and so is the sum of a route
+    that forms per-example gradients in the head (`FORMED`): once they exist, it is free."""
 
     cores: ClassVar[frozenset[str]]  # the primitives its core may be (`plan` looks it up by)
+    FORMED: ClassVar[tuple[str, ...]] = ()  # the ingredients formed per example in the head
     core: Eqn
     post: Posts
 
@@ -2144,7 +2158,10 @@ class CoreRoute(Route):
         return all(s.scalar for s in self.post)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        return {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
+        methods = {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
+        if self.FORMED and "sum" in methods and "chunked" in methods.values():
+            methods["sum"] = "chunked"
+        return methods
 
     def reads(self) -> list[Var]:
         return [v for v in (*self.core.invars, *_factor_vars(self.post)) if isinstance(v, Var)]
@@ -2238,20 +2255,40 @@ def _formed_sums(
     return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
 
 
+class _Formed(CoreRoute):
+    """A route forming several ingredients together in the core's coordinates (`core_sums`),
+    then replaying `post` on each (var(m·g) = m²·var(g); ‖post(g)‖² = Π φ(m)²·‖g‖², the
+    scalings being scalars where norms are factorized); the rest one at a time (`compute`)."""
+
+    @abc.abstractmethod
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        """The ingredients `core_sums` forms, of those `wanted` together."""
+
+    @abc.abstractmethod
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
+        """The means of φ and variance in the core's coordinates, norms [B]."""
+
+    @abc.abstractmethod
+    def compute(self, env: Env, what: str) -> Array: ...
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.sums(wanted)])
+        if "norms" in sums:
+            sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
+        phis = {**_PHI, "var": jnp.square}
+        out = {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in sums.items()}
+        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class DotCore(CoreRoute):
+class DotCore(_Formed):
     """A route whose core is a dot_general and whose means of φ are sums over examples and
     units of φ(core_u): computed per slice of the dot's batch dims, so that they can also be
     formed one scan iteration at a time (InScan). `units`: the operands' contracted axes that
     index units besides the example (rank one: OuterProduct), whose units clipping weighs."""
 
     cores = frozenset({"dot_general"})
-    SUMS: ClassVar[tuple[str, ...]] = tuple(_PHI)  # the ingredients core_sums forms
     units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-
-    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        """(1/N) Σ_u φ(core_u) for each φ in `wanted`, in the core's output coordinates."""
-        return {w: self.core_sum(env, dtype, w) for w in wanted}
 
     def core_sum(
         self, env: Env, dtype: DTypeLike, what: str, weights: Array | None = None
@@ -2267,12 +2304,6 @@ class DotCore(CoreRoute):
         dn = _over_examples(*_dot_dims(self.core))
         n = self.graph.n_units
         return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
-
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.SUMS])
-        out = {w: self.replay(g, env, phis[w]) for w, g in sums.items()}
-        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self.replay(self.core_sum(env, self.dtype, "sum", weights), env)
@@ -2296,7 +2327,7 @@ def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
     return weights.reshape(shape)
 
 
-class Empty(Route):
+class Empty(_Each, _Factorized):
     """A leaf with no entries: every statistic is an empty array."""
 
     name = "empty"
@@ -2309,6 +2340,9 @@ class Empty(Route):
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         return Cost()
+
+    def reads(self) -> list[Var]:
+        return []
 
     def compute(self, env: Env, what: str) -> Array:
         if what == "norms":
@@ -2323,7 +2357,7 @@ class Empty(Route):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Constant(Route):
+class Constant(_Each, _Factorized, _Simple):
     """The gradient does not depend on the example: g_u = g for every unit, so every mean is
     φ(g), the variance is 0 and each unit's norm is ‖g‖². At token granularity only a proven
     zero gradient (an unused parameter) splits over positions."""
@@ -2380,24 +2414,21 @@ def _gauge(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class OuterProduct(DotCore):
+class OuterProduct(DotCore, _Simple):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
     contracts nothing but the unit axes — no axis at example granularity (a dense weight used
     once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
     used at every position: g_t = δ_t ⊗ x_t). With u over units (and each batch-dim slice):
 
-        Σ_u φ(a_u ⊗ b_u) = φ(A)ᵀφ(B)            (φ multiplicative; one contraction over units)
-        ‖a_u ⊗ b_u‖²     = ‖a_u‖²‖b_u‖²          (Goodfellow)
-        Σ_u c_u a_u ⊗ b_u = (c∘A)ᵀB
+        Σ_u φ(a_u ⊗ b_u) = φ(A)ᵀφ(B)     ‖a_u ⊗ b_u‖² = ‖a_u‖²‖b_u‖²     Σ_u c_u a_u ⊗ b_u = (c∘A)ᵀB
         Σ_u (a_u ⊗ b_u − ḡ)² from centred factors A = ā + Ã, B = b̄ + B̃ (no cancellation),
             with K = ÃᵀB̃ (so ḡ = ā⊗b̄ + K/N) and P = Ã∘(Ã + 2ā) = A² − ā², Q likewise:
             ā²⊗ΣB̃² + ΣÃ²⊗b̄² + PᵀQ − 2(ā⊗b̄)∘K − K²/N       (two contractions over units)
 
-    A rank-one factorization is unique up to a scalar per unit (a_u s_u ⊗ b_u / s_u): before
-    centring, each b_u is scaled to unit norm and its sign aligned with the largest b_u, and
-    a_u takes the scalar back. Nearly equal gradients then have nearly equal factors, so the
-    centred factors are small where the variance is (a scale-invariant use of a weight, W x
-    and c·x giving the same gradient, would otherwise cancel O(1) terms to an O(ε²) result).
+    The factors are unique up to a scalar per unit (a_u s_u ⊗ b_u / s_u): before centring,
+    each b_u is scaled to unit norm, its sign aligned with the largest b_u's (`_gauge`), so
+    that nearly equal gradients have nearly equal factors and the centred factors are small
+    where the variance is (W x and c·x giving one gradient would else cancel O(1) terms).
     """
 
     name = "outer-product"
@@ -2425,6 +2456,12 @@ class OuterProduct(DotCore):
             return Refusal("the contracted axes are not both traced to the example's positions")
         reason = "weight at every position: g_t = δ_t ⊗ x_t over the traced position axis"
         return cls(graph, leaf, reason, core=core, post=post, units=((lc[k],), (rc[k],)))
+
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        return _PHI
+
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
+        return {w: self.core_sum(env, dtype, w) for w in wanted}
 
     def factored_cost(self, what: str) -> Cost:
         n, p = self.graph.n_units, self.leaf.size
@@ -2519,13 +2556,6 @@ class Contraction(DotCore):
         free_a = math.prod(a) // (terms * slices)
         return terms, slices, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
 
-    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if self.scalar else set())
-        methods = {w: "factorized" if w in factored else "chunked" for w in need}
-        if "sum" in methods and list(methods.values()).count("chunked"):
-            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
-        return methods
-
     def gram(self, ingredients: Container[str]) -> bool:
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
@@ -2554,7 +2584,7 @@ class Contraction(DotCore):
         """sq, sign and var from per-example gradients formed a bounded chunk at a time
         (`_formed_sums`), which give the sum too."""
         if not any(w in self.FORMED for w in wanted):
-            return super().core_sums(env, dtype, wanted)
+            return {w: self.core_sum(env, dtype, w) for w in wanted}
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
@@ -2571,14 +2601,8 @@ class Contraction(DotCore):
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        formed = (*_PHI, "var") if self.gram(wanted) else (*_PHI, "var", "norms")
-        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in formed])
-        if "norms" in sums:  # ‖post(g)‖² = Π φ(m)²·‖g‖²: the scalings are scalars (methods)
-            sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        out = {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in sums.items()}
-        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+    def sums(self, wanted: Sequence[str]) -> Container[str]:  # norms alone: by the Gram identity
+        return (*_PHI, "var") if self.gram(wanted) else (*_PHI, "var", "norms")
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
@@ -2587,8 +2611,8 @@ class Contraction(DotCore):
     def cost(self, methods: Mapping[str, str]) -> Cost:
         if methods.get("norms") == "factorized" and self.gram(methods):
             rest = {w: how for w, how in methods.items() if w != "norms"}
-            return super().cost(rest) + self.factored_cost("gram")
-        total = super().cost(methods)
+            return self.priced(rest) + self.factored_cost("gram")
+        total = self.priced(methods)
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
         # The sum, and the variance or norms beside another, come from the gradients formed once.
         shared = (methods.get("sum") == "factorized") + sum(
@@ -2633,17 +2657,12 @@ def _conv_offsets(
 ) -> list[Array]:
     """conv_general_dilated(lhs_e, rhs_e, **params) for each example e of [E, ...] operands,
     one output position k at a time (a scan), each position's [E, n, o] values passed through
-    `reduce` (to a list of arrays) before the next is formed:
-
-        out[n, o, k] = Σ_{c, q} lhs_pd[n, c, k·s + q·r] · rhs[o, c, q]
-
-    with lhs_pd the input padded (and dilated) as `padding`/`lhs_dilation` say, s the window
-    strides and r the kernel dilation: position k reads a strided window of lhs_pd, and is one
-    dot_general batched over examples (and feature or batch groups). For a kernel's gradient k
-    runs over the kernel's offsets: few steps, each a batched matmul over the positions, and
-    one offset's per-example values live at a time (a batched convolution is a grouped one,
-    far slower on XLA:CPU, and forms all of them). Returns the reduced values stacked over
-    positions, [positions, ...] (`_conv_layout` puts [positions, ..., n, o] in place)."""
+    `reduce` (to a list of arrays) before the next is formed: out[n, o, k] = Σ_{c, q}
+    lhs_pd[n, c, k·s + q·r] · rhs[o, c, q] (lhs_pd padded and dilated, s the strides, r the
+    kernel dilation) is one dot_general batched over examples (and groups). For a kernel's
+    gradient k runs over the kernel's offsets: few steps, one offset's per-example values live
+    at a time (a batched convolution is a grouped one, far slower on XLA:CPU, and forms all of
+    them). Returns the reduced values stacked over positions (`_conv_layout` places them)."""
     lhs_spec, rhs_spec, _ = params["dimension_numbers"]
     lhs = jnp.transpose(lhs, (0, *_shift(lhs_spec)))  # [E, N, C, *S]
     rhs = jnp.transpose(rhs, (0, *_shift(rhs_spec)))  # [E, O, I, *W]
@@ -2689,7 +2708,7 @@ def _conv_layout(y: Array, params: Mapping, out: Sequence[int]) -> Array:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Convolution(CoreRoute):
+class Convolution(_Formed):
     """A convolution's kernel (example granularity): the core is conv_general_dilated(x, δ) of
     two example-dependent values, g_i = conv(x_i, δ_i) summing over the example's positions.
     Linear ingredients contract the examples inside one convolution, as plain grad does:
@@ -2720,13 +2739,6 @@ class Convolution(CoreRoute):
         reason = f"convolution kernel: g_i = conv(x_i, δ_i), {positions} offsets, a dot each"
         return cls(graph, leaf, reason, core=core, post=post)
 
-    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if self.scalar else set())
-        methods = {w: "factorized" if w in factored else "chunked" for w in need}
-        if "sum" in methods and "chunked" in methods.values():
-            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
-        return methods
-
     def factored_cost(self, what: str) -> Cost:
         n, size = self.graph.n_examples, self.leaf.size
         factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
@@ -2741,11 +2753,11 @@ class Convolution(CoreRoute):
         (the folded sum, clipping, anything chunked) at their own cost."""
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
         if not formed:
-            return super().cost(methods)
+            return self.priced(methods)
         rest = {w: how for w, how in methods.items() if w not in (*formed, "sum")}
         once = self.factored_cost(formed[0])
         more = self.graph.n_examples * self.leaf.size * (len(formed) - 1)
-        return super().cost(rest) + once + Cost(more, 4.0 * more / self.graph.n_examples)
+        return self.priced(rest) + once + Cost(more, 4.0 * more / self.graph.n_examples)
 
     def unit_flops(self) -> float:
         return _flops(self.core)
@@ -2791,10 +2803,13 @@ class Convolution(CoreRoute):
     def positions(self) -> tuple[int, ...]:
         return _conv_positions(self.core)
 
-    def formed(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        return (*_PHI, *self.FORMED)
+
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
         """Means of φ in the core's coordinates and norms ([B]) from one pass over chunks of
         examples and kernel offsets; the sum alone folded into one convolution."""
-        dtype, params = self.dtype, self.core.params
+        params = self.core.params
         if not any(w in self.FORMED for w in wanted):
             return {"sum": self.folded(env)} if "sum" in wanted else {}
 
@@ -2817,14 +2832,7 @@ class Convolution(CoreRoute):
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        out = self.formed(env, [w for w in wanted if w in (*_PHI, "var", "norms")])
-        if "norms" in out:
-            out["norms"] = out["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        return {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in out.items()}
-
-    def compute(self, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:  # every ingredient is in `sums`
         return self.compute_many(env, [what])[what]
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -2837,7 +2845,7 @@ class Convolution(CoreRoute):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class UnitSum(CoreRoute):
+class UnitSum(CoreRoute, _Each):
     """The core sums an example-dependent value z over some of its axes (a bias or a norm
     layer's scale or shift applied at every position, a per-channel gate): unit u's gradient
     is z summed over those axes, except, at token granularity, the one summed axis traced to
@@ -2871,6 +2879,12 @@ class UnitSum(CoreRoute):
         formed = any(w != "sum" for w in methods)
         return Cost(z + 2.0 * g * len(methods), 4.0 * (z + g * formed))
 
+    def factored_cost(self, what: str) -> Cost:
+        return self.cost({what: "factorized"})
+
+    def unit_flops(self) -> float:
+        return 2.0 * self.graph.per_example * self.leaf.size
+
     def _units(self, z: Array) -> Array:
         """[B, ...] -> [B, U, *core output]: each unit's own sum (U = 1 per example)."""
         rest = tuple(a + 1 for a in self.core.params["axes"] if a != self.axis)
@@ -2900,7 +2914,7 @@ class UnitSum(CoreRoute):
         return self.replay(self._units(z[None])[0], env, units=True)
 
 
-class _Rows(CoreRoute):
+class _Rows(CoreRoute, _Each, _Simple):
     """Rows of batched updates scattered into a zero table (row-scatter, segment-rows): the
     statistics from rows (`_units`) such that each entry of a unit's gradient is one row's
     update or 0."""
@@ -3170,17 +3184,15 @@ def _windows_overlap(core: Eqn, indices: np.ndarray, mode: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class _Composite(Route):
-    """A gradient made of `parts`, each proven by a route of its own: costs add up, and every
-    ingredient is the parts' ingredients combined (`_combine`)."""
+class _Composite(_Priced):
+    """A gradient made of `parts`, each proven by a route of its own, then `post`: costs add
+    up, and every ingredient is the parts' ingredients combined (`_combine`)."""
 
     parts: tuple[CoreRoute, ...]
+    post: Posts = ()
 
     @abc.abstractmethod
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array: ...
-
-    def compute(self, env: Env, what: str) -> Array:
-        return self.compute_many(env, [what])[what]
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         """Each part's ingredients at once (a part may share work between them), combined."""
@@ -3192,7 +3204,7 @@ class _Composite(Route):
         chunk loop's for the rest."""
         factored = {w: how for w, how in methods.items() if how == "factorized"}
         rest = {w: how for w, how in methods.items() if how != "factorized"}
-        return super().cost(rest) + sum((p.cost(factored) for p in self.parts), Cost())
+        return self.priced(rest) + sum((p.cost(factored) for p in self.parts), Cost())
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
@@ -3208,7 +3220,8 @@ class _Composite(Route):
         return float(sum(p.unit_flops() for p in self.parts))
 
     def reads(self) -> list[Var]:
-        return list(dict.fromkeys(v for p in self.parts for v in p.reads()))
+        parts = [v for p in self.parts for v in p.reads()]
+        return list(dict.fromkeys([*parts, *_factor_vars(self.post)]))
 
 
 class Terms(_Composite):
@@ -3277,7 +3290,6 @@ class DisjointParts(_Composite):
 
     name = "disjoint-parts"
     core: Eqn
-    post: Posts
     places: tuple[Placement, ...]
 
     @classmethod
@@ -3309,9 +3321,6 @@ class DisjointParts(_Composite):
         if not all(s.scalar for s in self.post):
             factored.discard("norms")
         return {w: "factorized" if w in factored else "chunked" for w in need}
-
-    def reads(self) -> list[Var]:
-        return list(dict.fromkeys([*super().reads(), *_factor_vars(self.post)]))
 
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         """The parts put in place (with any leading unit axes), then the ops after the sum;
@@ -3412,7 +3421,7 @@ _MAX_PLACES = 64  # places a routed part may take (one contraction each)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class RoutedPart(Route):
+class RoutedPart(_Each, _Priced):
     """Example granularity: the gradient is one part written into a zero table at a place the
     example chooses (`core`, a dynamic_update_slice whose starts depend on the example), then
     `post`: a mixture of experts reading one expert's matrix per example, experts[choice] @ x.
@@ -3467,6 +3476,9 @@ class RoutedPart(Route):
     def reads(self) -> list[Var]:
         starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
         return list(dict.fromkeys([*self.part.reads(), *starts, *_factor_vars(self.post)]))
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        return self.priced(methods)
 
     def factored_cost(self, what: str) -> Cost:
         if what == "norms":
@@ -3537,7 +3549,7 @@ _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class HeadValue(Route):
+class HeadValue(_Each, _Factorized):
     """Example granularity: the gradient needs no op of its own after the backward pass (a
     bias, a norm layer's scale used once per example), or only layout and batch-independent
     scalings (a bias added to x[None]: a sum over an axis of size 1): g_i is a value v_i
@@ -3602,7 +3614,7 @@ class HeadValue(Route):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Fallback(Route):
+class Fallback(_Each, _Priced):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient `tail` (the ops
     only its gradient needs; empty when the head computes it) evaluated per example, a bounded
     chunk of examples at a time; `linear` when the tail is proven linear in its cotangent
@@ -3641,6 +3653,9 @@ class Fallback(Route):
         if "sum" in methods and any(methods[w] == "chunked" for w in need if w != "clipped"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        return self.priced(methods)
 
     def factored_cost(self, what: str) -> Cost:
         n = self.graph.n_examples
@@ -3746,10 +3761,10 @@ class MeanLoss(Route):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "MeanLoss":
         return cls(graph, leaf, cls.proof)  # every leaf's, where `plan` takes it
 
-    def compute(self, env: Env, what: str) -> Array:  # never: _gradient_of_mean_loss runs
+    def _never(self, *args: Any) -> Any:  # _gradient_of_mean_loss runs instead
         raise AssertionError("mean-loss is plain grad of the mean loss, not a leaf's route")
 
-    clipped = per_unit = compute  # type: ignore
+    methods = cost = reads = compute_many = clipped = per_unit = _never  # type: ignore
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
@@ -3966,17 +3981,10 @@ def plan(
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
     if plain and graph.user_backward == "":
         return tuple(
-            LeafPlan(
-                leaf.path,
-                leaf.shape,
-                MeanLoss.match(graph, leaf),
-                dict.fromkeys(need, "factorized"),
-                Cost(),
-                (),
-                leaf.index,
-            )
+            LeafPlan(leaf.path, leaf.shape, MeanLoss.match(graph, leaf),
+                     dict.fromkeys(need, "factorized"), Cost(), (), leaf.index)
             for leaf in graph.leaves
-        )
+        )  # fmt: skip
     plans = []
     for leaf in graph.leaves:
         refused = [(MeanLoss.name, graph.user_backward or _NOT_SEARCHED)] if plain else []
@@ -4009,19 +4017,9 @@ def plan(
         rank = lambda r: ROUTES.index(type(r))  # noqa: E731
         outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
         plans.append(
-            LeafPlan(
-                leaf.path,
-                leaf.shape,
-                m,
-                methods,
-                cost,
-                tuple(refused),
-                leaf.index,
-                in_scan,
-                other_kind=tuple(other_kind),
-                outranked=outranked,
-            )  # fmt: skip
-        )
+            LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan,
+                     other_kind=tuple(other_kind), outranked=outranked)
+        )  # fmt: skip
     loop_chunk = _loop_chunk(graph, plans)
     return tuple(_formed(graph, p, loop_chunk) for p in plans)
 
@@ -4260,11 +4258,8 @@ def _run_segment(
     with `jobs` form their leaves' sums inside (returned: (ingredient, leaf index) -> the mean
     in the core's coordinates)."""
     produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
-    reads = list(
-        dict.fromkeys(
-            v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced
-        )
-    )
+    ins = (v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced)
+    reads = list(dict.fromkeys(ins))
     reads_b = [v for v in reads if v in graph.batched]
     reads_u = [v for v in reads if v not in graph.batched]
     outs = [v for v in produced if last_use.get(v, -1) > end]
