@@ -74,30 +74,6 @@ Axes = frozenset[int]  # axes of a value that index positions (token granularity
 _NONE: Axes = frozenset()
 
 
-def __getattr__(name: str) -> types.ModuleType:
-    """`from pegrad import models, optimizers, train` (PEP 562): the package's modules when
-    installed, else the files beside this one loaded by path as `pegrad.<name>` (never a user's
-    own file of that name; train.py's `from . import` is this)."""
-    if name not in ("models", "optimizers", "train"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    full = f"{__name__}.{name}"
-    if "__path__" in globals():  # the wheel: a submodule of the package
-        return importlib.import_module(full)
-    if full not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-        spec = importlib.util.spec_from_file_location(full, path)
-        if not os.path.isfile(path) or spec is None or spec.loader is None:
-            raise ImportError(f"{full} is the file {path}, missing: pegrad.py was copied alone")
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[full]
-            raise
-    globals()[name] = sys.modules[full]
-    return sys.modules[full]
-
-
 # ============================================================================================
 # Part I — the definition. It names nothing of the engine but `_factorized` and `Plan.build`.
 # §1 Public API
@@ -132,26 +108,24 @@ def value_and_grad_stats(
         clip_norm: C for "clipped_mean".
         choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
             precedence order (tests: every route a leaf can prove then runs). Same numbers.
-        has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`
-            with every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
+        has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`,
+            every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
         nonfinite: "propagate": a NaN or Inf in an example's loss or gradient reaches the
             statistics it enters, as in `jax.grad` of the mean loss. "drop": an example whose
             loss (one extra batched forward pass) or ‖g_i‖² is not finite is masked (below);
             in a batched convolution a non-finite gradient may drop its chunk too.
 
-    `params` is a pytree of floating arrays, or a model as it is (an `eqx.Module`, a flax
-    `nnx.Module`: any pytree object but a dict, list or tuple): its floating-array leaves are
-    the parameters, the rest is held fixed, and statistics have the model's structure with
-    None there (as Equinox's `filter_grad`). A layer that couples the examples (BatchNorm in
-    training mode) is refused. `mask`, a bool [B]: an example with mask False counts in no
-    statistic and not in N (its inputs are replaced by a kept example's before anything runs);
-    "batch_size" is then the kept count N_eff (traced), "sq_norms" is 0 at masked units, and
-    "var" divides by N_eff − 1 (NaN below 2 kept units; an error for a concrete mask) and is
-    computed, with the sums of leaves whose rewrite would transpose through a masked example,
-    from per-example gradients in chunks (also with nonfinite="drop").
-
-    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
-    [N] with unit i·T + t at token granularity.
+    `params` is a pytree of floating arrays, or a model (an `eqx.Module`, a flax `nnx.Module`:
+    any pytree but a dict, list or tuple) whose floating-array leaves are the parameters, the
+    rest held fixed; statistics then have its structure with None there (as `filter_grad`). A
+    layer that couples the examples (BatchNorm in training mode) is refused. `mask`, a bool
+    [B]: an example with mask False counts in no statistic and not in N (its inputs are a kept
+    example's before anything runs); "batch_size" is then the kept count N_eff (traced),
+    "sq_norms" is 0 at masked units, "var" divides by N_eff − 1 (NaN below 2 kept units; an
+    error for a concrete mask) and is formed, with the sums of leaves whose rewrite would
+    transpose through a masked example, from per-example gradients in chunks (so with "drop").
+    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" is [N], unit
+    i·T + t at token granularity.
     """
     stats = _check_options(
         stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget, nonfinite
@@ -747,11 +721,7 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
             if grown == carry:
                 return (carry, "") if name == "while" else (outs, "")
             carry = grown
-    subs = [inner(v) for v in params.values() if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr)]
-    subs += [
-        inner(x) for v in params.values() if isinstance(v, tuple | list)
-        for x in v if isinstance(x, jcore.ClosedJaxpr | jcore.Jaxpr)
-    ]  # fmt: skip
+    subs = _sub_jaxprs(eqn)
     if len(subs) == 1 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == n_out:
         return _example_dependence(subs[0], ins)  # a call: pjit, custom_jvp/vjp, remat
     for sub in subs:
@@ -759,6 +729,13 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
         if draw:
             return [], draw
     return [any(ins)] * n_out, ""
+
+
+def _sub_jaxprs(eqn: Eqn) -> list[jcore.Jaxpr]:
+    """The jaxprs among an equation's params (or in a tuple or list there), in order."""
+    values = [x for v in eqn.params.values() for x in (v if isinstance(v, tuple | list) else [v])]
+    jaxprs = [x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x for x in values]
+    return [x for x in jaxprs if isinstance(x, jcore.Jaxpr)]
 
 
 def _check_mask(
@@ -948,11 +925,6 @@ def _where_units(keep: Array, x: Array) -> Array:
     return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def _diagonal(stacked: Array, axis: int) -> Array:
-    """out[..., t (at `axis`), ...] = stacked[t, ..., t, ...]: slice t computed with copy t."""
-    return jnp.moveaxis(jnp.diagonal(stacked, axis1=0, axis2=axis + 1), -1, axis)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Untie:
     """granularity="token" made explicit: position t uses its own copy of every parameter.
@@ -983,14 +955,10 @@ class Untie:
         positions = _propagate_positions(jaxpr, _example_axes(n_params, len(args) - n_params))
         boundary_axis: dict[int, tuple[int, ...]] = {}
         for eqn in jaxpr.eqns:
-            used = frozenset().union(
-                *(deps.get(v, _NONE) for v in eqn.invars if isinstance(v, jcore.Var))
-            )
-            meets = any(isinstance(v, jcore.Var) and v in batched for v in eqn.invars)
-            for v in eqn.outvars:
-                if v not in batched and used:
-                    deps[v] = used
-            if not (meets and used):
+            ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+            used = frozenset().union(*(deps.get(v, _NONE) for v in ins))
+            deps.update((v, used) for v in eqn.outvars if v not in batched and used)
+            if not (used and any(v in batched for v in ins)):
                 continue
             axes = _boundary_axes(eqn, positions)
             if isinstance(axes, str):
@@ -1024,16 +992,18 @@ class Untie:
             outs = jax.vmap(lambda *xs: _bind(eqn, list(xs)), in_axes=axes)(*invals)
             if id(eqn) in self.boundary_axis:
                 axes_out = self.boundary_axis[id(eqn)]
-                outs = [_diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
+                # out[..., t (at axis p), ...] = o[t, ..., t, ...]: slice t computed with copy t
+                diagonal = lambda o, p: jnp.moveaxis(jnp.diagonal(o, 0, 0, p + 1), -1, p)  # noqa: E731
+                outs = [diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
             return outs
 
         def loss_of(copies: dict[int, Array]) -> Array:
             inputs = [copies.get(i, x) for i, x in enumerate(leaves)] + jax.tree.leaves(example)
             return _run(self.jaxpr, self.consts, inputs, bind=bind)[0]
 
+        n = self.n_positions
         copies = {
-            i: jnp.broadcast_to(leaves[i], (self.n_positions, *jnp.shape(leaves[i])))
-            for i in sorted(untied)
+            i: jnp.broadcast_to(leaves[i], (n, *jnp.shape(leaves[i]))) for i in sorted(untied)
         }
         loss, grads = jax.value_and_grad(loss_of)(copies)
         return loss, jax.tree.unflatten(treedef, [grads.get(i) for i in range(self.n_params)])
@@ -1044,17 +1014,12 @@ def _boundary_axes(eqn: Eqn, positions: Mapping[Var, Axes]) -> tuple[int, ...] |
     name = eqn.primitive.name
     if name not in _ELEMENTWISE and name not in ("dot_general", "gather", "concatenate"):
         return "(an operation that is not position-wise, or opaque to pegrad)"
-    if name == "gather" and any(
-        v in positions and positions[v] for v in eqn.invars[:1] if isinstance(v, jcore.Var)
-    ):
+    if name == "gather" and _axes_of(positions, eqn.invars[0]):
         return "(a gather from an example-dependent array)"
-    axes = []
-    for var in eqn.outvars:
-        found = positions.get(var, _NONE)
-        if len(found) != 1:
-            return f"whose output has {len(found)} position axes, not one"
-        axes.append(next(iter(found)))
-    return tuple(axes)
+    found = [positions.get(var, _NONE) for var in eqn.outvars]
+    if wrong := [len(axes) for axes in found if len(axes) != 1]:
+        return f"whose output has {wrong[0]} position axes, not one"
+    return tuple(next(iter(axes)) for axes in found)
 
 
 # ============================================================================================
@@ -1131,18 +1096,12 @@ def _run(
     return [_read(env, v) for v in (jaxpr.outvars if outs is None else outs)]
 
 
-def _flat_jaxpr(fn: Callable, args: Sequence[Value], inline: frozenset[str]) -> jcore.ClosedJaxpr:
-    """The jaxpr of `fn(*args)` with the `inline` calls evaluated in place (recursively)."""
-    nested = jax.make_jaxpr(fn)(*args)
-    flat = lambda *values: _run(nested.jaxpr, nested.consts, values, inline=inline)  # noqa: E731
-    return jax.make_jaxpr(flat)(*args)
-
-
 def _flat_trace(
     fn: Callable, params: PyTree, batch: PyTree, extra: Sequence[Value], inline: frozenset[str]
 ) -> tuple[jcore.ClosedJaxpr, list[Value]]:
-    """The flat jaxpr of `fn(params, example, *extra)` for ONE example, whose inputs are (param
-    leaves, example leaves, *extra), and those inputs (abstract)."""
+    """The flat jaxpr of `fn(params, example, *extra)` for ONE example (the `inline` calls
+    evaluated in place, recursively), whose inputs are (param leaves, example leaves, *extra),
+    and those inputs (abstract)."""
     leaves, param_tree = jax.tree.flatten(params)
     example_leaves, example_def = jax.tree.flatten(_one_example(batch))
     n, n_example = len(leaves), len(example_leaves)
@@ -1153,7 +1112,9 @@ def _flat_trace(
 
     shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
     args = [*shapes, *example_leaves, *extra]
-    return _flat_jaxpr(flat, args, inline), args
+    nested = jax.make_jaxpr(flat)(*args)
+    run = lambda *values: _run(nested.jaxpr, nested.consts, values, inline=inline)  # noqa: E731
+    return jax.make_jaxpr(run)(*args), args
 
 
 def _paths(params: PyTree) -> list[str]:
@@ -1379,10 +1340,8 @@ def _producers(jaxpr: jcore.Jaxpr) -> dict[Var, Eqn]:
 def _users(jaxpr: jcore.Jaxpr) -> dict[Var, list[Eqn]]:
     """Per variable, the equations that read it (once per operand it is)."""
     users: dict[Var, list[Eqn]] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, Var):
-                users.setdefault(v, []).append(eqn)
+    for eqn, v in ((e, v) for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)):
+        users.setdefault(v, []).append(eqn)
     return users
 
 
@@ -1442,9 +1401,8 @@ class Post:
 
     @property
     def scalar(self) -> bool:
-        return (
-            self.factor is None or isinstance(self.factor, int | float) or not _shape(self.factor)
-        )
+        factor = self.factor
+        return factor is None or isinstance(factor, int | float) or not _shape(factor)
 
 
 Posts = tuple[Post, ...]  # the ops from a core to the gradient, in order
@@ -1537,17 +1495,15 @@ class Graph:
         seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
         n = jax.tree.leaves(batch)[0].shape[0]
-        closed = _hoist_scans(
-            closed, args, hoist, None if memory_budget is None else memory_budget // n
-        )
+        budget = None if memory_budget is None else memory_budget // n
+        closed = _hoist_scans(closed, args, hoist, budget)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         producer, users = _producers(jaxpr), _users(jaxpr)
         static: set[Var] = set(jaxpr.constvars)
+        known = lambda v: isinstance(v, jcore.Literal) or v in static  # noqa: E731
         for eqn in jaxpr.eqns:
-            if not eqn.effects and all(
-                isinstance(v, jcore.Literal) or v in static for v in eqn.invars
-            ):
+            if not eqn.effects and all(map(known, eqn.invars)):
                 static.update(eqn.outvars)
         positions: Mapping[Var, Axes] = {}
         untie = None
@@ -1563,7 +1519,7 @@ class Graph:
                 Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, grads[i])
                 for i, x in enumerate(leaves)
             ),
-            n_examples=jax.tree.leaves(batch)[0].shape[0],
+            n_examples=n,
             per_example=per_example,
             producer=producer,
             users={v: tuple(u) for v, u in users.items()},
@@ -1607,8 +1563,9 @@ class Graph:
             return "the gradient does not depend on the cotangent: affine, not linear"
         for eqn in eqns:
             seeded = [isinstance(v, Var) and v in self.seeded for v in eqn.invars]
-            rule = _LINEARITY.get(eqn.primitive.name, _unknown)
-            why = rule(self, eqn, seeded) if any(seeded) else ""
+            rule = _LINEARITY.get(eqn.primitive.name)
+            unknown = f"'{eqn.primitive.name}' is not known to be linear"
+            why = (rule(self, eqn, seeded) if rule else unknown) if any(seeded) else ""
             if why:
                 return why
         return ""
@@ -1678,10 +1635,6 @@ def _linear_if(ok: Callable[[Graph, Eqn, list[bool]], bool]) -> LinearityRule:
     return lambda g, e, s: (
         "" if ok(g, e, s) else f"'{e.primitive.name}' is not linear in the cotangents it reads"
     )
-
-
-def _unknown(graph: Graph, eqn: Eqn, seeded: list[bool]) -> str:
-    return f"'{eqn.primitive.name}' is not known to be linear"
 
 
 def _linear_at(ks: Container[int]) -> LinearityRule:
@@ -1823,7 +1776,9 @@ def _hoistable(scan: Eqn, k: int, producer_out: Mapping[Var, Eqn]) -> _Hoist | N
             return None
         if len(users.get(carry_in, ())) != 1 or carry_in in body.outvars:
             return None
-        if not _is_literal_zero(scan.invars[nc + k], producer_out):
+        cast = ("broadcast_in_dim", "convert_element_type")  # how JAX starts an accumulator: 0
+        init, _ = _walk_back(scan.invars[nc + k], producer_out, lambda e: e.primitive.name in cast)
+        if not isinstance(init, jcore.Literal) or np.any(np.asarray(init.val)):
             return None
         (var,) = [v for v in add.invars if v is not carry_in] or [None]
     var, post = _walk_back(var, producer, _is_layout)
@@ -1845,13 +1800,6 @@ def _walk_back(
         path.append(producer[var])
         var = producer[var].invars[0]
     return var, tuple(path[::-1])
-
-
-def _is_literal_zero(var: Atom, producer: Mapping[Var, Eqn]) -> bool:
-    """A literal 0 or a broadcast of one (how JAX starts a gradient accumulator)."""
-    cast = ("broadcast_in_dim", "convert_element_type")
-    end, _ = _walk_back(var, producer, lambda eqn: eqn.primitive.name in cast)
-    return isinstance(end, jcore.Literal) and not np.any(np.asarray(end.val))
 
 
 def _hoist_scans(
@@ -2116,7 +2064,8 @@ class _Factorized(Route):
 
 
 class _Simple(_Priced):
-    """A route whose cost is `priced`, forming a unit's gradient at the cost of using it."""
+    """A route costed by `priced`, one example's per-unit gradients formed at two operations
+    an entry."""
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         return self.priced(methods)
@@ -2217,9 +2166,8 @@ def _formed_sums(
     operands, or the caller's bound): (1/N) Σ_i φ(g_i) for "sum", "sq", "sign"; the variance
     Σ_i (g_i − ḡ)²/(N − 1) for "var", each chunk's (mean, M2) merged by Chan's update (no
     cancellation); ‖g_i‖² ([B]) for "norms". form(a, b, names, r) gives, for a chunk's operands
-    of which the first r are examples, per name in order: Σ φ(g_i) over the chunk, (mean, M2)
-    over its r examples, or its norms. Padding examples have zero operands: the core is
-    bilinear, so g = 0 and φ(0) = 0; form leaves them out of (mean, M2), norms are cut off."""
+    of which the first r are examples, what `_moments` gives. Padding examples have zero
+    operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off."""
     n = route.graph.n_examples
     names = [w for w in ("sum", "sq", "sign", "var", "norms") if w in wanted]
     means = [w for w in names if w in _PHI]
@@ -2239,20 +2187,32 @@ def _formed_sums(
         out = form(x, y, names, r)
         sums = [t + s for t, s in zip(sums, out[:k], strict=True)]
         if var:
-            moments = _chan(moments, (r, *out[k]))
-        return (sums, moments), out[k + var :]
+            moments = _chan(moments, (r, out[k], out[k + 1]))
+        return (sums, moments), out[k + 2 * var :]
 
     split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
     zero = lambda s: jnp.zeros(s.shape, dtype)  # noqa: E731
     sums = [zero(s) for s in shapes[:k]]
     moments: tuple[Array, ...] = ()
     if var:
-        moments = (jnp.zeros((), dtype), zero(shapes[k][0]), zero(shapes[k][1]))
+        moments = (jnp.zeros((), dtype), zero(shapes[k]), zero(shapes[k + 1]))
     (sums, moments), norms = jax.lax.scan(chunk, (sums, moments), (split(a), split(b), counts))
     out = {w: t * (1.0 / n) for w, t in zip(means, sums, strict=True)}
     if var:
         out["var"] = list(moments)[-1] * (1.0 / (n - 1))  # M2 / (N − 1)
     return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
+
+
+def _moments(g: Array, names: Sequence[str], r: Array) -> list[Array]:
+    """For per-example values g [c, ...] whose first r rows are examples (the rest padding):
+    Σ φ(g) per mean in `names`; the mean and M2 over the r examples for "var" (the padding
+    left out, not subtracted); the norms per row for "norms"."""
+    out = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
+    if "var" in names:
+        mean = _sum0(g) / r
+        centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
+        out += [mean, _sum0(centred * centred)]
+    return out + ([jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else [])
 
 
 class _Formed(CoreRoute):
@@ -2589,15 +2549,7 @@ class Contraction(DotCore):
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
         def form(a: Array, b: Array, names: list[str], r: Array) -> list:
-            g = jax.vmap(dot)(a, b)  # [c, ...]: its first r rows examples, the rest zero
-            out: list = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
-            if "var" in names:  # the padding rows left out of (mean, M2), not subtracted
-                mean = _sum0(g) / r
-                centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
-                out.append((mean, _sum0(centred * centred)))
-            return out + (
-                [jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else []
-            )
+            return _moments(jax.vmap(dot)(a, b), names, r)
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
@@ -2773,31 +2725,20 @@ class Convolution(_Formed):
         if weights is not None:
             x = x * weights.reshape(-1, *[1] * (x.ndim - 1)).astype(dtype)
         params = self.core.params
-        lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
-        groups = params["feature_group_count"]
+        lhs_spec, rhs_spec, _ = params["dimension_numbers"]
+        groups, f, g = params["feature_group_count"], lhs_spec[1], rhs_spec[1]
         # lhs feature axis C = groups·I (group-major) -> groups·(B·I); rhs's I -> B·I
-        x = jnp.moveaxis(x, 0, lhs_spec[1])
-        f = lhs_spec[1]
+        x = jnp.moveaxis(x, 0, f)
         shape = x.shape
         x = x.reshape(*shape[:f], shape[f], groups, shape[f + 1] // groups, *shape[f + 2 :])
         x = jnp.swapaxes(x, f, f + 1)
         x = x.reshape(*shape[:f], shape[f] * shape[f + 1], *shape[f + 2 :])
-        d = jnp.moveaxis(d, 0, rhs_spec[1])
-        g = rhs_spec[1]
+        d = jnp.moveaxis(d, 0, g)
         d = d.reshape(*d.shape[:g], d.shape[g] * d.shape[g + 1], *d.shape[g + 2 :])
-        return jax.lax.conv_general_dilated(
-            x * (1.0 / n),
-            d,
-            params["window_strides"],
-            params["padding"],
-            params["lhs_dilation"],
-            params["rhs_dilation"],
-            jax.lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec),
-            groups,
-            params["batch_group_count"],
-            params["precision"],
-            dtype,
-        )
+        keys = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers")
+        conv = {k: params[k] for k in (*keys, "batch_group_count", "precision")}
+        conv = {**conv, "feature_group_count": groups, "preferred_element_type": dtype}
+        return jax.lax.conv_general_dilated(x * (1.0 / n), d, **conv)
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -2814,20 +2755,10 @@ class Convolution(_Formed):
             return {"sum": self.folded(env)} if "sum" in wanted else {}
 
         def form(a: Array, b: Array, names: list[str], r: Array) -> list:
-            def reduce(y: Array) -> list[Array]:  # one offset's [E, n, o], E − r of it padding
-                out = [_sum0(_PHI[w](y)) for w in names if w in _PHI]
-                if "var" in names:
-                    mean = _sum0(y) / r
-                    # The padding rows are left out, not subtracted: −(E − r)·mean² cancels.
-                    centred = _where_units(jnp.arange(y.shape[0], dtype=r.dtype) < r, y - mean)
-                    out += [mean, _sum0(centred * centred)]
-                return out + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
-
-            out = _conv_offsets(a, b, params, dtype, reduce)
+            # one offset's [E, n, o] at a time, E − r of it padding
+            out = _conv_offsets(a, b, params, dtype, lambda y: _moments(y, names, r))
             k = len(out) - ("norms" in names)
             placed = [_conv_layout(y, params, self.positions) for y in out[:k]]
-            if "var" in names:  # its (mean, M2) as one entry
-                placed = [*placed[:-2], (placed[-2], placed[-1])]
             return placed + [jnp.sum(y, axis=0) for y in out[k:]]
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
@@ -3130,12 +3061,7 @@ class SegmentRows(_Rows):
             written = jax.ops.segment_sum(ok.astype(jnp.int32), segment, per) > 0
             return where, sums, written
 
-        shaped = (
-            key.reshape(examples, per),
-            at.reshape(examples, per, -1),
-            upd.reshape(examples, per, *upd.shape[1:]),
-            ok.reshape(examples, per),
-        )
+        shaped = [x.reshape(examples, per, *x.shape[1:]) for x in (key, at, upd, ok)]
         where, sums, written = jax.vmap(segments)(*shaped)
         return where.reshape(idx.shape), sums.reshape(upd.shape), written.reshape(-1)
 
@@ -3305,13 +3231,9 @@ class DisjointParts(_Composite):
         if not parts:
             return Refusal("every placed part is zero")
         windows = [w for w, _, _ in parts]
-        for i, a in enumerate(windows):
-            for b in windows[:i]:
-                if all(
-                    lo_a < hi_b and lo_b < hi_a
-                    for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True)
-                ):
-                    return Refusal(f"parts overlap (windows {a} and {b})")
+        for a, b in [(a, b) for i, a in enumerate(windows) for b in windows[:i]]:
+            if all(lo < hi_b and lo_b < hi for (lo, hi), (lo_b, hi_b) in zip(a, b, strict=True)):
+                return Refusal(f"parts overlap (windows {a} and {b})")
         reason = f"{len(parts)} parts at disjoint static windows"
         routes, places = tuple(r for _, r, _ in parts), tuple(p for *_, p in parts)
         return cls(graph, leaf, reason, parts=routes, core=core, post=post, places=places)
@@ -3636,12 +3558,9 @@ class Fallback(_Each, _Priced):
             return cls(graph, leaf, f"exact: {_IN_HEAD}", grad=leaf.grad, tail=(), linear=True)
         why = graph.nonlinear_in_seed(tail, leaf.grad)
         linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
-        reason = f"exact: its own gradient ops ({len(tail)}) per example"
-        reason += (
-            "; sums over examples transposed into them"
-            if linear
-            else f" ({why or 'half precision'})"
-        )
+        how = f" ({why or 'half precision'})"
+        how = "; sums over examples transposed into them" if linear else how
+        reason = f"exact: its own gradient ops ({len(tail)}) per example{how}"
         return cls(graph, leaf, reason, grad=leaf.grad, tail=tail, linear=linear)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
@@ -3693,11 +3612,8 @@ class Fallback(_Each, _Priced):
         fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
 
         def run_tail(c: list, x: list) -> Array:
-            local = {
-                **fixed,
-                **dict(zip(cts, c, strict=True)),
-                **dict(zip(primals, x, strict=True)),
-            }
+            local = {**fixed, **dict(zip(cts, c, strict=True))}
+            local.update(zip(primals, x, strict=True))
             _evaluate(tail, local)
             return _read(local, grad)
 
@@ -3817,23 +3733,16 @@ def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | Non
         return None  # norms, variance, clipping read the operands of every layer at once
     a, b = m.core.invars[:2]
     scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
-    scans = [e for e in scans if e is not None and e.primitive.name == "scan"]
-    if not scans:
-        return None
-    scan = scans[0]
-    operands = [_per_iteration(scan, v) for v in (a, b)]
-    if operands[0] is None or operands[1] is None:
+    scan = next((e for e in scans if e is not None and e.primitive.name == "scan"), None)
+    x, y = (None, None) if scan is None else (_per_iteration(scan, v) for v in (a, b))
+    if scan is None or x is None or y is None:
         return None
     lc, rc, lb, rb = _dot_dims(m.core)
     apart = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
     summed = any(p == 0 and q == 0 for p, q in zip(lc, rc, strict=True))
-    if apart:
-        axis = apart[0]
-    elif summed and set(methods) == {"sum"}:
-        axis = None
-    else:  # φ of a sum over iterations is no sum over iterations
-        return None
-    return InScan(m, scan, (operands[0], operands[1]), axis, tuple(methods))
+    if not apart and not (summed and set(methods) == {"sum"}):
+        return None  # φ of a sum over iterations is no sum over iterations
+    return InScan(m, scan, (x, y), apart[0] if apart else None, tuple(methods))
 
 
 def _per_iteration(scan: Eqn, var: Atom) -> Atom | None:
@@ -3923,10 +3832,8 @@ class LeafPlan:
         ]
         if lost:
             body += "; not taken: " + "; ".join(lost)
-        lines = textwrap.wrap(head, 100, subsequent_indent="    ")
-        return "\n".join(
-            lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
-        )
+        lines = textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
+        return "\n".join(textwrap.wrap(head, 100, subsequent_indent="    ") + lines)
 
 
 class Plan(tuple):
@@ -3957,10 +3864,8 @@ class Plan(tuple):
 
     @property
     def summary(self) -> str:
-        routes: dict[str, int] = {}
-        for p in self:
-            routes[p.route] = routes.get(p.route, 0) + 1
-        counts = ", ".join(f"{n} {r}" for r, n in routes.items())
+        routes = [p.route for p in self]
+        counts = ", ".join(f"{routes.count(r)} {r}" for r in dict.fromkeys(routes))
         extra = sum(float(p.cost.flops) for p in self)
         ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
         return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
@@ -4227,20 +4132,11 @@ def _run_head(
             new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
             values.update(zip(live, kept, strict=True))
             results.update(new)
-    losses, *aux = [
-        leading(v)
-        if graph.is_batched(v)
-        else jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))
-        for v in outputs
-        for x in [_read(values, v)]
-    ]
-    return (
-        losses,
-        {v: leading(v) for v in interface if v in graph.batched},
-        {v: _read(values, v) for v in interface if v not in graph.batched},
-        results,
-        jax.tree.unflatten(graph.aux_tree, aux),
-    )
+    each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
+    losses, *aux = [leading(v) if graph.is_batched(v) else each(_read(values, v)) for v in outputs]
+    batched = {v: leading(v) for v in interface if v in graph.batched}
+    unbatched = {v: _read(values, v) for v in interface if v not in graph.batched}
+    return losses, batched, unbatched, results, jax.tree.unflatten(graph.aux_tree, aux)
 
 
 def _run_segment(
@@ -4416,15 +4312,9 @@ def _chunk_loop(
             grads = {i: r.per_unit(env, example, params) for i, r in routes.items()}
             if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
                 grads = {i: _where_units(kept, g) for i, g in grads.items()}
-            norms = sum(
-                (
-                    jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype)
-                    for i, g in grads.items()
-                    if "norms" in chunked[i]
-                ),
-                jnp.zeros((graph.per_example,), dtype),
-            )
-            return grads, norms
+            normed = [g for i, g in grads.items() if "norms" in chunked[i]]
+            squares = (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in normed)
+            return grads, sum(squares, jnp.zeros((graph.per_example,), dtype))
 
         grads, norms = jax.vmap(one)(values, examples, unit_k)
         out: dict = {}
@@ -4462,11 +4352,6 @@ def _chunk_loop(
 # §10 The mean alone as plain backpropagation, and the entry point of impl="factorized".
 
 
-def _means_only(stats: Sequence[str]) -> bool:
-    """Whether every ingredient of `stats` is a mean of φ (what InScan forms inside a scan)."""
-    return set(_ingredients(stats)) <= set(_PHI)
-
-
 def _plain_mean(
     stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
 ) -> bool:
@@ -4502,12 +4387,7 @@ def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
                     "backward rule not proven linear in the cotangent: plain grad of the mean "
                     "loss may differ from the mean of per-example gradients"
                 )
-            for value in eqn.params.values():
-                for inner in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(inner, jcore.ClosedJaxpr):
-                        todo.append(inner.jaxpr)
-                    elif isinstance(inner, jcore.Jaxpr):
-                        todo.append(inner)
+            todo += _sub_jaxprs(eqn)
     return ""
 
 
@@ -4557,7 +4437,8 @@ def _graph(
     """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
     loss is not proven its value ("" where it is; `backward`: already found by the caller)."""
     granularity, choose, chunk_size, memory_budget = options
-    graph = Graph.build(loss, params, batch, per_example, _means_only(stats), memory_budget)
+    means_only = set(_ingredients(stats)) <= set(_PHI)  # what InScan forms inside a scan
+    graph = Graph.build(loss, params, batch, per_example, means_only, memory_budget)
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
     return dataclasses.replace(
         graph,
@@ -4593,3 +4474,31 @@ def _factorized(
     return _execute(
         graph, plan(graph, wanted, choose=choose), stats, clip_norm, params, batch, keep, drop
     )
+
+
+# ============================================================================================
+# §11 The package's other modules (not the definition, not the engine).
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    """`from pegrad import models, optimizers, train` (PEP 562): the package's modules when
+    installed, else the files beside this one loaded by path as `pegrad.<name>` (never a user's
+    own file of that name; train.py's `from . import` is this)."""
+    if name not in ("models", "optimizers", "train"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    full = f"{__name__}.{name}"
+    if "__path__" in globals():  # the wheel: a submodule of the package
+        return importlib.import_module(full)
+    if full not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        if not os.path.isfile(path) or spec is None or spec.loader is None:
+            raise ImportError(f"{full} is the file {path}, missing: pegrad.py was copied alone")
+        sys.modules[full] = module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[full]
+            raise
+    globals()[name] = sys.modules[full]
+    return sys.modules[full]
