@@ -27,12 +27,13 @@ Layout: Part I is the definition — §1 the API (value_and_grad_stats, explain,
 the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the jaxpr interpreter and
 position tracing they run on; it reaches the engine only through `_factorized` and `Plan.build`
 (tests/test_layout.py). Part II is the engine: §6 the graph, §6′ scan hoisting, §7 the routes,
-§8 the planner, §9 the executor, §10 the mean-loss policy. The reference shares §5 with the
-rewrite (`Graph.build` builds the same `Untie`, which the token fallback runs); the independent
-check is tests/helpers.py's naive loop, which never calls pegrad: `jax.grad` one example at a
-time, per token of a loss written with one parameter copy per position (tests/pieces.py), equal
-at float64 for every statistic, implementation, granularity and batch size (tests/test_pegrad.py,
-tests/test_zoo.py). Depends on jax (with numpy) and jaxtyping only: copy this file.
+§8 the planner, §9 the executor, §10 the mean-loss policy; §11 loads the package's other
+modules. The reference shares §5 with the rewrite (`Graph.build` builds the same `Untie`, which
+the token fallback runs); the independent check is tests/helpers.py's naive loop, which never
+calls pegrad: `jax.grad` one example at a time, per token of a loss written with one parameter
+copy per position (tests/pieces.py), equal at float64 for every statistic, implementation,
+granularity and batch size (tests/test_pegrad.py, tests/test_zoo.py). Depends on jax (with
+numpy) and jaxtyping only: copy this file.
 """
 
 import abc
@@ -237,13 +238,9 @@ class Accumulator(NamedTuple):
         dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
         if not dtypes:
             raise ValueError("Accumulator.init: params has no floating array leaves")
-        dtype = _widest(dtypes)
-        return Accumulator(
-            count=jnp.zeros((), dtype),
-            loss=jnp.zeros((), dtype),
-            means={s: zeros for s in stats if s in _AVERAGED},
-            m2=zeros if "var" in stats else None,
-        )
+        dtype, m2 = _widest(dtypes), zeros if "var" in stats else None
+        means = {s: zeros for s in stats if s in _AVERAGED}
+        return Accumulator(jnp.zeros((), dtype), jnp.zeros((), dtype), means, m2)
 
     @staticmethod
     def value_and_grad_stats(
@@ -309,12 +306,8 @@ class Accumulator(NamedTuple):
                 return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
 
             m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats[spread])
-        return Accumulator(
-            count=total,
-            loss=merge(self.loss, loss),
-            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
-            m2=m2,
-        )
+        means = {s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()}
+        return Accumulator(total, merge(self.loss, loss), means, m2)
 
     def finalize(self) -> tuple[Array, Stats]:
         """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
@@ -402,16 +395,9 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     wide = _widest([x.dtype for x in jax.tree.leaves(trace)] or [jnp.float32])
     total = lambda tree: sum((x.astype(wide) for x in jax.tree.leaves(tree)), jnp.zeros((), wide))
     trace_all, grad_all = total(trace), total(grad_sq)
-    return {
-        "trace_cov": trace_all,
-        "grad_sq": grad_all,
-        "b_simple": trace_all / grad_all,
-        "per_leaf": {
-            "trace_cov": trace,
-            "grad_sq": grad_sq,
-            "b_simple": jax.tree.map(lambda t, g: t / g, trace, grad_sq),
-        },
-    }
+    ratio = jax.tree.map(lambda t, g: t / g, trace, grad_sq)
+    out = {"trace_cov": trace_all, "grad_sq": grad_all, "b_simple": trace_all / grad_all}
+    return {**out, "per_leaf": {"trace_cov": trace, "grad_sq": grad_sq, "b_simple": ratio}}
 
 
 def _widest(dtypes: Sequence[DTypeLike]) -> jnp.dtype:
@@ -514,10 +500,8 @@ def _check_inputs(
                 f"params{jax.tree_util.keystr(path)} has dtype {dtype}; every parameter leaf "
                 "must be a floating array (for Equinox: eqx.partition(model, eqx.is_inexact_array))"
             )
-    shapes = {
-        jax.tree_util.keystr(p): tuple(jnp.shape(x))
-        for p, x in jax.tree_util.tree_leaves_with_path(batch)
-    }
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    shapes = {jax.tree_util.keystr(p): tuple(jnp.shape(x)) for p, x in leaves}
     if not shapes:
         raise ValueError("batch has no array leaves")
     first, lead = next(iter(shapes.items()))
@@ -646,11 +630,7 @@ _PER_EXAMPLE_RANDOMNESS = (
 
 # Random draws, by the operands that hold their key; how a higher-order primitive's operands
 # reach its sub-jaxpr is in _reaches below.
-_DRAWS: dict[str, tuple[int, ...]] = {
-    "random_bits": (0,),
-    "threefry2x32": (0, 1),
-    "rng_bit_generator": (0,),
-}
+_DRAWS = {"random_bits": (0,), "threefry2x32": (0, 1), "rng_bit_generator": (0,)}
 
 
 def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
@@ -2601,11 +2581,7 @@ def _conv_positions(core: Eqn) -> tuple[int, ...]:
 
 
 def _conv_offsets(
-    lhs: Array,
-    rhs: Array,
-    params: Mapping,
-    dtype: DTypeLike,
-    reduce: Callable,
+    lhs: Array, rhs: Array, params: Mapping, dtype: DTypeLike, reduce: Callable
 ) -> list[Array]:
     """conv_general_dilated(lhs_e, rhs_e, **params) for each example e of [E, ...] operands,
     one output position k at a time (a scan), each position's [E, n, o] values passed through
@@ -3442,13 +3418,9 @@ class RoutedPart(_Each, _Priced):
         at = self._at(env)
         weights = at if weights is None else at * weights.astype(self.dtype)
         what = "sum" if what == "clipped" else what  # weighted by the clip factors
-        sums = [
-            self.part.replay(
-                self.part.core_sum(env, self.dtype, what, weights[:, s, None]), env, _PHI[what]
-            )
-            for s in range(len(self.places))
-        ]
-        return self._placed(sums, env, _PHI[what])
+        part, phi, n = self.part, _PHI[what], len(self.places)
+        sums = [part.core_sum(env, self.dtype, what, weights[:, s, None]) for s in range(n)]
+        return self._placed([part.replay(x, env, phi) for x in sums], env, phi)
 
     def compute(self, env: Env, what: str) -> Array:
         if what == "norms":
@@ -3686,21 +3658,8 @@ class MeanLoss(Route):
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
 _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution, UnitSum)
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
-ROUTES: tuple[type[Route], ...] = (
-    Empty,
-    Constant,
-    OuterProduct,
-    Contraction,
-    Convolution,
-    UnitSum,
-    RowScatter,
-    SegmentRows,
-    Terms,
-    DisjointParts,
-    RoutedPart,
-    HeadValue,
-    Fallback,
-)
+ROUTES: tuple[type[Route], ...] = (Empty, Constant, OuterProduct, Contraction, Convolution)
+ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, HeadValue, Fallback)
 
 
 # ============================================================================================
@@ -3885,11 +3844,13 @@ def plan(
     granularity = "token" if graph.token else "example"
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
     if plain and graph.user_backward == "":
+        methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
         return tuple(
-            LeafPlan(leaf.path, leaf.shape, MeanLoss.match(graph, leaf),
-                     dict.fromkeys(need, "factorized"), Cost(), (), leaf.index)
+            LeafPlan(
+                leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, Cost(), (), leaf.index
+            )
             for leaf in graph.leaves
-        )  # fmt: skip
+        )
     plans = []
     for leaf in graph.leaves:
         refused = [(MeanLoss.name, graph.user_backward or _NOT_SEARCHED)] if plain else []
@@ -3921,10 +3882,8 @@ def plan(
         in_scan = _in_scan(graph, m, methods)
         rank = lambda r: ROUTES.index(type(r))  # noqa: E731
         outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
-        plans.append(
-            LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan,
-                     other_kind=tuple(other_kind), outranked=outranked)
-        )  # fmt: skip
+        p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
+        plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
     loop_chunk = _loop_chunk(graph, plans)
     return tuple(_formed(graph, p, loop_chunk) for p in plans)
 
@@ -4036,11 +3995,8 @@ def _execute(
         weights = factors.reshape(graph.n_examples, graph.per_example)
         results.update(factorized(plans, ["clipped"], env, weights))
         results.update(loop(chunked_in(["clipped"]), keep, weights)[0])
-    means: dict[str, PyTree] = {
-        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
-        for w in need
-        if w != "norms"
-    }
+    by_leaf = lambda w: [results[w, i] for i in range(len(leaves))]  # noqa: E731
+    means = {w: jax.tree.unflatten(graph.param_tree, by_leaf(w)) for w in need if w != "norms"}
     n_units: int | Array = graph.n_units
     if keep is None:
         loss = losses.mean()
@@ -4062,10 +4018,8 @@ def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]
     that its sums are over the kept examples — and a NaN there goes nowhere."""
     if keep is None:
         return dict(env)
-    return {
-        **env,
-        **{v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env},
-    }
+    masked = {v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env}
+    return {**env, **masked}
 
 
 def _run_head(
@@ -4414,11 +4368,8 @@ def _gradient_of_mean_loss(
     if summed[0]:
         grads = jax.tree.map(lambda g: _over(g, n_units), grads)
     value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
-    return (
-        value.astype(stat_dtype(losses.dtype)),
-        _publish(("mean",), {"sum": grads}, None, n_units),
-        aux,
-    )
+    stats = _publish(("mean",), {"sum": grads}, None, n_units)
+    return value.astype(stat_dtype(losses.dtype)), stats, aux
 
 
 Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
@@ -4440,13 +4391,9 @@ def _graph(
     means_only = set(_ingredients(stats)) <= set(_PHI)  # what InScan forms inside a scan
     graph = Graph.build(loss, params, batch, per_example, means_only, memory_budget)
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
-    return dataclasses.replace(
-        graph,
-        weighted=weighted,
-        chunk_size=chunk_size,
-        memory_budget=memory_budget,
-        user_backward=(backward or _user_backward(loss, params, batch)) if plain else None,
-    )
+    why = (backward or _user_backward(loss, params, batch)) if plain else None
+    bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
+    return dataclasses.replace(graph, weighted=weighted, user_backward=why, **bounds)
 
 
 def _factorized(
