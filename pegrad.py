@@ -3634,7 +3634,7 @@ _NOT_SEARCHED = "the loss was not searched for a backward rule of the user's (_u
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MeanLoss(Route):
+class MeanLoss(_Factorized):
     """The mean alone, every leaf at once, where `_plain_mean` and `_user_backward` allow it:
     plain grad of the mean loss (`_gradient_of_mean_loss`). Not in ROUTES: no leaf's proof."""
 
@@ -3649,10 +3649,13 @@ class MeanLoss(Route):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "MeanLoss":
         return cls(graph, leaf, cls.proof)  # every leaf's, where `plan` takes it
 
+    def reads(self) -> list[Var]:  # as `LeafPlan.reads` says: none of the head's
+        return []
+
     def _never(self, *args: Any) -> Any:  # _gradient_of_mean_loss runs instead
         raise AssertionError("mean-loss is plain grad of the mean loss, not a leaf's route")
 
-    methods = cost = reads = compute_many = clipped = per_unit = _never  # type: ignore
+    cost = compute_many = clipped = per_unit = _never  # type: ignore
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
