@@ -1,9 +1,9 @@
 """Per-example gradient statistics in JAX: an exact reference and a factorized graph rewrite.
 
 `value_and_grad_stats(loss_fn, stats, impl=...)` returns the mean loss and statistics of the
-per-example gradients g_i = ∇ loss_fn(params, example_i). The loss contract (SPEC §1):
-`loss_fn(params, example)` is the loss of ONE example, every batch leaf has the leading axis B,
-and the batch loss is the mean. The statistics, elementwise over parameters:
+per-example gradients g_i = ∇ loss_fn(params, example_i), where `loss_fn(params, example)` is
+the loss of ONE example, every batch leaf has the leading axis B, and the batch loss is the mean
+(SPEC §1). The statistics, elementwise over parameters:
 
     mean          (1/B) Σ_i g_i                  sq_norms      ‖g_i‖² over all parameters, [B]
     sq_mean       (1/B) Σ_i g_i²                 clipped_mean  (1/B) Σ_i g_i·min(1, C/‖g_i‖)
@@ -11,33 +11,29 @@ and the batch loss is the mean. The statistics, elementwise over parameters:
 
 and "batch_size", the number N of units: B, or B·T with granularity="token", where position t
 of each example is a unit whose gradient is its contribution to the example's (δ_t ⊗ x_t for a
-dense weight) — a different, equally exact quantity. Two implementations, equal by contract:
+dense weight). Two implementations, equal by contract:
 
-* impl="vmap", the exact reference: vmap(grad) materialized in chunks, φ, reduce; the variance
-  in two passes. Per token every position gets its own copy of the parameters (`Untie`), so the
-  gradient with respect to copy t is position t's contribution.
+* impl="vmap", the exact reference: vmap(grad) in chunks, φ, reduce; the variance in two passes.
+  Per token every position gets its own copy of the parameters (`Untie`).
 * impl="factorized" rewrites the graph: grad(loss_fn) of ONE example traced to a flat jaxpr,
   run batched down to the inputs of each parameter's last gradient operation, and each leaf
-  given the cheapest route whose preconditions are proven on the jaxpr. A dense weight used
-  once has the rank-one g_i = δ_i ⊗ x_i, so for multiplicative φ (square, sign)
-  Σ_i φ(g_i) = φ(Δ)ᵀφ(X) is one matmul, ‖g_i‖² = ‖δ_i‖²‖x_i‖², the clipped sum (c∘Δ)ᵀX. A leaf no
-  route proves takes the exact fallback, per example in bounded chunks; a route whose proof
+  given the cheapest route whose preconditions are proven on the jaxpr (a dense weight used
+  once: g_i = δ_i ⊗ x_i, so Σ_i φ(g_i) = φ(Δ)ᵀφ(X) for multiplicative φ, ‖g_i‖² = ‖δ_i‖²‖x_i‖²).
+  A leaf no route proves takes the exact fallback, per example in bounded chunks; a proof that
   cannot be completed refuses, never raises. `explain` returns the plan without running it.
-  The mean alone is plain grad of the mean loss, unless the loss has a backward rule of the
-  user's (jax.custom_vjp), which need not be linear in the cotangent.
+  The mean alone is plain grad of the mean loss, unless the loss has a user backward rule.
 
-Layout: Part I is the definition — §1 the public API (value_and_grad_stats, explain,
-Accumulator), §2 the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the
-jaxpr interpreter and position tracing they run on. It reaches the engine only through
-`_factorized` and `Plan.build` (tests/test_layout.py). Part II is the engine: §6 the graph, §6′
-scan hoisting, §7 the routes, §8 the planner, §9 the executor, §10 the mean-loss policy.
-The reference shares §5 with the rewrite (`Graph.build` builds the same `Untie`, which the token
-fallback runs); the independent check is tests/helpers.py's naive loop, which never calls
-pegrad: `jax.grad` one example at a time, per token of a loss written with one parameter copy
-per position (tests/pieces.py). Proof of equality (float64, every statistic × implementation ×
-granularity × batch size, one test per precondition broken): tests/test_pegrad.py,
-tests/test_zoo.py; the conventions: tests/test_api.py, tests/test_accumulate.py. "SPEC §N" is
-the repository's SPEC.md. Depends on jax (with numpy) and jaxtyping only: copy this file.
+Layout: Part I is the definition — §1 the API (value_and_grad_stats, explain, Accumulator), §2
+the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the jaxpr interpreter and
+position tracing they run on; it reaches the engine only through `_factorized` and `Plan.build`
+(tests/test_layout.py). Part II is the engine: §6 the graph, §6′ scan hoisting, §7 the routes,
+§8 the planner, §9 the executor, §10 the mean-loss policy; §11 loads the package's other
+modules. The reference shares §5 with the rewrite (`Graph.build` builds the same `Untie`, which
+the token fallback runs); the independent check is tests/helpers.py's naive loop, which never
+calls pegrad: `jax.grad` one example at a time, per token of a loss written with one parameter
+copy per position (tests/pieces.py), equal at float64 for every statistic, implementation,
+granularity and batch size (tests/test_pegrad.py, tests/test_zoo.py). Depends on jax (with
+numpy) and jaxtyping only: copy this file.
 """
 
 import abc
@@ -79,31 +75,6 @@ Axes = frozenset[int]  # axes of a value that index positions (token granularity
 _NONE: Axes = frozenset()
 
 
-def __getattr__(name: str) -> types.ModuleType:
-    """`from pegrad import models, optimizers, train` (PEP 562): the same line installed, in an
-    editable install and in a checkout on sys.path, never a user's own file of that name.
-    Installed, pegrad is a package and these are its modules; otherwise they are the files
-    beside this one, loaded by path as `pegrad.<name>` (so train.py's `from . import` is this)."""
-    if name not in ("models", "optimizers", "train"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    full = f"{__name__}.{name}"
-    if "__path__" in globals():  # the wheel: a submodule of the package
-        return importlib.import_module(full)
-    if full not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-        spec = importlib.util.spec_from_file_location(full, path)
-        if not os.path.isfile(path) or spec is None or spec.loader is None:
-            raise ImportError(f"{full} is the file {path}, missing: pegrad.py was copied alone")
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[full]
-            raise
-    globals()[name] = sys.modules[full]
-    return sys.modules[full]
-
-
 # ============================================================================================
 # Part I — the definition. It names nothing of the engine but `_factorized` and `Plan.build`.
 # §1 Public API
@@ -138,26 +109,24 @@ def value_and_grad_stats(
         clip_norm: C for "clipped_mean".
         choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
             precedence order (tests: every route a leaf can prove then runs). Same numbers.
-        has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`
-            with every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
+        has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`,
+            every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
         nonfinite: "propagate": a NaN or Inf in an example's loss or gradient reaches the
             statistics it enters, as in `jax.grad` of the mean loss. "drop": an example whose
             loss (one extra batched forward pass) or ‖g_i‖² is not finite is masked (below);
             in a batched convolution a non-finite gradient may drop its chunk too.
 
-    `params` is a pytree of floating arrays, or a model as it is (an `eqx.Module`, a flax
-    `nnx.Module`: any pytree object but a dict, list or tuple): its floating-array leaves are
-    the parameters, the rest is held fixed, and statistics have the model's structure with
-    None there (as Equinox's `filter_grad`). A layer that couples the examples (BatchNorm in
-    training mode) is refused. `mask`, a bool [B]: an example with mask False counts in no
-    statistic and not in N (its inputs are replaced by a kept example's before anything runs);
-    "batch_size" is then the kept count N_eff (traced), "sq_norms" is 0 at masked units, and
-    "var" divides by N_eff − 1 (NaN below 2 kept units; an error for a concrete mask) and is
-    computed, with the sums of leaves whose rewrite would transpose through a masked example,
-    from per-example gradients in chunks (also with nonfinite="drop").
-
-    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" has shape
-    [N] with unit i·T + t at token granularity.
+    `params` is a pytree of floating arrays, or a model (an `eqx.Module`, a flax `nnx.Module`:
+    any pytree but a dict, list or tuple) whose floating-array leaves are the parameters, the
+    rest held fixed; statistics then have its structure with None there (as `filter_grad`). A
+    layer that couples the examples (BatchNorm in training mode) is refused. `mask`, a bool
+    [B]: an example with mask False counts in no statistic and not in N (its inputs are a kept
+    example's before anything runs); "batch_size" is then the kept count N_eff (traced),
+    "sq_norms" is 0 at masked units, "var" divides by N_eff − 1 (NaN below 2 kept units; an
+    error for a concrete mask) and is formed, with the sums of leaves whose rewrite would
+    transpose through a masked example, from per-example gradients in chunks (so with "drop").
+    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" is [N], unit
+    i·T + t at token granularity.
     """
     stats = _check_options(
         stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget, nonfinite
@@ -228,20 +197,19 @@ _AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units
 
 class Accumulator(NamedTuple):
     """The statistics of k micro-batches combined into those of their union (gradient
-    accumulation), exactly: a pytree, so it is a `lax.scan` carry or a jit argument.
+    accumulation), exactly; a pytree (a `lax.scan` carry or a jit argument):
 
         acc = Accumulator.init(params, ("mean", "var"))
         for micro in batches:                       # or jax.lax.scan
             acc = acc.update(*fn(params, micro))    # fn = value_and_grad_stats(...)
         loss, stats = acc.finalize()
 
-    For N = Σ_k N_k units the averaged statistics (a clip factor depends on its own unit only)
-    and the mean loss are count-weighted, m ← m + (m_k − m)·N_k/N; the variance is Chan et
-    al.'s merge of M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/(N + N_k) (no
-    cancellation; it needs each micro-batch's "mean"), var = M2/(N − 1). N_k is a micro-batch's
-    "batch_size" (any size, masked or not; N_k = 0 changes nothing). M2_k is the "m2" of
-    `Accumulator.value_and_grad_stats` (any N_k) or var_k·(N_k − 1). Only the union needs
-    N ≥ 2 for "var" (`finalize`); N = 0 gives NaN. "sq_norms" (one entry per unit) is refused.
+    Over N = Σ_k N_k units (N_k: a micro-batch's "batch_size", any size, masked or not) the
+    averaged statistics and the mean loss are count-weighted, m ← m + (m_k − m)·N_k/N; the
+    variance is Chan et al.'s merge of M2 = Σ_u (g_u − ḡ)², M2 ← M2 + M2_k + (ḡ_k − ḡ)²·N·N_k/
+    (N + N_k) (no cancellation; it needs each "mean"), var = M2/(N − 1), with M2_k the "m2" of
+    `Accumulator.value_and_grad_stats` or var_k·(N_k − 1). Only the union needs N ≥ 2 for "var";
+    N = 0 gives NaN. "sq_norms" (one entry per unit) is refused.
     """
 
     count: Array  # N: units so far
@@ -270,13 +238,9 @@ class Accumulator(NamedTuple):
         dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
         if not dtypes:
             raise ValueError("Accumulator.init: params has no floating array leaves")
-        dtype = _widest(dtypes)
-        return Accumulator(
-            count=jnp.zeros((), dtype),
-            loss=jnp.zeros((), dtype),
-            means={s: zeros for s in stats if s in _AVERAGED},
-            m2=zeros if "var" in stats else None,
-        )
+        dtype, m2 = _widest(dtypes), zeros if "var" in stats else None
+        means = {s: zeros for s in stats if s in _AVERAGED}
+        return Accumulator(jnp.zeros((), dtype), jnp.zeros((), dtype), means, m2)
 
     @staticmethod
     def value_and_grad_stats(
@@ -297,13 +261,11 @@ class Accumulator(NamedTuple):
         def fn(
             params: PyTree, batch: PyTree, mask: ArrayLike | None = None
         ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
-            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else []
+            # The kept units where known before tracing: fewer than 2 have M2 0 (a traced mask:
+            # "var" is NaN below 2 kept units, read as M2 = 0 here; no batch leaf: refused).
+            shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else [2]
             per_example = math.prod(shape[1:2]) if token else 1
-            try:  # the kept units where they are known before tracing: fewer than 2 have M2 0
-                kept = per_example * (shape[0] if mask is None else int(np.sum(np.asarray(mask))))
-            except (jax.errors.TracerArrayConversionError, IndexError):
-                kept = 2  # a traced mask: "var" is NaN below 2 kept units, read as M2 = 0 here
-            if kept < 2:
+            if per_example * (shape[0] if mask is None else _concrete(mask)) < 2:
                 loss, out = without(params, batch, mask)
                 return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
             loss, out = with_var(params, batch, mask)
@@ -344,27 +306,18 @@ class Accumulator(NamedTuple):
                 return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
 
             m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats[spread])
-        return Accumulator(
-            count=total,
-            loss=merge(self.loss, loss),
-            means={s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()},
-            m2=m2,
-        )
+        means = {s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()}
+        return Accumulator(total, merge(self.loss, loss), means, m2)
 
     def finalize(self) -> tuple[Array, Stats]:
         """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
         an error when N is concrete, NaN under jit (SPEC §6); N = 0 leaves every statistic
         NaN, as value_and_grad_stats of a batch masked whole."""
-        if self.m2 is not None:
-            try:
-                n = int(np.asarray(self.count))
-            except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
-                n = 2
-            if n < 2:
-                raise ValueError(
-                    f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
-                    "micro-batches together; the union needs ≥ 2"
-                )
+        if self.m2 is not None and (n := _concrete(self.count)) < 2:  # under jit: NaN
+            raise ValueError(
+                f"Accumulator.finalize: 'var' is undefined for {n} unit(s) in all the "
+                "micro-batches together; the union needs ≥ 2"
+            )
         some = self.count > 0
         defined = lambda x: jnp.where(some, x, jnp.asarray(jnp.nan, x.dtype))  # noqa: E731
         out: Stats = {s: jax.tree.map(defined, m) for s, m in self.means.items()}
@@ -409,23 +362,16 @@ def stat_dtype(dtype: DTypeLike) -> jnp.dtype:
 def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     """The simple gradient noise scale B_simple = tr Σ / |G|² (McCandlish et al. 2018, arXiv
     1812.06162: about the batch size past which a bigger batch stops buying proportionally fewer
-    steps), from one batch's per-example statistics (no second batch size needed). With
-    N = stats["batch_size"] units, ḡ = stats["mean"] and q = stats["sq_mean"] per leaf:
+    steps) from one batch's `stats`: N = stats["batch_size"] units (tokens, kept units), per
+    leaf ḡ = stats["mean"] and σ̂² = stats["var"], or N/(N−1)·(q − ḡ²) from q = stats["sq_mean"]
+    (which loses digits where ḡ² ≫ σ̂²: ask for "var", formed from centred quantities, SPEC §3):
 
-        σ̂²   = N/(N−1)·(q − ḡ²)       per coordinate (stats["var"] instead, where it is given)
-        tr Σ  = Σ_leaves Σ σ̂²          the trace of one unit's gradient covariance
-        |G|²  = ‖ḡ‖² − tr Σ / N        the squared norm of the expected gradient
-        B_simple = tr Σ / |G|²
+        tr Σ = Σ_leaves Σ σ̂²      |G|² = ‖ḡ‖² − tr Σ / N      B_simple = tr Σ / |G|²
 
-    For N units drawn independently (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N) numerator and
-    denominator are unbiased; their ratio is not, and on one batch |G|² can be ≤ 0. So smooth
-    both over steps and divide after, as McCandlish et al. do (train.py logs both).
-
-    Returns {"trace_cov": tr Σ, "grad_sq": |G|², "b_simple": their ratio} (scalars) and
-    "per_leaf": the same three per leaf (trees shaped like stats["mean"]), which sum to the
-    global ones. N counts units (tokens with granularity="token", kept units under a mask);
-    N = 1 gives NaN. q − ḡ² loses digits where ḡ² ≫ σ̂²: ask for "var" too (formed from centred
-    quantities, SPEC §3) and it is used instead.
+    For independent units both are unbiased (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N); their
+    ratio is not, and on one batch |G|² can be ≤ 0: smooth both over steps and divide after, as
+    McCandlish et al. do (train.py logs both). Returns {"trace_cov", "grad_sq", "b_simple"}
+    (scalars) and "per_leaf": the same three per leaf, which sum to them. N = 1 gives NaN.
     """
     need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
     if missing := [k for k in need if k not in stats]:
@@ -449,16 +395,9 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     wide = _widest([x.dtype for x in jax.tree.leaves(trace)] or [jnp.float32])
     total = lambda tree: sum((x.astype(wide) for x in jax.tree.leaves(tree)), jnp.zeros((), wide))
     trace_all, grad_all = total(trace), total(grad_sq)
-    return {
-        "trace_cov": trace_all,
-        "grad_sq": grad_all,
-        "b_simple": trace_all / grad_all,
-        "per_leaf": {
-            "trace_cov": trace,
-            "grad_sq": grad_sq,
-            "b_simple": jax.tree.map(lambda t, g: t / g, trace, grad_sq),
-        },
-    }
+    ratio = jax.tree.map(lambda t, g: t / g, trace, grad_sq)
+    out = {"trace_cov": trace_all, "grad_sq": grad_all, "b_simple": trace_all / grad_all}
+    return {**out, "per_leaf": {"trace_cov": trace, "grad_sq": grad_sq, "b_simple": ratio}}
 
 
 def _widest(dtypes: Sequence[DTypeLike]) -> jnp.dtype:
@@ -561,10 +500,8 @@ def _check_inputs(
                 f"params{jax.tree_util.keystr(path)} has dtype {dtype}; every parameter leaf "
                 "must be a floating array (for Equinox: eqx.partition(model, eqx.is_inexact_array))"
             )
-    shapes = {
-        jax.tree_util.keystr(p): tuple(jnp.shape(x))
-        for p, x in jax.tree_util.tree_leaves_with_path(batch)
-    }
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    shapes = {jax.tree_util.keystr(p): tuple(jnp.shape(x)) for p, x in leaves}
     if not shapes:
         raise ValueError("batch has no array leaves")
     first, lead = next(iter(shapes.items()))
@@ -693,11 +630,7 @@ _PER_EXAMPLE_RANDOMNESS = (
 
 # Random draws, by the operands that hold their key; how a higher-order primitive's operands
 # reach its sub-jaxpr is in _reaches below.
-_DRAWS: dict[str, tuple[int, ...]] = {
-    "random_bits": (0,),
-    "threefry2x32": (0, 1),
-    "rng_bit_generator": (0,),
-}
+_DRAWS = {"random_bits": (0,), "threefry2x32": (0, 1), "rng_bit_generator": (0,)}
 
 
 def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
@@ -768,11 +701,7 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
             if grown == carry:
                 return (carry, "") if name == "while" else (outs, "")
             carry = grown
-    subs = [inner(v) for v in params.values() if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr)]
-    subs += [
-        inner(x) for v in params.values() if isinstance(v, tuple | list)
-        for x in v if isinstance(x, jcore.ClosedJaxpr | jcore.Jaxpr)
-    ]  # fmt: skip
+    subs = _sub_jaxprs(eqn)
     if len(subs) == 1 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == n_out:
         return _example_dependence(subs[0], ins)  # a call: pjit, custom_jvp/vjp, remat
     for sub in subs:
@@ -780,6 +709,13 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
         if draw:
             return [], draw
     return [any(ins)] * n_out, ""
+
+
+def _sub_jaxprs(eqn: Eqn) -> list[jcore.Jaxpr]:
+    """The jaxprs among an equation's params (or in a tuple or list there), in order."""
+    values = [x for v in eqn.params.values() for x in (v if isinstance(v, tuple | list) else [v])]
+    jaxprs = [x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x for x in values]
+    return [x for x in jaxprs if isinstance(x, jcore.Jaxpr)]
 
 
 def _check_mask(
@@ -794,15 +730,20 @@ def _check_mask(
             f"mask must be a bool array of shape ({n},) (one entry per example), got "
             f"{getattr(mask, 'dtype', type(mask))}{tuple(jnp.shape(mask))}"
         )
-    try:
-        kept = int(np.sum(np.asarray(mask))) * per_example
-    except jax.errors.TracerArrayConversionError:  # under jit: NaN, as documented
-        kept = 2
+    kept = _concrete(mask) * per_example  # under jit: NaN, as documented
     if "var" in stats and kept < 2:
         raise ValueError(
             f"'var' is undefined for {kept} kept unit(s): the mask keeps too few; use ≥ 2"
         )
     return jnp.asarray(mask)
+
+
+def _concrete(x: ArrayLike) -> int:
+    """Σ x where x is concrete; under jit, 2 (what 'var' needs, which is then NaN below it)."""
+    try:
+        return int(np.sum(np.asarray(x)))
+    except jax.errors.TracerArrayConversionError:
+        return 2
 
 
 def _substitute(batch: PyTree, keep: Array) -> PyTree:
@@ -964,11 +905,6 @@ def _where_units(keep: Array, x: Array) -> Array:
     return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def _diagonal(stacked: Array, axis: int) -> Array:
-    """out[..., t (at `axis`), ...] = stacked[t, ..., t, ...]: slice t computed with copy t."""
-    return jnp.moveaxis(jnp.diagonal(stacked, axis1=0, axis2=axis + 1), -1, axis)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Untie:
     """granularity="token" made explicit: position t uses its own copy of every parameter.
@@ -999,14 +935,10 @@ class Untie:
         positions = _propagate_positions(jaxpr, _example_axes(n_params, len(args) - n_params))
         boundary_axis: dict[int, tuple[int, ...]] = {}
         for eqn in jaxpr.eqns:
-            used = frozenset().union(
-                *(deps.get(v, _NONE) for v in eqn.invars if isinstance(v, jcore.Var))
-            )
-            meets = any(isinstance(v, jcore.Var) and v in batched for v in eqn.invars)
-            for v in eqn.outvars:
-                if v not in batched and used:
-                    deps[v] = used
-            if not (meets and used):
+            ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+            used = frozenset().union(*(deps.get(v, _NONE) for v in ins))
+            deps.update((v, used) for v in eqn.outvars if v not in batched and used)
+            if not (used and any(v in batched for v in ins)):
                 continue
             axes = _boundary_axes(eqn, positions)
             if isinstance(axes, str):
@@ -1040,16 +972,18 @@ class Untie:
             outs = jax.vmap(lambda *xs: _bind(eqn, list(xs)), in_axes=axes)(*invals)
             if id(eqn) in self.boundary_axis:
                 axes_out = self.boundary_axis[id(eqn)]
-                outs = [_diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
+                # out[..., t (at axis p), ...] = o[t, ..., t, ...]: slice t computed with copy t
+                diagonal = lambda o, p: jnp.moveaxis(jnp.diagonal(o, 0, 0, p + 1), -1, p)  # noqa: E731
+                outs = [diagonal(o, p) for o, p in zip(outs, axes_out, strict=True)]
             return outs
 
         def loss_of(copies: dict[int, Array]) -> Array:
             inputs = [copies.get(i, x) for i, x in enumerate(leaves)] + jax.tree.leaves(example)
             return _run(self.jaxpr, self.consts, inputs, bind=bind)[0]
 
+        n = self.n_positions
         copies = {
-            i: jnp.broadcast_to(leaves[i], (self.n_positions, *jnp.shape(leaves[i])))
-            for i in sorted(untied)
+            i: jnp.broadcast_to(leaves[i], (n, *jnp.shape(leaves[i]))) for i in sorted(untied)
         }
         loss, grads = jax.value_and_grad(loss_of)(copies)
         return loss, jax.tree.unflatten(treedef, [grads.get(i) for i in range(self.n_params)])
@@ -1060,17 +994,12 @@ def _boundary_axes(eqn: Eqn, positions: Mapping[Var, Axes]) -> tuple[int, ...] |
     name = eqn.primitive.name
     if name not in _ELEMENTWISE and name not in ("dot_general", "gather", "concatenate"):
         return "(an operation that is not position-wise, or opaque to pegrad)"
-    if name == "gather" and any(
-        v in positions and positions[v] for v in eqn.invars[:1] if isinstance(v, jcore.Var)
-    ):
+    if name == "gather" and _axes_of(positions, eqn.invars[0]):
         return "(a gather from an example-dependent array)"
-    axes = []
-    for var in eqn.outvars:
-        found = positions.get(var, _NONE)
-        if len(found) != 1:
-            return f"whose output has {len(found)} position axes, not one"
-        axes.append(next(iter(found)))
-    return tuple(axes)
+    found = [positions.get(var, _NONE) for var in eqn.outvars]
+    if wrong := [len(axes) for axes in found if len(axes) != 1]:
+        return f"whose output has {wrong[0]} position axes, not one"
+    return tuple(next(iter(axes)) for axes in found)
 
 
 # ============================================================================================
@@ -1147,18 +1076,12 @@ def _run(
     return [_read(env, v) for v in (jaxpr.outvars if outs is None else outs)]
 
 
-def _flat_jaxpr(fn: Callable, args: Sequence[Value], inline: frozenset[str]) -> jcore.ClosedJaxpr:
-    """The jaxpr of `fn(*args)` with the `inline` calls evaluated in place (recursively)."""
-    nested = jax.make_jaxpr(fn)(*args)
-    flat = lambda *values: _run(nested.jaxpr, nested.consts, values, inline=inline)  # noqa: E731
-    return jax.make_jaxpr(flat)(*args)
-
-
 def _flat_trace(
     fn: Callable, params: PyTree, batch: PyTree, extra: Sequence[Value], inline: frozenset[str]
 ) -> tuple[jcore.ClosedJaxpr, list[Value]]:
-    """The flat jaxpr of `fn(params, example, *extra)` for ONE example, whose inputs are (param
-    leaves, example leaves, *extra), and those inputs (abstract)."""
+    """The flat jaxpr of `fn(params, example, *extra)` for ONE example (the `inline` calls
+    evaluated in place, recursively), whose inputs are (param leaves, example leaves, *extra),
+    and those inputs (abstract)."""
     leaves, param_tree = jax.tree.flatten(params)
     example_leaves, example_def = jax.tree.flatten(_one_example(batch))
     n, n_example = len(leaves), len(example_leaves)
@@ -1169,7 +1092,9 @@ def _flat_trace(
 
     shapes = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
     args = [*shapes, *example_leaves, *extra]
-    return _flat_jaxpr(flat, args, inline), args
+    nested = jax.make_jaxpr(flat)(*args)
+    run = lambda *values: _run(nested.jaxpr, nested.consts, values, inline=inline)  # noqa: E731
+    return jax.make_jaxpr(run)(*args), args
 
 
 def _paths(params: PyTree) -> list[str]:
@@ -1395,10 +1320,8 @@ def _producers(jaxpr: jcore.Jaxpr) -> dict[Var, Eqn]:
 def _users(jaxpr: jcore.Jaxpr) -> dict[Var, list[Eqn]]:
     """Per variable, the equations that read it (once per operand it is)."""
     users: dict[Var, list[Eqn]] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if isinstance(v, Var):
-                users.setdefault(v, []).append(eqn)
+    for eqn, v in ((e, v) for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)):
+        users.setdefault(v, []).append(eqn)
     return users
 
 
@@ -1458,9 +1381,8 @@ class Post:
 
     @property
     def scalar(self) -> bool:
-        return (
-            self.factor is None or isinstance(self.factor, int | float) or not _shape(self.factor)
-        )
+        factor = self.factor
+        return factor is None or isinstance(factor, int | float) or not _shape(factor)
 
 
 Posts = tuple[Post, ...]  # the ops from a core to the gradient, in order
@@ -1553,17 +1475,15 @@ class Graph:
         seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
         n = jax.tree.leaves(batch)[0].shape[0]
-        closed = _hoist_scans(
-            closed, args, hoist, None if memory_budget is None else memory_budget // n
-        )
+        budget = None if memory_budget is None else memory_budget // n
+        closed = _hoist_scans(closed, args, hoist, budget)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         producer, users = _producers(jaxpr), _users(jaxpr)
         static: set[Var] = set(jaxpr.constvars)
+        known = lambda v: isinstance(v, jcore.Literal) or v in static  # noqa: E731
         for eqn in jaxpr.eqns:
-            if not eqn.effects and all(
-                isinstance(v, jcore.Literal) or v in static for v in eqn.invars
-            ):
+            if not eqn.effects and all(map(known, eqn.invars)):
                 static.update(eqn.outvars)
         positions: Mapping[Var, Axes] = {}
         untie = None
@@ -1579,7 +1499,7 @@ class Graph:
                 Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, grads[i])
                 for i, x in enumerate(leaves)
             ),
-            n_examples=jax.tree.leaves(batch)[0].shape[0],
+            n_examples=n,
             per_example=per_example,
             producer=producer,
             users={v: tuple(u) for v, u in users.items()},
@@ -1623,8 +1543,9 @@ class Graph:
             return "the gradient does not depend on the cotangent: affine, not linear"
         for eqn in eqns:
             seeded = [isinstance(v, Var) and v in self.seeded for v in eqn.invars]
-            rule = _LINEARITY.get(eqn.primitive.name, _unknown)
-            why = rule(self, eqn, seeded) if any(seeded) else ""
+            rule = _LINEARITY.get(eqn.primitive.name)
+            unknown = f"'{eqn.primitive.name}' is not known to be linear"
+            why = (rule(self, eqn, seeded) if rule else unknown) if any(seeded) else ""
             if why:
                 return why
         return ""
@@ -1694,10 +1615,6 @@ def _linear_if(ok: Callable[[Graph, Eqn, list[bool]], bool]) -> LinearityRule:
     return lambda g, e, s: (
         "" if ok(g, e, s) else f"'{e.primitive.name}' is not linear in the cotangents it reads"
     )
-
-
-def _unknown(graph: Graph, eqn: Eqn, seeded: list[bool]) -> str:
-    return f"'{eqn.primitive.name}' is not known to be linear"
 
 
 def _linear_at(ks: Container[int]) -> LinearityRule:
@@ -1839,7 +1756,9 @@ def _hoistable(scan: Eqn, k: int, producer_out: Mapping[Var, Eqn]) -> _Hoist | N
             return None
         if len(users.get(carry_in, ())) != 1 or carry_in in body.outvars:
             return None
-        if not _is_literal_zero(scan.invars[nc + k], producer_out):
+        cast = ("broadcast_in_dim", "convert_element_type")  # how JAX starts an accumulator: 0
+        init, _ = _walk_back(scan.invars[nc + k], producer_out, lambda e: e.primitive.name in cast)
+        if not isinstance(init, jcore.Literal) or np.any(np.asarray(init.val)):
             return None
         (var,) = [v for v in add.invars if v is not carry_in] or [None]
     var, post = _walk_back(var, producer, _is_layout)
@@ -1861,13 +1780,6 @@ def _walk_back(
         path.append(producer[var])
         var = producer[var].invars[0]
     return var, tuple(path[::-1])
-
-
-def _is_literal_zero(var: Atom, producer: Mapping[Var, Eqn]) -> bool:
-    """A literal 0 or a broadcast of one (how JAX starts a gradient accumulator)."""
-    cast = ("broadcast_in_dim", "convert_element_type")
-    end, _ = _walk_back(var, producer, lambda eqn: eqn.primitive.name in cast)
-    return isinstance(end, jcore.Literal) and not np.any(np.asarray(end.val))
 
 
 def _hoist_scans(
@@ -1946,14 +1858,8 @@ def _scan_hoisted(scan: Eqn, invals: list[Value], hoists: Mapping[int, _Hoist]) 
     params, body = scan.params, scan.params["jaxpr"]
     nc, ncar = params["num_consts"], params["num_carry"]
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
-    emit = list(
-        dict.fromkeys(
-            v
-            for h in hoists.values()
-            for v in h.dot.invars[:2]
-            if _operand_source(scan, v)[0] == "emit"
-        )
-    )
+    operands = (v for h in hoists.values() for v in h.dot.invars[:2])
+    emit = list(dict.fromkeys(v for v in operands if _operand_source(scan, v)[0] == "emit"))
     n_out = len(body.jaxpr.outvars)
 
     def step(carry: list, x: list) -> tuple[list, tuple[list, list]]:
@@ -2046,7 +1952,8 @@ Env = Mapping[Var, Any]  # graph variables -> values (batched ones with a leadin
 @dataclasses.dataclass(frozen=True, eq=False)
 class Route(abc.ABC):
     """One way to compute a leaf's statistics, proven for `leaf`; subclasses document their
-    identities and hold the operands their `match` proved."""
+    identities and hold the operands their `match` proved. A method is abstract here and
+    implemented once below (by a route or a mixin), or concrete and never overridden."""
 
     name: ClassVar[str]
     graph: Graph = dataclasses.field(repr=False)
@@ -2063,10 +1970,42 @@ class Route(abc.ABC):
     def dtype(self) -> jnp.dtype:  # the statistics'
         return self.leaf.stat_dtype
 
+    @abc.abstractmethod
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        return {w: "factorized" for w in need}
+        """Per ingredient needed, "factorized" or "chunked" (`LeafPlan`)."""
 
+    @abc.abstractmethod
     def cost(self, methods: Mapping[str, str]) -> Cost:
+        """The cost model's estimate of computing the ingredients so."""
+
+    @abc.abstractmethod
+    def reads(self) -> list[Var]:
+        """The head's values this route reads."""
+
+    @abc.abstractmethod
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        """Factorized ingredients: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
+
+    @abc.abstractmethod
+    def clipped(self, env: Env, weights: Array) -> Array:
+        """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
+
+    @abc.abstractmethod
+    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
+        """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
+
+
+class _Priced(Route):
+    """A route costed per factorized ingredient (`factored_cost`) and for the chunk loop."""
+
+    @abc.abstractmethod
+    def factored_cost(self, what: str) -> Cost: ...
+
+    @abc.abstractmethod
+    def unit_flops(self) -> float:
+        """Operations to form one example's per-unit gradients."""
+
+    def priced(self, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one
         materialization of every unit's gradient (written once, read per ingredient), and
         the head's values they read are held until the chunk loop runs, after the head, and
@@ -2085,41 +2024,45 @@ class Route(abc.ABC):
             total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + 2 * held))
         return total
 
-    def factored_cost(self, what: str) -> Cost:
-        return Cost(2.0 * self.graph.n_units * self.leaf.size, 4.0 * self.leaf.size)
 
-    def unit_flops(self) -> float:
-        """Operations to form one example's per-unit gradients."""
-        return 2.0 * self.graph.per_example * self.leaf.size
-
-    def reads(self) -> list[Var]:
-        """The head's values this route reads."""
-        return []
+class _Each(Route):
+    """A route computing its ingredients one at a time."""
 
     @abc.abstractmethod
     def compute(self, env: Env, what: str) -> Array:
-        """A factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
+        """One factorized ingredient (`compute_many`)."""
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        """Several factorized ingredients at once (a route may share work between them)."""
         return {what: self.compute(env, what) for what in wanted}
 
-    @abc.abstractmethod
-    def clipped(self, env: Env, weights: Array) -> Array:
-        """(1/N) Σ_u w_u g_u, with `weights` shaped [B, U]."""
 
-    @abc.abstractmethod
-    def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
-        """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
+class _Factorized(Route):
+    """A route that factorizes every ingredient."""
+
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        return dict.fromkeys(need, "factorized")
+
+
+class _Simple(_Priced):
+    """A route costed by `priced`, one example's per-unit gradients formed at two operations
+    an entry."""
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        return self.priced(methods)
+
+    def unit_flops(self) -> float:
+        return 2.0 * self.graph.per_example * self.leaf.size
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class CoreRoute(Route):
+class CoreRoute(_Priced):
     """A route reading the operands of its core, the gradient being `post` (layout,
     batch-independent scalings) after it. Norms factorize where every scaling is by a scalar
-    (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked."""
+    (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked, and so is the sum of a route
+    that forms per-example gradients in the head (`FORMED`): once they exist, it is free."""
 
     cores: ClassVar[frozenset[str]]  # the primitives its core may be (`plan` looks it up by)
+    FORMED: ClassVar[tuple[str, ...]] = ()  # the ingredients formed per example in the head
     core: Eqn
     post: Posts
 
@@ -2144,7 +2087,10 @@ class CoreRoute(Route):
         return all(s.scalar for s in self.post)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        return {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
+        methods = {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
+        if self.FORMED and "sum" in methods and "chunked" in methods.values():
+            methods["sum"] = "chunked"
+        return methods
 
     def reads(self) -> list[Var]:
         return [v for v in (*self.core.invars, *_factor_vars(self.post)) if isinstance(v, Var)]
@@ -2200,9 +2146,8 @@ def _formed_sums(
     operands, or the caller's bound): (1/N) Σ_i φ(g_i) for "sum", "sq", "sign"; the variance
     Σ_i (g_i − ḡ)²/(N − 1) for "var", each chunk's (mean, M2) merged by Chan's update (no
     cancellation); ‖g_i‖² ([B]) for "norms". form(a, b, names, r) gives, for a chunk's operands
-    of which the first r are examples, per name in order: Σ φ(g_i) over the chunk, (mean, M2)
-    over its r examples, or its norms. Padding examples have zero operands: the core is
-    bilinear, so g = 0 and φ(0) = 0; form leaves them out of (mean, M2), norms are cut off."""
+    of which the first r are examples, what `_moments` gives. Padding examples have zero
+    operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off."""
     n = route.graph.n_examples
     names = [w for w in ("sum", "sq", "sign", "var", "norms") if w in wanted]
     means = [w for w in names if w in _PHI]
@@ -2222,15 +2167,15 @@ def _formed_sums(
         out = form(x, y, names, r)
         sums = [t + s for t, s in zip(sums, out[:k], strict=True)]
         if var:
-            moments = _chan(moments, (r, *out[k]))
-        return (sums, moments), out[k + var :]
+            moments = _chan(moments, (r, out[k], out[k + 1]))
+        return (sums, moments), out[k + 2 * var :]
 
     split = lambda x: x.reshape(-1, c, *x.shape[1:])  # noqa: E731
     zero = lambda s: jnp.zeros(s.shape, dtype)  # noqa: E731
     sums = [zero(s) for s in shapes[:k]]
     moments: tuple[Array, ...] = ()
     if var:
-        moments = (jnp.zeros((), dtype), zero(shapes[k][0]), zero(shapes[k][1]))
+        moments = (jnp.zeros((), dtype), zero(shapes[k]), zero(shapes[k + 1]))
     (sums, moments), norms = jax.lax.scan(chunk, (sums, moments), (split(a), split(b), counts))
     out = {w: t * (1.0 / n) for w, t in zip(means, sums, strict=True)}
     if var:
@@ -2238,20 +2183,52 @@ def _formed_sums(
     return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
 
 
+def _moments(g: Array, names: Sequence[str], r: Array) -> list[Array]:
+    """For per-example values g [c, ...] whose first r rows are examples (the rest padding):
+    Σ φ(g) per mean in `names`; the mean and M2 over the r examples for "var" (the padding
+    left out, not subtracted); the norms per row for "norms"."""
+    out = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
+    if "var" in names:
+        mean = _sum0(g) / r
+        centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
+        out += [mean, _sum0(centred * centred)]
+    return out + ([jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else [])
+
+
+class _Formed(CoreRoute):
+    """A route forming several ingredients together in the core's coordinates (`core_sums`),
+    then replaying `post` on each (var(m·g) = m²·var(g); ‖post(g)‖² = Π φ(m)²·‖g‖², the
+    scalings being scalars where norms are factorized); the rest one at a time (`compute`)."""
+
+    @abc.abstractmethod
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        """The ingredients `core_sums` forms, of those `wanted` together."""
+
+    @abc.abstractmethod
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
+        """The means of φ and variance in the core's coordinates, norms [B]."""
+
+    @abc.abstractmethod
+    def compute(self, env: Env, what: str) -> Array: ...
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.sums(wanted)])
+        if "norms" in sums:
+            sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
+        phis = {**_PHI, "var": jnp.square}
+        out = {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in sums.items()}
+        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class DotCore(CoreRoute):
+class DotCore(_Formed):
     """A route whose core is a dot_general and whose means of φ are sums over examples and
     units of φ(core_u): computed per slice of the dot's batch dims, so that they can also be
     formed one scan iteration at a time (InScan). `units`: the operands' contracted axes that
     index units besides the example (rank one: OuterProduct), whose units clipping weighs."""
 
     cores = frozenset({"dot_general"})
-    SUMS: ClassVar[tuple[str, ...]] = tuple(_PHI)  # the ingredients core_sums forms
     units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-
-    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        """(1/N) Σ_u φ(core_u) for each φ in `wanted`, in the core's output coordinates."""
-        return {w: self.core_sum(env, dtype, w) for w in wanted}
 
     def core_sum(
         self, env: Env, dtype: DTypeLike, what: str, weights: Array | None = None
@@ -2267,12 +2244,6 @@ class DotCore(CoreRoute):
         dn = _over_examples(*_dot_dims(self.core))
         n = self.graph.n_units
         return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
-
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.SUMS])
-        out = {w: self.replay(g, env, phis[w]) for w, g in sums.items()}
-        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self.replay(self.core_sum(env, self.dtype, "sum", weights), env)
@@ -2296,7 +2267,7 @@ def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
     return weights.reshape(shape)
 
 
-class Empty(Route):
+class Empty(_Each, _Factorized):
     """A leaf with no entries: every statistic is an empty array."""
 
     name = "empty"
@@ -2309,6 +2280,9 @@ class Empty(Route):
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         return Cost()
+
+    def reads(self) -> list[Var]:
+        return []
 
     def compute(self, env: Env, what: str) -> Array:
         if what == "norms":
@@ -2323,7 +2297,7 @@ class Empty(Route):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Constant(Route):
+class Constant(_Each, _Factorized, _Simple):
     """The gradient does not depend on the example: g_u = g for every unit, so every mean is
     φ(g), the variance is 0 and each unit's norm is ‖g‖². At token granularity only a proven
     zero gradient (an unused parameter) splits over positions."""
@@ -2380,24 +2354,21 @@ def _gauge(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class OuterProduct(DotCore):
+class OuterProduct(DotCore, _Simple):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
     contracts nothing but the unit axes — no axis at example granularity (a dense weight used
     once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
     used at every position: g_t = δ_t ⊗ x_t). With u over units (and each batch-dim slice):
 
-        Σ_u φ(a_u ⊗ b_u) = φ(A)ᵀφ(B)            (φ multiplicative; one contraction over units)
-        ‖a_u ⊗ b_u‖²     = ‖a_u‖²‖b_u‖²          (Goodfellow)
-        Σ_u c_u a_u ⊗ b_u = (c∘A)ᵀB
+        Σ_u φ(a_u ⊗ b_u) = φ(A)ᵀφ(B)     ‖a_u ⊗ b_u‖² = ‖a_u‖²‖b_u‖²     Σ_u c_u a_u ⊗ b_u = (c∘A)ᵀB
         Σ_u (a_u ⊗ b_u − ḡ)² from centred factors A = ā + Ã, B = b̄ + B̃ (no cancellation),
             with K = ÃᵀB̃ (so ḡ = ā⊗b̄ + K/N) and P = Ã∘(Ã + 2ā) = A² − ā², Q likewise:
             ā²⊗ΣB̃² + ΣÃ²⊗b̄² + PᵀQ − 2(ā⊗b̄)∘K − K²/N       (two contractions over units)
 
-    A rank-one factorization is unique up to a scalar per unit (a_u s_u ⊗ b_u / s_u): before
-    centring, each b_u is scaled to unit norm and its sign aligned with the largest b_u, and
-    a_u takes the scalar back. Nearly equal gradients then have nearly equal factors, so the
-    centred factors are small where the variance is (a scale-invariant use of a weight, W x
-    and c·x giving the same gradient, would otherwise cancel O(1) terms to an O(ε²) result).
+    The factors are unique up to a scalar per unit (a_u s_u ⊗ b_u / s_u): before centring,
+    each b_u is scaled to unit norm, its sign aligned with the largest b_u's (`_gauge`), so
+    that nearly equal gradients have nearly equal factors and the centred factors are small
+    where the variance is (W x and c·x giving one gradient would else cancel O(1) terms).
     """
 
     name = "outer-product"
@@ -2425,6 +2396,12 @@ class OuterProduct(DotCore):
             return Refusal("the contracted axes are not both traced to the example's positions")
         reason = "weight at every position: g_t = δ_t ⊗ x_t over the traced position axis"
         return cls(graph, leaf, reason, core=core, post=post, units=((lc[k],), (rc[k],)))
+
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        return _PHI
+
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
+        return {w: self.core_sum(env, dtype, w) for w in wanted}
 
     def factored_cost(self, what: str) -> Cost:
         n, p = self.graph.n_units, self.leaf.size
@@ -2519,13 +2496,6 @@ class Contraction(DotCore):
         free_a = math.prod(a) // (terms * slices)
         return terms, slices, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
 
-    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if self.scalar else set())
-        methods = {w: "factorized" if w in factored else "chunked" for w in need}
-        if "sum" in methods and list(methods.values()).count("chunked"):
-            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
-        return methods
-
     def gram(self, ingredients: Container[str]) -> bool:
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
@@ -2554,31 +2524,17 @@ class Contraction(DotCore):
         """sq, sign and var from per-example gradients formed a bounded chunk at a time
         (`_formed_sums`), which give the sum too."""
         if not any(w in self.FORMED for w in wanted):
-            return super().core_sums(env, dtype, wanted)
+            return {w: self.core_sum(env, dtype, w) for w in wanted}
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
         def form(a: Array, b: Array, names: list[str], r: Array) -> list:
-            g = jax.vmap(dot)(a, b)  # [c, ...]: its first r rows examples, the rest zero
-            out: list = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
-            if "var" in names:  # the padding rows left out of (mean, M2), not subtracted
-                mean = _sum0(g) / r
-                centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
-                out.append((mean, _sum0(centred * centred)))
-            return out + (
-                [jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else []
-            )
+            return _moments(jax.vmap(dot)(a, b), names, r)
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        formed = (*_PHI, "var") if self.gram(wanted) else (*_PHI, "var", "norms")
-        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in formed])
-        if "norms" in sums:  # ‖post(g)‖² = Π φ(m)²·‖g‖²: the scalings are scalars (methods)
-            sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        out = {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in sums.items()}
-        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+    def sums(self, wanted: Sequence[str]) -> Container[str]:  # norms alone: by the Gram identity
+        return (*_PHI, "var") if self.gram(wanted) else (*_PHI, "var", "norms")
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
@@ -2587,8 +2543,8 @@ class Contraction(DotCore):
     def cost(self, methods: Mapping[str, str]) -> Cost:
         if methods.get("norms") == "factorized" and self.gram(methods):
             rest = {w: how for w, how in methods.items() if w != "norms"}
-            return super().cost(rest) + self.factored_cost("gram")
-        total = super().cost(methods)
+            return self.priced(rest) + self.factored_cost("gram")
+        total = self.priced(methods)
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
         # The sum, and the variance or norms beside another, come from the gradients formed once.
         shared = (methods.get("sum") == "factorized") + sum(
@@ -2625,25 +2581,16 @@ def _conv_positions(core: Eqn) -> tuple[int, ...]:
 
 
 def _conv_offsets(
-    lhs: Array,
-    rhs: Array,
-    params: Mapping,
-    dtype: DTypeLike,
-    reduce: Callable,
+    lhs: Array, rhs: Array, params: Mapping, dtype: DTypeLike, reduce: Callable
 ) -> list[Array]:
     """conv_general_dilated(lhs_e, rhs_e, **params) for each example e of [E, ...] operands,
     one output position k at a time (a scan), each position's [E, n, o] values passed through
-    `reduce` (to a list of arrays) before the next is formed:
-
-        out[n, o, k] = Σ_{c, q} lhs_pd[n, c, k·s + q·r] · rhs[o, c, q]
-
-    with lhs_pd the input padded (and dilated) as `padding`/`lhs_dilation` say, s the window
-    strides and r the kernel dilation: position k reads a strided window of lhs_pd, and is one
-    dot_general batched over examples (and feature or batch groups). For a kernel's gradient k
-    runs over the kernel's offsets: few steps, each a batched matmul over the positions, and
-    one offset's per-example values live at a time (a batched convolution is a grouped one,
-    far slower on XLA:CPU, and forms all of them). Returns the reduced values stacked over
-    positions, [positions, ...] (`_conv_layout` puts [positions, ..., n, o] in place)."""
+    `reduce` (to a list of arrays) before the next is formed: out[n, o, k] = Σ_{c, q}
+    lhs_pd[n, c, k·s + q·r] · rhs[o, c, q] (lhs_pd padded and dilated, s the strides, r the
+    kernel dilation) is one dot_general batched over examples (and groups). For a kernel's
+    gradient k runs over the kernel's offsets: few steps, one offset's per-example values live
+    at a time (a batched convolution is a grouped one, far slower on XLA:CPU, and forms all of
+    them). Returns the reduced values stacked over positions (`_conv_layout` places them)."""
     lhs_spec, rhs_spec, _ = params["dimension_numbers"]
     lhs = jnp.transpose(lhs, (0, *_shift(lhs_spec)))  # [E, N, C, *S]
     rhs = jnp.transpose(rhs, (0, *_shift(rhs_spec)))  # [E, O, I, *W]
@@ -2689,7 +2636,7 @@ def _conv_layout(y: Array, params: Mapping, out: Sequence[int]) -> Array:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Convolution(CoreRoute):
+class Convolution(_Formed):
     """A convolution's kernel (example granularity): the core is conv_general_dilated(x, δ) of
     two example-dependent values, g_i = conv(x_i, δ_i) summing over the example's positions.
     Linear ingredients contract the examples inside one convolution, as plain grad does:
@@ -2720,13 +2667,6 @@ class Convolution(CoreRoute):
         reason = f"convolution kernel: g_i = conv(x_i, δ_i), {positions} offsets, a dot each"
         return cls(graph, leaf, reason, core=core, post=post)
 
-    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        factored = {"sum", "clipped", "sq", "sign", "var"} | ({"norms"} if self.scalar else set())
-        methods = {w: "factorized" if w in factored else "chunked" for w in need}
-        if "sum" in methods and "chunked" in methods.values():
-            methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
-        return methods
-
     def factored_cost(self, what: str) -> Cost:
         n, size = self.graph.n_examples, self.leaf.size
         factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
@@ -2741,11 +2681,11 @@ class Convolution(CoreRoute):
         (the folded sum, clipping, anything chunked) at their own cost."""
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
         if not formed:
-            return super().cost(methods)
+            return self.priced(methods)
         rest = {w: how for w, how in methods.items() if w not in (*formed, "sum")}
         once = self.factored_cost(formed[0])
         more = self.graph.n_examples * self.leaf.size * (len(formed) - 1)
-        return super().cost(rest) + once + Cost(more, 4.0 * more / self.graph.n_examples)
+        return self.priced(rest) + once + Cost(more, 4.0 * more / self.graph.n_examples)
 
     def unit_flops(self) -> float:
         return _flops(self.core)
@@ -2761,70 +2701,45 @@ class Convolution(CoreRoute):
         if weights is not None:
             x = x * weights.reshape(-1, *[1] * (x.ndim - 1)).astype(dtype)
         params = self.core.params
-        lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
-        groups = params["feature_group_count"]
+        lhs_spec, rhs_spec, _ = params["dimension_numbers"]
+        groups, f, g = params["feature_group_count"], lhs_spec[1], rhs_spec[1]
         # lhs feature axis C = groups·I (group-major) -> groups·(B·I); rhs's I -> B·I
-        x = jnp.moveaxis(x, 0, lhs_spec[1])
-        f = lhs_spec[1]
+        x = jnp.moveaxis(x, 0, f)
         shape = x.shape
         x = x.reshape(*shape[:f], shape[f], groups, shape[f + 1] // groups, *shape[f + 2 :])
         x = jnp.swapaxes(x, f, f + 1)
         x = x.reshape(*shape[:f], shape[f] * shape[f + 1], *shape[f + 2 :])
-        d = jnp.moveaxis(d, 0, rhs_spec[1])
-        g = rhs_spec[1]
+        d = jnp.moveaxis(d, 0, g)
         d = d.reshape(*d.shape[:g], d.shape[g] * d.shape[g + 1], *d.shape[g + 2 :])
-        return jax.lax.conv_general_dilated(
-            x * (1.0 / n),
-            d,
-            params["window_strides"],
-            params["padding"],
-            params["lhs_dilation"],
-            params["rhs_dilation"],
-            jax.lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec),
-            groups,
-            params["batch_group_count"],
-            params["precision"],
-            dtype,
-        )
+        keys = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers")
+        conv = {k: params[k] for k in (*keys, "batch_group_count", "precision")}
+        conv = {**conv, "feature_group_count": groups, "preferred_element_type": dtype}
+        return jax.lax.conv_general_dilated(x * (1.0 / n), d, **conv)
 
     @property
     def positions(self) -> tuple[int, ...]:
         return _conv_positions(self.core)
 
-    def formed(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        return (*_PHI, *self.FORMED)
+
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
         """Means of φ in the core's coordinates and norms ([B]) from one pass over chunks of
         examples and kernel offsets; the sum alone folded into one convolution."""
-        dtype, params = self.dtype, self.core.params
+        params = self.core.params
         if not any(w in self.FORMED for w in wanted):
             return {"sum": self.folded(env)} if "sum" in wanted else {}
 
         def form(a: Array, b: Array, names: list[str], r: Array) -> list:
-            def reduce(y: Array) -> list[Array]:  # one offset's [E, n, o], E − r of it padding
-                out = [_sum0(_PHI[w](y)) for w in names if w in _PHI]
-                if "var" in names:
-                    mean = _sum0(y) / r
-                    # The padding rows are left out, not subtracted: −(E − r)·mean² cancels.
-                    centred = _where_units(jnp.arange(y.shape[0], dtype=r.dtype) < r, y - mean)
-                    out += [mean, _sum0(centred * centred)]
-                return out + ([jnp.sum(y * y, axis=(1, 2))] if "norms" in names else [])
-
-            out = _conv_offsets(a, b, params, dtype, reduce)
+            # one offset's [E, n, o] at a time, E − r of it padding
+            out = _conv_offsets(a, b, params, dtype, lambda y: _moments(y, names, r))
             k = len(out) - ("norms" in names)
             placed = [_conv_layout(y, params, self.positions) for y in out[:k]]
-            if "var" in names:  # its (mean, M2) as one entry
-                placed = [*placed[:-2], (placed[-2], placed[-1])]
             return placed + [jnp.sum(y, axis=0) for y in out[k:]]
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        out = self.formed(env, [w for w in wanted if w in (*_PHI, "var", "norms")])
-        if "norms" in out:
-            out["norms"] = out["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        phis = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g) for the scalings after it
-        return {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in out.items()}
-
-    def compute(self, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:  # every ingredient is in `sums`
         return self.compute_many(env, [what])[what]
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -2837,7 +2752,7 @@ class Convolution(CoreRoute):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class UnitSum(CoreRoute):
+class UnitSum(CoreRoute, _Each):
     """The core sums an example-dependent value z over some of its axes (a bias or a norm
     layer's scale or shift applied at every position, a per-channel gate): unit u's gradient
     is z summed over those axes, except, at token granularity, the one summed axis traced to
@@ -2871,6 +2786,12 @@ class UnitSum(CoreRoute):
         formed = any(w != "sum" for w in methods)
         return Cost(z + 2.0 * g * len(methods), 4.0 * (z + g * formed))
 
+    def factored_cost(self, what: str) -> Cost:
+        return self.cost({what: "factorized"})
+
+    def unit_flops(self) -> float:
+        return 2.0 * self.graph.per_example * self.leaf.size
+
     def _units(self, z: Array) -> Array:
         """[B, ...] -> [B, U, *core output]: each unit's own sum (U = 1 per example)."""
         rest = tuple(a + 1 for a in self.core.params["axes"] if a != self.axis)
@@ -2900,7 +2821,7 @@ class UnitSum(CoreRoute):
         return self.replay(self._units(z[None])[0], env, units=True)
 
 
-class _Rows(CoreRoute):
+class _Rows(CoreRoute, _Each, _Simple):
     """Rows of batched updates scattered into a zero table (row-scatter, segment-rows): the
     statistics from rows (`_units`) such that each entry of a unit's gradient is one row's
     update or 0."""
@@ -3116,12 +3037,7 @@ class SegmentRows(_Rows):
             written = jax.ops.segment_sum(ok.astype(jnp.int32), segment, per) > 0
             return where, sums, written
 
-        shaped = (
-            key.reshape(examples, per),
-            at.reshape(examples, per, -1),
-            upd.reshape(examples, per, *upd.shape[1:]),
-            ok.reshape(examples, per),
-        )
+        shaped = [x.reshape(examples, per, *x.shape[1:]) for x in (key, at, upd, ok)]
         where, sums, written = jax.vmap(segments)(*shaped)
         return where.reshape(idx.shape), sums.reshape(upd.shape), written.reshape(-1)
 
@@ -3170,17 +3086,15 @@ def _windows_overlap(core: Eqn, indices: np.ndarray, mode: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class _Composite(Route):
-    """A gradient made of `parts`, each proven by a route of its own: costs add up, and every
-    ingredient is the parts' ingredients combined (`_combine`)."""
+class _Composite(_Priced):
+    """A gradient made of `parts`, each proven by a route of its own, then `post`: costs add
+    up, and every ingredient is the parts' ingredients combined (`_combine`)."""
 
     parts: tuple[CoreRoute, ...]
+    post: Posts = ()
 
     @abc.abstractmethod
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array: ...
-
-    def compute(self, env: Env, what: str) -> Array:
-        return self.compute_many(env, [what])[what]
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         """Each part's ingredients at once (a part may share work between them), combined."""
@@ -3192,7 +3106,7 @@ class _Composite(Route):
         chunk loop's for the rest."""
         factored = {w: how for w, how in methods.items() if how == "factorized"}
         rest = {w: how for w, how in methods.items() if how != "factorized"}
-        return super().cost(rest) + sum((p.cost(factored) for p in self.parts), Cost())
+        return self.priced(rest) + sum((p.cost(factored) for p in self.parts), Cost())
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
@@ -3208,7 +3122,8 @@ class _Composite(Route):
         return float(sum(p.unit_flops() for p in self.parts))
 
     def reads(self) -> list[Var]:
-        return list(dict.fromkeys(v for p in self.parts for v in p.reads()))
+        parts = [v for p in self.parts for v in p.reads()]
+        return list(dict.fromkeys([*parts, *_factor_vars(self.post)]))
 
 
 class Terms(_Composite):
@@ -3277,7 +3192,6 @@ class DisjointParts(_Composite):
 
     name = "disjoint-parts"
     core: Eqn
-    post: Posts
     places: tuple[Placement, ...]
 
     @classmethod
@@ -3293,13 +3207,9 @@ class DisjointParts(_Composite):
         if not parts:
             return Refusal("every placed part is zero")
         windows = [w for w, _, _ in parts]
-        for i, a in enumerate(windows):
-            for b in windows[:i]:
-                if all(
-                    lo_a < hi_b and lo_b < hi_a
-                    for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True)
-                ):
-                    return Refusal(f"parts overlap (windows {a} and {b})")
+        for a, b in [(a, b) for i, a in enumerate(windows) for b in windows[:i]]:
+            if all(lo < hi_b and lo_b < hi for (lo, hi), (lo_b, hi_b) in zip(a, b, strict=True)):
+                return Refusal(f"parts overlap (windows {a} and {b})")
         reason = f"{len(parts)} parts at disjoint static windows"
         routes, places = tuple(r for _, r, _ in parts), tuple(p for *_, p in parts)
         return cls(graph, leaf, reason, parts=routes, core=core, post=post, places=places)
@@ -3309,9 +3219,6 @@ class DisjointParts(_Composite):
         if not all(s.scalar for s in self.post):
             factored.discard("norms")
         return {w: "factorized" if w in factored else "chunked" for w in need}
-
-    def reads(self) -> list[Var]:
-        return list(dict.fromkeys([*super().reads(), *_factor_vars(self.post)]))
 
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         """The parts put in place (with any leading unit axes), then the ops after the sum;
@@ -3412,7 +3319,7 @@ _MAX_PLACES = 64  # places a routed part may take (one contraction each)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class RoutedPart(Route):
+class RoutedPart(_Each, _Priced):
     """Example granularity: the gradient is one part written into a zero table at a place the
     example chooses (`core`, a dynamic_update_slice whose starts depend on the example), then
     `post`: a mixture of experts reading one expert's matrix per example, experts[choice] @ x.
@@ -3468,6 +3375,9 @@ class RoutedPart(Route):
         starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
         return list(dict.fromkeys([*self.part.reads(), *starts, *_factor_vars(self.post)]))
 
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        return self.priced(methods)
+
     def factored_cost(self, what: str) -> Cost:
         if what == "norms":
             return self.part.factored_cost(what)
@@ -3508,13 +3418,9 @@ class RoutedPart(Route):
         at = self._at(env)
         weights = at if weights is None else at * weights.astype(self.dtype)
         what = "sum" if what == "clipped" else what  # weighted by the clip factors
-        sums = [
-            self.part.replay(
-                self.part.core_sum(env, self.dtype, what, weights[:, s, None]), env, _PHI[what]
-            )
-            for s in range(len(self.places))
-        ]
-        return self._placed(sums, env, _PHI[what])
+        part, phi, n = self.part, _PHI[what], len(self.places)
+        sums = [part.core_sum(env, self.dtype, what, weights[:, s, None]) for s in range(n)]
+        return self._placed([part.replay(x, env, phi) for x in sums], env, phi)
 
     def compute(self, env: Env, what: str) -> Array:
         if what == "norms":
@@ -3537,7 +3443,7 @@ _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class HeadValue(Route):
+class HeadValue(_Each, _Factorized):
     """Example granularity: the gradient needs no op of its own after the backward pass (a
     bias, a norm layer's scale used once per example), or only layout and batch-independent
     scalings (a bias added to x[None]: a sum over an axis of size 1): g_i is a value v_i
@@ -3602,7 +3508,7 @@ class HeadValue(Route):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Fallback(Route):
+class Fallback(_Each, _Priced):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient `tail` (the ops
     only its gradient needs; empty when the head computes it) evaluated per example, a bounded
     chunk of examples at a time; `linear` when the tail is proven linear in its cotangent
@@ -3624,12 +3530,9 @@ class Fallback(Route):
             return cls(graph, leaf, f"exact: {_IN_HEAD}", grad=leaf.grad, tail=(), linear=True)
         why = graph.nonlinear_in_seed(tail, leaf.grad)
         linear = not why and leaf.stat_dtype == jnp.dtype(leaf.dtype)
-        reason = f"exact: its own gradient ops ({len(tail)}) per example"
-        reason += (
-            "; sums over examples transposed into them"
-            if linear
-            else f" ({why or 'half precision'})"
-        )
+        how = f" ({why or 'half precision'})"
+        how = "; sums over examples transposed into them" if linear else how
+        reason = f"exact: its own gradient ops ({len(tail)}) per example{how}"
         return cls(graph, leaf, reason, grad=leaf.grad, tail=tail, linear=linear)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
@@ -3641,6 +3544,9 @@ class Fallback(Route):
         if "sum" in methods and any(methods[w] == "chunked" for w in need if w != "clipped"):
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        return self.priced(methods)
 
     def factored_cost(self, what: str) -> Cost:
         n = self.graph.n_examples
@@ -3678,11 +3584,8 @@ class Fallback(Route):
         fixed = {v: env[v] for v in inputs if v not in graph.seeded and v not in graph.batched}
 
         def run_tail(c: list, x: list) -> Array:
-            local = {
-                **fixed,
-                **dict(zip(cts, c, strict=True)),
-                **dict(zip(primals, x, strict=True)),
-            }
+            local = {**fixed, **dict(zip(cts, c, strict=True))}
+            local.update(zip(primals, x, strict=True))
             _evaluate(tail, local)
             return _read(local, grad)
 
@@ -3731,7 +3634,7 @@ _NOT_SEARCHED = "the loss was not searched for a backward rule of the user's (_u
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MeanLoss(Route):
+class MeanLoss(_Factorized):
     """The mean alone, every leaf at once, where `_plain_mean` and `_user_backward` allow it:
     plain grad of the mean loss (`_gradient_of_mean_loss`). Not in ROUTES: no leaf's proof."""
 
@@ -3746,30 +3649,20 @@ class MeanLoss(Route):
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "MeanLoss":
         return cls(graph, leaf, cls.proof)  # every leaf's, where `plan` takes it
 
-    def compute(self, env: Env, what: str) -> Array:  # never: _gradient_of_mean_loss runs
+    def reads(self) -> list[Var]:  # as `LeafPlan.reads` says: none of the head's
+        return []
+
+    def _never(self, *args: Any) -> Any:  # _gradient_of_mean_loss runs instead
         raise AssertionError("mean-loss is plain grad of the mean loss, not a leaf's route")
 
-    clipped = per_unit = compute  # type: ignore
+    cost = compute_many = clipped = per_unit = _never  # type: ignore
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
 _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution, UnitSum)
 # Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
-ROUTES: tuple[type[Route], ...] = (
-    Empty,
-    Constant,
-    OuterProduct,
-    Contraction,
-    Convolution,
-    UnitSum,
-    RowScatter,
-    SegmentRows,
-    Terms,
-    DisjointParts,
-    RoutedPart,
-    HeadValue,
-    Fallback,
-)
+ROUTES: tuple[type[Route], ...] = (Empty, Constant, OuterProduct, Contraction, Convolution)
+ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, HeadValue, Fallback)
 
 
 # ============================================================================================
@@ -3802,23 +3695,16 @@ def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | Non
         return None  # norms, variance, clipping read the operands of every layer at once
     a, b = m.core.invars[:2]
     scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
-    scans = [e for e in scans if e is not None and e.primitive.name == "scan"]
-    if not scans:
-        return None
-    scan = scans[0]
-    operands = [_per_iteration(scan, v) for v in (a, b)]
-    if operands[0] is None or operands[1] is None:
+    scan = next((e for e in scans if e is not None and e.primitive.name == "scan"), None)
+    x, y = (None, None) if scan is None else (_per_iteration(scan, v) for v in (a, b))
+    if scan is None or x is None or y is None:
         return None
     lc, rc, lb, rb = _dot_dims(m.core)
     apart = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
     summed = any(p == 0 and q == 0 for p, q in zip(lc, rc, strict=True))
-    if apart:
-        axis = apart[0]
-    elif summed and set(methods) == {"sum"}:
-        axis = None
-    else:  # φ of a sum over iterations is no sum over iterations
-        return None
-    return InScan(m, scan, (operands[0], operands[1]), axis, tuple(methods))
+    if not apart and not (summed and set(methods) == {"sum"}):
+        return None  # φ of a sum over iterations is no sum over iterations
+    return InScan(m, scan, (x, y), apart[0] if apart else None, tuple(methods))
 
 
 def _per_iteration(scan: Eqn, var: Atom) -> Atom | None:
@@ -3908,10 +3794,8 @@ class LeafPlan:
         ]
         if lost:
             body += "; not taken: " + "; ".join(lost)
-        lines = textwrap.wrap(head, 100, subsequent_indent="    ")
-        return "\n".join(
-            lines + textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
-        )
+        lines = textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
+        return "\n".join(textwrap.wrap(head, 100, subsequent_indent="    ") + lines)
 
 
 class Plan(tuple):
@@ -3942,10 +3826,8 @@ class Plan(tuple):
 
     @property
     def summary(self) -> str:
-        routes: dict[str, int] = {}
-        for p in self:
-            routes[p.route] = routes.get(p.route, 0) + 1
-        counts = ", ".join(f"{n} {r}" for r, n in routes.items())
+        routes = [p.route for p in self]
+        counts = ", ".join(f"{routes.count(r)} {r}" for r in dict.fromkeys(routes))
         extra = sum(float(p.cost.flops) for p in self)
         ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
         return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
@@ -3965,15 +3847,10 @@ def plan(
     granularity = "token" if graph.token else "example"
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
     if plain and graph.user_backward == "":
+        methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
         return tuple(
             LeafPlan(
-                leaf.path,
-                leaf.shape,
-                MeanLoss.match(graph, leaf),
-                dict.fromkeys(need, "factorized"),
-                Cost(),
-                (),
-                leaf.index,
+                leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, Cost(), (), leaf.index
             )
             for leaf in graph.leaves
         )
@@ -4008,20 +3885,8 @@ def plan(
         in_scan = _in_scan(graph, m, methods)
         rank = lambda r: ROUTES.index(type(r))  # noqa: E731
         outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
-        plans.append(
-            LeafPlan(
-                leaf.path,
-                leaf.shape,
-                m,
-                methods,
-                cost,
-                tuple(refused),
-                leaf.index,
-                in_scan,
-                other_kind=tuple(other_kind),
-                outranked=outranked,
-            )  # fmt: skip
-        )
+        p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
+        plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
     loop_chunk = _loop_chunk(graph, plans)
     return tuple(_formed(graph, p, loop_chunk) for p in plans)
 
@@ -4133,11 +3998,8 @@ def _execute(
         weights = factors.reshape(graph.n_examples, graph.per_example)
         results.update(factorized(plans, ["clipped"], env, weights))
         results.update(loop(chunked_in(["clipped"]), keep, weights)[0])
-    means: dict[str, PyTree] = {
-        w: jax.tree.unflatten(graph.param_tree, [results[w, i] for i in range(len(leaves))])
-        for w in need
-        if w != "norms"
-    }
+    by_leaf = lambda w: [results[w, i] for i in range(len(leaves))]  # noqa: E731
+    means = {w: jax.tree.unflatten(graph.param_tree, by_leaf(w)) for w in need if w != "norms"}
     n_units: int | Array = graph.n_units
     if keep is None:
         loss = losses.mean()
@@ -4159,10 +4021,8 @@ def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]
     that its sums are over the kept examples — and a NaN there goes nowhere."""
     if keep is None:
         return dict(env)
-    return {
-        **env,
-        **{v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env},
-    }
+    masked = {v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env}
+    return {**env, **masked}
 
 
 def _run_head(
@@ -4229,20 +4089,11 @@ def _run_head(
             new, kept = jax.lax.optimization_barrier((new, [values[v] for v in live]))
             values.update(zip(live, kept, strict=True))
             results.update(new)
-    losses, *aux = [
-        leading(v)
-        if graph.is_batched(v)
-        else jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))
-        for v in outputs
-        for x in [_read(values, v)]
-    ]
-    return (
-        losses,
-        {v: leading(v) for v in interface if v in graph.batched},
-        {v: _read(values, v) for v in interface if v not in graph.batched},
-        results,
-        jax.tree.unflatten(graph.aux_tree, aux),
-    )
+    each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
+    losses, *aux = [leading(v) if graph.is_batched(v) else each(_read(values, v)) for v in outputs]
+    batched = {v: leading(v) for v in interface if v in graph.batched}
+    unbatched = {v: _read(values, v) for v in interface if v not in graph.batched}
+    return losses, batched, unbatched, results, jax.tree.unflatten(graph.aux_tree, aux)
 
 
 def _run_segment(
@@ -4260,11 +4111,8 @@ def _run_segment(
     with `jobs` form their leaves' sums inside (returned: (ingredient, leaf index) -> the mean
     in the core's coordinates)."""
     produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
-    reads = list(
-        dict.fromkeys(
-            v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced
-        )
-    )
+    ins = (v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced)
+    reads = list(dict.fromkeys(ins))
     reads_b = [v for v in reads if v in graph.batched]
     reads_u = [v for v in reads if v not in graph.batched]
     outs = [v for v in produced if last_use.get(v, -1) > end]
@@ -4421,15 +4269,9 @@ def _chunk_loop(
             grads = {i: r.per_unit(env, example, params) for i, r in routes.items()}
             if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
                 grads = {i: _where_units(kept, g) for i, g in grads.items()}
-            norms = sum(
-                (
-                    jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype)
-                    for i, g in grads.items()
-                    if "norms" in chunked[i]
-                ),
-                jnp.zeros((graph.per_example,), dtype),
-            )
-            return grads, norms
+            normed = [g for i, g in grads.items() if "norms" in chunked[i]]
+            squares = (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in normed)
+            return grads, sum(squares, jnp.zeros((graph.per_example,), dtype))
 
         grads, norms = jax.vmap(one)(values, examples, unit_k)
         out: dict = {}
@@ -4467,11 +4309,6 @@ def _chunk_loop(
 # §10 The mean alone as plain backpropagation, and the entry point of impl="factorized".
 
 
-def _means_only(stats: Sequence[str]) -> bool:
-    """Whether every ingredient of `stats` is a mean of φ (what InScan forms inside a scan)."""
-    return set(_ingredients(stats)) <= set(_PHI)
-
-
 def _plain_mean(
     stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
 ) -> bool:
@@ -4507,12 +4344,7 @@ def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
                     "backward rule not proven linear in the cotangent: plain grad of the mean "
                     "loss may differ from the mean of per-example gradients"
                 )
-            for value in eqn.params.values():
-                for inner in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(inner, jcore.ClosedJaxpr):
-                        todo.append(inner.jaxpr)
-                    elif isinstance(inner, jcore.Jaxpr):
-                        todo.append(inner)
+            todo += _sub_jaxprs(eqn)
     return ""
 
 
@@ -4539,11 +4371,8 @@ def _gradient_of_mean_loss(
     if summed[0]:
         grads = jax.tree.map(lambda g: _over(g, n_units), grads)
     value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
-    return (
-        value.astype(stat_dtype(losses.dtype)),
-        _publish(("mean",), {"sum": grads}, None, n_units),
-        aux,
-    )
+    stats = _publish(("mean",), {"sum": grads}, None, n_units)
+    return value.astype(stat_dtype(losses.dtype)), stats, aux
 
 
 Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
@@ -4562,15 +4391,12 @@ def _graph(
     """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
     loss is not proven its value ("" where it is; `backward`: already found by the caller)."""
     granularity, choose, chunk_size, memory_budget = options
-    graph = Graph.build(loss, params, batch, per_example, _means_only(stats), memory_budget)
+    means_only = set(_ingredients(stats)) <= set(_PHI)  # what InScan forms inside a scan
+    graph = Graph.build(loss, params, batch, per_example, means_only, memory_budget)
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
-    return dataclasses.replace(
-        graph,
-        weighted=weighted,
-        chunk_size=chunk_size,
-        memory_budget=memory_budget,
-        user_backward=(backward or _user_backward(loss, params, batch)) if plain else None,
-    )
+    why = (backward or _user_backward(loss, params, batch)) if plain else None
+    bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
+    return dataclasses.replace(graph, weighted=weighted, user_backward=why, **bounds)
 
 
 def _factorized(
@@ -4598,3 +4424,31 @@ def _factorized(
     return _execute(
         graph, plan(graph, wanted, choose=choose), stats, clip_norm, params, batch, keep, drop
     )
+
+
+# ============================================================================================
+# §11 The package's other modules (not the definition, not the engine).
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    """`from pegrad import models, optimizers, train` (PEP 562): the package's modules when
+    installed, else the files beside this one loaded by path as `pegrad.<name>` (never a user's
+    own file of that name; train.py's `from . import` is this)."""
+    if name not in ("models", "optimizers", "train"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    full = f"{__name__}.{name}"
+    if "__path__" in globals():  # the wheel: a submodule of the package
+        return importlib.import_module(full)
+    if full not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, path)
+        if not os.path.isfile(path) or spec is None or spec.loader is None:
+            raise ImportError(f"{full} is the file {path}, missing: pegrad.py was copied alone")
+        sys.modules[full] = module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[full]
+            raise
+    globals()[name] = sys.modules[full]
+    return sys.modules[full]
