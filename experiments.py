@@ -2566,7 +2566,7 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         + (
             "flat: the small-B regime is observed"
             if r["small_b_regime_observed"]
-            else "rises: even the smallest B is past the critical batch"
+            else "rises: even the smallest B is not far below the critical batch"
         )
         for r in regime
     ]
