@@ -1293,6 +1293,18 @@ def write_traces(path: Path, runs: Runs) -> None:
                     writer.writerow([*head, kind, f"{float(step):g}", f"{float(value):.5g}"])
 
 
+def write_runs(out: Path, summary: dict[str, Any], runs: Runs) -> None:
+    """A study's runs: OUT/summary.csv (a row per run), traces.csv.gz, and summary.json (the
+    summary with the rows under "runs")."""
+    with open(out / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in runs.rows:
+            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
+    write_traces(out / "traces.csv.gz", runs)
+    (out / "summary.json").write_text(json.dumps({**summary, "runs": runs.rows}, indent=1))
+
+
 def instability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per variant, over every run (every lr, both phases)."""
     out = []
@@ -1371,13 +1383,7 @@ def write_study(
         "code": code_record(rows),
         **(extra or {}),
     }
-    with open(out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
-    write_traces(out / "traces.csv.gz", study.runs)
-    (out / "summary.json").write_text(json.dumps({**summary, "runs": rows}, indent=1))
+    write_runs(out, summary, study.runs)
     where = "leave-one-seed-out" if study.proto.name == "leave-one-seed-out" else "evaluation"
     lines = [
         f"# {title}\n",
@@ -2475,13 +2481,7 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
         "instability": instability(rows),
         "code": code_record(rows),
     }
-    with open(ctx.out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
-    write_traces(ctx.out / "traces.csv.gz", runs)
-    (ctx.out / "summary.json").write_text(json.dumps({**summary, "runs": rows}, indent=1))
+    write_runs(ctx.out, summary, runs)
     cfg0 = task_config(scale, scale.batch_task)
     lines = [
         f"# Batch-size scaling ({TASK_NAMES[scale.batch_task]}, {scale.batch_examples} examples "
@@ -2688,6 +2688,15 @@ def json_number(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else x
 
 
+def ratio_of_means(pairs: Sequence[tuple[float, float] | None]) -> float | None:
+    """B_simple from (tr Σ, |G|²) pairs, None ones left out: the mean numerator over the mean
+    denominator (each unbiased; their ratio is not, so average first), None without pairs or
+    where the mean |G|² is ≤ 0."""
+    got = [g for g in pairs if g is not None]
+    den = float(np.mean([g[1] for g in got])) if got else math.nan
+    return float(np.mean([g[0] for g in got])) / den if got and den > 0 else None
+
+
 def noise_scale_at(trace: sweep.Trace, step: int, half: int) -> tuple[float, float]:
     """B_simple's numerator tr Σ and denominator |G|² (train.diagnostics' trace_cov and
     grad_sq, each unbiased), each the plain mean over the steps step − half … step + half of
@@ -2835,11 +2844,10 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
         noise[b] = []
         for s, n_steps in zip(evaluate, steps[b], strict=True):
             t = runs.trace(labels[b], lr, s)
-            at = None if t is None or n_steps is None else n_steps
             noise[b].append(
                 None
-                if t is None or at is None
-                else noise_scale_at(t, at, half_window(cb.noise_window, b))
+                if t is None or n_steps is None
+                else noise_scale_at(t, n_steps, half_window(cb.noise_window, b))
             )
     # The fit on the evaluation seeds, its interval a bootstrap of them.
     point = crit_fit(steps, range(len(evaluate)))
@@ -2861,12 +2869,7 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
     }
     # B_simple per evaluation seed: the ratio of its numerator and denominator, each averaged
     # over every B's run of that seed (each at its target step); mean and t-interval over seeds.
-    per_seed_bs: dict[int, float | None] = {}
-    for j, s in enumerate(evaluate):
-        got = [noise[b][j] for b in noise if noise[b][j] is not None]
-        ok = [g for g in got if g is not None]
-        den = float(np.mean([g[1] for g in ok])) if ok else math.nan
-        per_seed_bs[s] = float(np.mean([g[0] for g in ok])) / den if ok and den > 0 else None
+    per_seed_bs = {s: ratio_of_means([noise[b][j] for b in noise]) for j, s in enumerate(evaluate)}
     vals = [v for v in per_seed_bs.values() if v is not None]
     n = len(vals)
     mean_bs = float(np.mean(vals)) if vals else None
@@ -2889,8 +2892,6 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
         rec = record[labels[b]]
         st = steps.get(b, [])
         ok = [x for x in st if x is not None]
-        nz = [g for g in noise.get(b, []) if g is not None]
-        den = float(np.mean([g[1] for g in nz])) if nz else math.nan
         per_b.append(
             {
                 "batch_size": b,
@@ -2907,7 +2908,7 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
                 "steps_sd": float(np.std(ok, ddof=1)) if len(ok) > 1 else None,
                 "examples": float(b * np.mean(ok)) if ok else None,
                 "missed": len(st) - len(ok),
-                "b_simple": float(np.mean([g[0] for g in nz])) / den if nz and den > 0 else None,
+                "b_simple": ratio_of_means(noise.get(b, [])),
                 "smoothing_steps": 2 * halves[b] + 1,
             }
         )
@@ -2948,13 +2949,7 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
         "instability": instability(rows),
         "code": code_record(rows),
     }
-    with open(ctx.out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
-    write_traces(ctx.out / "traces.csv.gz", runs)
-    (ctx.out / "summary.json").write_text(json.dumps({**summary, "runs": rows}, indent=1))
+    write_runs(ctx.out, summary, runs)
     lines = [
         f"# Critical batch ({TASK_NAMES[task]}, Adam, constant lr; selection seeds "
         f"{seeds_text(seeds)}, evaluation seeds {seeds_text(evaluate)})\n",
