@@ -89,7 +89,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 import models
 import pegrad
@@ -106,6 +106,7 @@ FAMILIES = (
     "gqa-rope",
     "flax-gpt",
     "flax-gpt-scan",
+    "named-axis",
     "cnn",
     "cnn-8x8",
     "cnn-scan",
@@ -605,6 +606,54 @@ def _stacked_blocks_in_a_loop(model: models.TransformerLM, example: tuple[Array,
     return models.lm_loss(eqx.tree_at(lambda m: m.blocks, model, blocks), example)
 
 
+def _named_axis_lm(
+    key: PRNGKeyArray, vocab: int, d: int, layers: int, heads: int
+) -> tuple[PyTree, Callable[[PyTree, Array], Float[Array, ""]]]:
+    """A GPT as a named-axis library (Haliax) lowers it: every product an einsum, the embedding a
+    contraction with one-hot tokens and tied to the head, RMS-norm scales a contraction with the
+    feature axis batched ("d,td->td"), the blocks' arrays stacked over layers in lax.scan."""
+    k = jax.random.split(key, 5)
+    hd = d // heads
+
+    def w(key: PRNGKeyArray, *shape: int) -> Array:
+        return jax.random.normal(key, (layers, *shape)) / math.sqrt(shape[0])
+
+    params = {
+        "embed": 0.02 * jax.random.normal(k[0], (vocab, d)),
+        "scales": jnp.ones((layers, 2, d)),
+        "final": jnp.ones((d,)),
+        "qkv": w(k[1], d, 3, heads, hd),
+        "out": w(k[2], heads, hd, d),
+        "up": w(k[3], d, 4 * d),
+        "down": w(k[4], 4 * d, d),
+    }
+
+    def norm(g: Array, x: Array) -> Array:
+        return jnp.einsum(
+            "d,td->td", g, x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        )
+
+    def block(x: Array, p: PyTree) -> tuple[Array, None]:
+        q, k_, v = jnp.einsum("td,dchk->cthk", norm(p["scales"][0], x), p["qkv"])  # [t, h, k] each
+        scores = jnp.einsum("thk,shk->hts", q, k_) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones(scores.shape[1:], bool))
+        mixed = jnp.einsum("hts,shk->thk", jax.nn.softmax(jnp.where(causal, scores, -1e9)), v)
+        x = x + jnp.einsum("thk,hkd->td", mixed, p["out"])
+        up = jax.nn.gelu(jnp.einsum("td,df->tf", norm(p["scales"][1], x), p["up"]))
+        return x + jnp.einsum("tf,fd->td", up, p["down"]), None
+
+    def loss(p: PyTree, example: Array) -> Float[Array, ""]:
+        one_hot = jax.nn.one_hot(example[:-1], vocab, dtype=p["embed"].dtype)
+        x = jnp.einsum("tv,vd->td", one_hot, p["embed"])
+        stack = {n: p[n] for n in ("scales", "qkv", "out", "up", "down")}
+        x, _ = jax.lax.scan(block, x, stack)
+        logits = jnp.einsum("td,vd->tv", norm(p["final"], x), p["embed"])
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), example[1:, None], -1)
+        return -jnp.mean(picked)
+
+    return params, loss
+
+
 def family_workloads(config: Config) -> list[Callable[[], Workload]]:
     """The "families" section: one workload per model family (built when measured)."""
     b, d, seq = config.family_batch, config.family_width, config.family_seq
@@ -740,6 +789,16 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
         label = f"flax.linen GPT {shape}, {where}, on x[None] ({n / 1e6:.2f}M)"
         return Workload("families", label, loss, params, tokens, tuple(programs), True)
 
+    def named_axis() -> Workload:
+        params, loss = _named_axis_lm(keys[5], 256, d, config.family_layers, 4)
+        tokens = jax.random.randint(keys[6], (b, seq + 1), 0, 256, jnp.int32)
+        n = sum(x.size for x in jax.tree.leaves(params))
+        programs = _programs(config.family_stat_sets, b, config, config.family_impls, token=False)
+        label = (
+            f"named-axis GPT {shape}, einsums, tied one-hot embedding, lax.scan ({n / 1e6:.2f}M)"
+        )
+        return Workload("families", label, loss, params, tokens, tuple(programs), True)
+
     shape = f"d{d} L{config.family_layers} T{seq}"
     builders = {
         "mlp": mlp,
@@ -755,6 +814,7 @@ def family_workloads(config: Config) -> list[Callable[[], Workload]]:
         "gqa-rope": lambda: lm(f"transformer {shape}, GQA + RoPE", position="rotary", n_kv_heads=1),
         "flax-gpt": lambda: flax_gpt(scan=False),
         "flax-gpt-scan": lambda: flax_gpt(scan=True),
+        "named-axis": named_axis,
         "cnn": lambda: cnn(d // 4, 16),
         "cnn-8x8": lambda: cnn(d // 2, 8),
         "cnn-scan": cnn_scan,

@@ -2546,12 +2546,13 @@ class Contraction(DotCore):
             return self.priced(rest) + self.factored_cost("gram")
         total = self.priced(methods)
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
-        # The sum, and the variance or norms beside another, come from the gradients formed once.
+        # The sum, and the variance or norms beside another, come from the gradients formed once:
         shared = (methods.get("sum") == "factorized") + sum(
             w in formed and len(formed) > 1 for w in ("var", "norms")
         )
-        if formed and shared:
-            total = total + Cost(-shared * self.factored_cost("sum").flops, 0.0)
+        if formed and shared:  # their dots, and their reads of the operands, counted once
+            one = self.factored_cost("sum")
+            total = total + Cost(-shared * one.flops, -shared * (one.bytes - 4.0 * self.leaf.size))
         return total
 
     def compute(self, env: Env, what: str) -> Array:
@@ -3301,8 +3302,7 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Eqn) -> list[Part] | Refusal:
 def _placed_part(
     graph: Graph, leaf: Leaf, part: Atom, starts: Sequence[int], stacked: int | None = None
 ) -> Part | Refusal:
-    """A part placed at `starts` (as one index of axis `stacked`), proven by a route of its
-    own."""
+    """A part placed at `starts` (as one index of axis `stacked`), proven by its own route."""
     size = _shape(part)
     if stacked is not None:
         size = (*size[:stacked], 1, *size[stacked:])
