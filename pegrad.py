@@ -339,6 +339,7 @@ class Accumulator(NamedTuple):
 
 
 _PHI: dict[str, Phi] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
+_REPLAY: dict[str, Phi] = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g)
 _INGREDIENTS = {
     "mean": ("sum",),
     "sq_mean": ("sq",),
@@ -1454,7 +1455,7 @@ class Graph:
         memory_budget: int | None = None,
     ) -> "Graph":
         """The graph; `hoist`: move every hoistable weight-gradient dot out of its scan (the
-        statistics are means of φ, formed back inside it by InScan), else only where that
+        statistics are means of φ or the variance, formed back inside it by InScan), else where
         holds fewer numbers (_hoist_pays); a convolution's where its emitted operands for the
         whole batch fit `memory_budget` (bytes; None: always)."""
         leaves, param_tree = jax.tree.flatten(params)
@@ -2044,8 +2045,7 @@ class _Factorized(Route):
 
 
 class _Simple(_Priced):
-    """A route costed by `priced`, one example's per-unit gradients formed at two operations
-    an entry."""
+    """A route costed by `priced`, forming one example's per-unit gradients at 2 flop an entry."""
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         return self.priced(methods)
@@ -2215,8 +2215,7 @@ class _Formed(CoreRoute):
         sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.sums(wanted)])
         if "norms" in sums:
             sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        phis = {**_PHI, "var": jnp.square}
-        out = {w: g if w == "norms" else self.replay(g, env, phis[w]) for w, g in sums.items()}
+        out = {w: g if w == "norms" else self.replay(g, env, _REPLAY[w]) for w, g in sums.items()}
         return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
 
 
@@ -2398,10 +2397,11 @@ class OuterProduct(DotCore, _Simple):
         return cls(graph, leaf, reason, core=core, post=post, units=((lc[k],), (rc[k],)))
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
-        return _PHI
+        return (*_PHI, "var")
 
     def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        return {w: self.core_sum(env, dtype, w) for w in wanted}
+        var = {"var": self.compute(env, "var")} if "var" in wanted else {}
+        return {w: self.core_sum(env, dtype, w) for w in wanted if w != "var"} | var
 
     def factored_cost(self, what: str) -> Cost:
         n, p = self.graph.n_units, self.leaf.size
@@ -2411,16 +2411,16 @@ class OuterProduct(DotCore, _Simple):
         matmuls = 2 if what == "var" else 1
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
-    def compute(self, env: Env, what: str) -> Array:
+    def compute(self, env: Env, what: str) -> Array:  # norms; the variance for core_sums
         dtype, n = self.dtype, self.graph.n_units
-        _, _, lb, rb = _dot_dims(self.core)
+        lc, rc, lb, rb = _dot_dims(self.core)
         a, b = _operands(self.core, env, dtype, tie=False)
         ua, ub = self.units
         A, B = _units_layout(a, lb, ua), _units_layout(b, rb, ub)  # [B, U, nb, f]
         if what == "norms":
             norms = jnp.sum(jnp.sum(A * A, -1) * jnp.sum(B * B, -1), -1)  # [B, U]
             return norms * _scale_sq(self.post, env, dtype)
-        A, B = _gauge(_merge01(A), _merge01(B))  # [N, nb, f]
+        A, B = _gauge(_merge01(A), _merge01(B))  # [N, nb, f], the variance in core coordinates
         abar, bbar = jnp.mean(A, 0), jnp.mean(B, 0)
         Ac, Bc = A - abar, B - bbar
 
@@ -2441,8 +2441,8 @@ class OuterProduct(DotCore, _Simple):
             - (a_ * (2.0 * math.sqrt(n * s))) * b_ * Kt
             - Kt * Kt
         )
-        var = jnp.abs(total)
-        return self.replay(var.reshape(_shape(self.core.outvars[0])), env, jnp.square)
+        dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
+        return jnp.abs(total).reshape(jax.eval_shape(dot, a[0], b[0]).shape)  # a scan's slice
 
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
@@ -3671,28 +3671,28 @@ ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, H
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class InScan:
-    """Where a leaf's means of φ are formed inside a scan: its core is a dot_general of two
-    values the scan stacks (stacked outputs or scanned inputs) that keeps the iterations
-    apart (a batch dim of both operands: stacked layers). Each mean is then a sum over
-    examples and units per slice of that axis, so the scan body forms slice t from iteration
-    t's operands of the whole batch, and no stacked operand outlives the loop (plain grad
-    contracts inside it too). A core that contracts the iterations (a weight every iteration
-    shares) has no such slices, but its sum is linear: Σ_t of iteration t's contributions,
-    accumulated in a carry as plain grad does."""
+    """Where a leaf's means of φ (and variance) are formed inside a scan: its core is a
+    dot_general of two values the scan stacks (stacked outputs or scanned inputs) that keeps
+    the iterations apart (a batch dim of both operands: stacked layers). Each mean, and the
+    variance, is then a reduction over examples and units per slice of that axis, so the scan
+    body forms slice t from iteration t's operands of the whole batch, and no stacked operand
+    outlives the loop (plain grad contracts inside it too). A core that contracts the
+    iterations (a weight every iteration shares) has no such slices, but its sum is linear:
+    Σ_t of iteration t's contributions, accumulated in a carry as plain grad does."""
 
     route: DotCore  # the leaf's
     scan: Eqn
     operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
     axis: int | None  # the core's output axis over iterations; None: summed over them
-    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign"
+    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign", "var"
 
 
 def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | None:
-    """The proof that `m`'s means of φ can be formed inside a scan (InScan), or None."""
+    """The proof that `m`'s means of φ and variance can be formed inside a scan, or None."""
     if not isinstance(m, DotCore):
         return None
-    if any(w not in _PHI or how != "factorized" for w, how in methods.items()):
-        return None  # norms, variance, clipping read the operands of every layer at once
+    if any(w not in _REPLAY or how != "factorized" for w, how in methods.items()):
+        return None  # norms and clipping read the operands of every layer at once
     a, b = m.core.invars[:2]
     scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
     scan = next((e for e in scans if e is not None and e.primitive.name == "scan"), None)
@@ -3961,7 +3961,7 @@ def _execute(
     env = {**batched, **unbatched}
     for i, job in in_scan.items():  # their means exist in core coordinates: apply the post
         for w in job.means:
-            results[w, i] = job.route.replay(results[w, i], env, _PHI[w])
+            results[w, i] = job.route.replay(results[w, i], env, _REPLAY[w])
 
     def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
         found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
@@ -4391,8 +4391,8 @@ def _graph(
     """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
     loss is not proven its value ("" where it is; `backward`: already found by the caller)."""
     granularity, choose, chunk_size, memory_budget = options
-    means_only = set(_ingredients(stats)) <= set(_PHI)  # what InScan forms inside a scan
-    graph = Graph.build(loss, params, batch, per_example, means_only, memory_budget)
+    inside = set(_ingredients(stats)) <= {*_PHI, *(() if weighted else ("var",))}  # InScan's
+    graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
     why = (backward or _user_backward(loss, params, batch)) if plain else None
     bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}

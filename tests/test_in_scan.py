@@ -1,5 +1,6 @@
-"""Means of φ formed inside the scan that stacks a weight's layers (DESIGN: InScan): the scan
-body sums φ(g) over the batch one layer per iteration, so no stacked operand outlives the loop.
+"""Means of φ and the variance formed inside the scan that stacks a weight's layers (DESIGN:
+InScan): the scan body reduces g over the batch one layer per iteration (Σ φ(g), or a layer's
+centred variance), so no stacked operand outlives the loop.
 Equal to the naive loop (float64, B 1/2/5, with a mask; granularity="token" refuses a scan over
 layers, SPEC §3); taken
 only where its proof holds — each precondition is broken once below and the leaf then computes
@@ -24,8 +25,15 @@ import pegrad
 
 F64 = jnp.float64
 L, T, D = 3, 4, 5
-# the sum alone, the sum formed with sq, sign alone
+# the sum alone, the sum formed with sq, sign alone; then the variance, alone and with the sum
 PHI_STATS = [("mean",), ("mean", "sq_mean"), ("sign_mean",)]
+INSIDE = [*PHI_STATS, ("var",), ("mean", "var")]
+# (statistics, batch size): the variance of one example is not defined
+CASES = [(s, n) for s in INSIDE for n in (1, 2, 5) if n > 1 or "var" not in s]
+
+
+def _case_id(case: tuple) -> str:
+    return f"{'+'.join(case[0])}-B{case[1]}"
 
 
 def _sequence_stack(key: jax.Array) -> tuple[Any, Any]:
@@ -75,10 +83,12 @@ def _in_scan(loss, params, batch, stats, **options) -> dict[str, bool]:
     return taken
 
 
-@pytest.mark.parametrize("n", [1, 2, 5], ids=lambda n: f"B{n}")
-@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_means_formed_inside_the_scan_equal_the_naive_loop(name: str, stats: tuple, n: int):
+def test_means_and_variance_formed_inside_the_scan_equal_the_naive_loop(name: str, case: tuple):
+    """Both routes: a layer's contraction (sequence) and its outer product (vector), whose
+    variance is the centred-factor identity applied to one layer's slice at a time."""
+    stats, n = case
     params, loss, batch = _case(name, n)
     assert _in_scan(loss, params, batch, stats)["['layers']"]
     _, unit_grads = naive_unit_grads(loss, params, batch)
@@ -97,14 +107,15 @@ def test_means_formed_inside_the_scan_equal_the_naive_loop(name: str, stats: tup
             assert_tree_close(got[s], want[s], f"{name}/{choose}/{s}")
 
 
+@pytest.mark.parametrize("stats", [("mean", "sq_mean"), ("mean", "var")], ids="+".join)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_a_masked_example_counts_in_no_mean_formed_inside_the_scan(name: str):
-    """The gathered operands of an example not kept are replaced by 0 (NaN there included)."""
+def test_a_masked_example_counts_in_no_statistic_of_a_scanned_layer(name: str, stats: tuple):
+    """The gathered operands of an example not kept are replaced by 0 (NaN there included) for
+    the means formed inside; the variance of kept examples merges chunks (Chan) after the scan."""
     params, loss, batch = _case(name, 5)
     keep = np.array([True, False, True, True, False])
     x, y = batch
     batch = (x.at[1].set(jnp.nan), y)
-    stats = ("mean", "sq_mean")
     kept = jax.tree.map(lambda v: v[keep], batch)
     _, unit_grads = naive_unit_grads(loss, params, kept)
     want = naive_stats(unit_grads, clip_norm=1.0)
@@ -115,22 +126,23 @@ def test_a_masked_example_counts_in_no_mean_formed_inside_the_scan(name: str):
 
 
 @pytest.mark.parametrize(
-    "stats", [("sq_norms",), ("var",), ("clipped_mean",), ("mean", "sq_norms")]
+    "stats", [("sq_norms",), ("clipped_mean",), ("mean", "sq_norms"), ("var", "sq_norms")]
 )
-def test_norms_variance_and_clipping_are_not_formed_inside_the_scan(stats: tuple):
-    """They read every layer's operands at once (norms sum over layers before clipping)."""
+def test_norms_and_clipping_are_not_formed_inside_the_scan(stats: tuple):
+    """They read every layer's operands at once (norms sum over layers before clipping); the
+    variance beside them is formed with the norms, after the scan."""
     params, loss, batch = _case("sequence", 3)
     clip = 1.0 if "clipped_mean" in stats else None
     assert not any(_in_scan(loss, params, batch, stats, clip_norm=clip).values())
 
 
-@pytest.mark.parametrize("n", [1, 2, 5], ids=lambda n: f"B{n}")
-@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
-def test_a_weight_every_iteration_shares_sums_only_its_mean_inside_the_scan(stats: tuple, n: int):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_a_weight_every_iteration_shares_sums_only_its_mean_inside_the_scan(case: tuple):
     """A recurrent cell's gradient sums over iterations (its dot contracts the iteration axis):
     Σ_t is linear, so the mean accumulates inside the scan, but φ of a sum over iterations is
-    not a sum over them: sq and sign are formed after it. A factor the same at every step
-    (`context`) is not stacked by the scan; the stacked layers of the same model are."""
+    not a sum over them: sq, sign and the variance are formed after it. A factor the same at
+    every step (`context`) is not stacked by the scan; the stacked layers of the same model are."""
+    stats, n = case
     params, loss, batch = _scan_case(2, 5)
     x, y = batch
     batch = (x[:n], y[:n])
@@ -166,7 +178,7 @@ def _scan_outputs(fn, *args) -> Counter:
     return Counter(tuple(v.aval.shape) for e in scans for v in e.outvars)
 
 
-@pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
+@pytest.mark.parametrize("stats", INSIDE, ids="+".join)
 def test_no_stacked_operand_leaves_the_backward_scan(stats: tuple):
     """Every activation-sized array the factorized program's scans output ([L, B, T, D]), plain
     grad's scans output too: the weight's operands are consumed inside the loop."""
@@ -183,18 +195,20 @@ def test_no_stacked_operand_leaves_the_backward_scan(stats: tuple):
     assert not ours - large(_scan_outputs(plain, params, batch)), ours
 
 
-@pytest.mark.parametrize("stats", [*PHI_STATS, ("mean", "sq_norms")], ids="+".join)
-def test_operands_larger_than_the_weight_are_hoisted_only_for_means_formed_inside(stats: tuple):
+@pytest.mark.parametrize("stats", [*INSIDE, ("mean", "sq_norms")], ids="+".join)
+def test_operands_larger_than_the_weight_are_hoisted_only_for_statistics_formed_inside(
+    stats: tuple,
+):
     """Six positions of width 3: a layer's stacked operands hold more numbers than its
-    per-example weight gradient. Means of φ consume them inside the scan, so the dot is
-    hoisted for them; norms would hold them after it, so there it stays in the scan (and the
-    leaf takes the fallback)."""
+    per-example weight gradient. Means of φ and the variance consume them inside the scan, so
+    the dot is hoisted for them; norms would hold them after it, so there it stays in the scan
+    (and the leaf takes the fallback)."""
     params, loss, batch = _scan_case(6, 3)
     taken = _in_scan(loss, params, batch, stats)
     route = {p.leaf: p.route for p in pegrad.explain(loss, params, batch, stats, choose="first")}
-    means_only = "sq_norms" not in stats
-    assert taken["['layers']"] == means_only
-    assert route["['layers']"] == ("contraction" if means_only else "fallback")
+    inside = "sq_norms" not in stats
+    assert taken["['layers']"] == inside
+    assert route["['layers']"] == ("contraction" if inside else "fallback")
     _, unit_grads = naive_unit_grads(loss, params, batch)
     want = naive_stats(unit_grads, clip_norm=1.0)
     _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
