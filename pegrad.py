@@ -339,7 +339,6 @@ class Accumulator(NamedTuple):
 
 
 _PHI: dict[str, Phi] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
-_REPLAY: dict[str, Phi] = {**_PHI, "var": jnp.square}  # var(m·g) = m²·var(g)
 _INGREDIENTS = {
     "mean": ("sum",),
     "sq_mean": ("sq",),
@@ -1369,6 +1368,7 @@ def _flops(eqn: Eqn) -> float:
 
 
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
+_REPLAY: dict[str, Phi] = {**_PHI, "var": jnp.square}  # replaying post: var(m·g) = m²·var(g)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -2007,10 +2007,9 @@ class _Priced(Route):
         """Operations to form one example's per-unit gradients."""
 
     def priced(self, methods: Mapping[str, str]) -> Cost:
-        """Factorized ingredients each at their own cost; chunked ones share one
-        materialization of every unit's gradient (written once, read per ingredient), and
-        the head's values they read are held until the chunk loop runs, after the head, and
-        read again there."""
+        """Factorized ingredients each at their own cost; chunked ones share one materialization
+        of every unit's gradient (written once, read per ingredient), and the head's values
+        they read are held until the chunk loop runs, after the head, and read again there."""
         graph = self.graph
         factored = [self.factored_cost(w) for w, how in methods.items() if how == "factorized"]
         total = sum(factored, Cost())
@@ -3794,8 +3793,9 @@ class LeafPlan:
         ]
         if lost:
             body += "; not taken: " + "; ".join(lost)
-        lines = textwrap.wrap(body, 100, initial_indent="    ", subsequent_indent="    ")
-        return "\n".join(textwrap.wrap(head, 100, subsequent_indent="    ") + lines)
+        wrap = functools.partial(textwrap.wrap, width=100, break_on_hyphens=False)  # names whole
+        lines = wrap(body, initial_indent="    ", subsequent_indent="    ")
+        return "\n".join(wrap(head, subsequent_indent="    ") + lines)
 
 
 class Plan(tuple):

@@ -905,7 +905,7 @@ def test_explain_says_for_each_leaf_why_every_earlier_route_of_its_kind_lost():
     its cost against the one taken. Before, a string filter and a skip of the first two
     entries dropped the wrong one when mean-loss's refusal came first (the custom_vjp loss
     below: its fallback leaf lost 'constant' instead), and a route proven but outcosted (a
-    contraction asked for the variance) was never named."""
+    contraction asked for the sign and the variance) was never named."""
 
     def loss(p, x):  # w: a dense weight at 4 positions; mean-loss refused by the custom_vjp
         h = _clip_cotangent(jnp.tanh(x @ p["w"]))
@@ -913,9 +913,15 @@ def test_explain_says_for_each_leaf_why_every_earlier_route_of_its_kind_lost():
 
     params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "v": jnp.linspace(0.5, 2.0, 2)}
     batch = jax.random.normal(jax.random.key(0), (5, 4, 3), jnp.float64)
-    for stats, choose in [("mean", "cheapest"), (("mean", "sq_mean", "var"), "cheapest"),
-                          (("mean", "sq_mean"), "first")]:  # fmt: skip
+    outranked = 0  # a proven, outcosted route is among the cases (sign beside the variance)
+    every = ("mean", "sq_mean", "sign_mean", "var")
+    for stats, choose in [
+        ("mean", "cheapest"),
+        (every, "cheapest"),
+        (("mean", "sq_mean"), "first"),
+    ]:
         for p in pegrad.explain(loss, params, batch, stats, choose=choose):
+            outranked += len(p.outranked)
             text = " ".join(str(p).split())
             assert "last operation is not" not in text, text
             taken = [r.name for r in pegrad.ROUTES].index(p.route)
@@ -927,6 +933,7 @@ def test_explain_says_for_each_leaf_why_every_earlier_route_of_its_kind_lost():
                 assert f"{route}: proven, but ~{cost.flops:.2g} flop" in text, text
             if stats == "mean":
                 assert "mean-loss: the loss calls a custom_vjp" in text, text
+    assert outranked
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
