@@ -2458,15 +2458,14 @@ class OuterProduct(DotCore, _Simple):
 class Contraction(DotCore):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
-    Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB.
-    Non-linear φ (sq, sign), the variance and norms have no such identity: per-example
-    gradients are formed a bounded chunk at a time right where the head has the operands, so
-    that they die where plain grad's do; the variance from each chunk's centred (mean, M2),
-    merged by Chan's update (SPEC §3: never q − ḡ²); the sum comes with them. Norms alone
-    (beside clipping, whose weights wait for every norm) take the Gram identity
-    ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ where the Grams are smaller (2K² < free(a)·free(b)), with
-    rounding error ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel (SPEC
-    §3). Norms after a non-scalar scaling: in the chunk loop."""
+    Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Non-linear φ (sq, sign), the variance
+    and norms have no such identity: per-example gradients are formed a bounded chunk at a time
+    right where the head has the operands, so that they die where plain grad's do; the variance
+    from each chunk's centred (mean, M2), merged by Chan's update (SPEC §3: never q − ḡ²); the sum
+    comes with them. Norms alone (beside clipping, whose weights wait for every norm) take the
+    Gram identity ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ where the Grams are smaller (2K² < free(a)·free(b)),
+    with rounding error ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel (SPEC
+    §3); after a non-scalar scaling, in the chunk loop."""
 
     name = "contraction"
     FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var", "norms")  # formed in the head
@@ -2520,8 +2519,10 @@ class Contraction(DotCore):
         return 2.0 * self.leaf.size * self._sizes()[0]
 
     def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        """sq, sign and var from per-example gradients formed a bounded chunk at a time
-        (`_formed_sums`), which give the sum too."""
+        """sq, sign, var and norms from per-example gradients formed a bounded chunk at a time
+        (`_formed_sums`), which give the sum too; norms alone by the Gram identity."""
+        if "norms" in wanted and self.gram(wanted):
+            return {"norms": self.compute(env, "norms")}
         if not any(w in self.FORMED for w in wanted):
             return {w: self.core_sum(env, dtype, w) for w in wanted}
         lc, rc, lb, rb = _dot_dims(self.core)
@@ -2532,8 +2533,8 @@ class Contraction(DotCore):
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
-    def sums(self, wanted: Sequence[str]) -> Container[str]:  # norms alone: by the Gram identity
-        return (*_PHI, "var") if self.gram(wanted) else (*_PHI, "var", "norms")
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        return (*_PHI, "var", "norms")
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
@@ -2555,15 +2556,14 @@ class Contraction(DotCore):
         return total
 
     def compute(self, env: Env, what: str) -> Array:
-        assert what == "norms"  # the means of φ: core_sums
+        assert what == "norms"  # for core_sums: by the Gram identity, [B] before `post`
         lc, rc, lb, rb = _dot_dims(self.core)
         a, b = _operands(self.core, env, self.dtype, tie=False)
         ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
         gb = _units_layout(b, rb, rc)
         gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
         gram_b = jnp.einsum("bsnf,btnf->bnst", gb, gb)
-        norms = jnp.sum(gram_a * gram_b, axis=(1, 2, 3))[:, None]
-        return norms * _scale_sq(self.post, env, self.dtype)
+        return jnp.sum(gram_a * gram_b, axis=(1, 2, 3))
 
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
@@ -2939,15 +2939,14 @@ class _Rows(CoreRoute, _Each, _Simple):
 
 
 class RowScatter(_Rows):
-    """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the
-    core is scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of
-    `idx` but its last, in any layout: `x[None]` adds a unit axis). Example granularity: the
-    indices are static and the windows — start and size, after the mode's clamping — are
-    pairwise disjoint (position embeddings), so each entry of g_i is one update entry or 0 and
-    Σ_i φ(g_i) = scatter(Σ_i φ(upd_i)), ‖g_i‖² = ‖upd_i‖². Token granularity: one row axis is
-    the traced position axis (the others of size 1), one row per unit, the same identities
-    per unit. Out-of-bounds rows are dropped by the scatter's mode (and left out of the
-    norms) as they are in g."""
+    """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the core is
+    scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of `idx` but its
+    last, in any layout: `x[None]` adds a unit axis). Example granularity: the indices are static
+    and the windows — start and size, after the mode's clamping — are pairwise disjoint (position
+    embeddings), so each entry of g_i is one update entry or 0, Σ_i φ(g_i) = scatter(Σ_i φ(upd_i))
+    and ‖g_i‖² = ‖upd_i‖². Token granularity: one row axis is the traced position axis (the others
+    of size 1), one row per unit, the same identities per unit. Out-of-bounds rows are dropped by
+    the scatter's mode (and left out of the norms) as they are in g."""
 
     name = "row-scatter"
     segments = False
@@ -2980,13 +2979,12 @@ class RowScatter(_Rows):
 
 
 class SegmentRows(_Rows):
-    """Example granularity, rows that depend on the example (a token table's lookup): rows with
-    the same index add up before φ, so each example's rows are first summed per index — a
-    stable sort of the row keys and a segment sum, O(R log R + R·window) per example, never
-    the [B, table] gradient. Then each entry of g_i is one segment's sum or 0, and the row
-    identities hold with segments for rows. Proven: every indexed dimension has window size
-    1 or is read whole, so two rows' windows (after the mode's clamping) are identical or
-    disjoint."""
+    """Example granularity, rows that depend on the example (a token table's lookup): rows with the
+    same index add up before φ, so each example's rows are first summed per index — a stable sort of
+    the row keys and a segment sum, O(R log R + R·window) per example, never the [B, table]
+    gradient. Then each entry of g_i is one segment's sum or 0, and the row identities hold with
+    segments for rows. Proven: every indexed dimension has window size 1 or is read whole, so two
+    rows' windows (after the mode's clamping) are identical or disjoint."""
 
     name = "segment-rows"
     segments = True
@@ -3443,13 +3441,12 @@ _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class HeadValue(_Each, _Factorized):
-    """Example granularity: the gradient needs no op of its own after the backward pass (a
-    bias, a norm layer's scale used once per example), or only layout and batch-independent
-    scalings (a bias added to x[None]: a sum over an axis of size 1): g_i is a value v_i
-    (`grad`) the batched head computes anyway — plain grad holds it too, as the cotangent it
-    sums — or post(v_i). Every statistic reads it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the
-    variance in two passes; nothing is formed again, and the value dies where plain grad's
-    does."""
+    """Example granularity: the gradient needs no op of its own after the backward pass (a bias, a
+    norm layer's scale used once per example), or only layout and batch-independent scalings (a bias
+    added to x[None]: a sum over an axis of size 1): g_i is a value v_i (`grad`) the batched head
+    computes anyway — plain grad holds it too, as the cotangent it sums — or post(v_i). Every
+    statistic reads it right there: (1/B) Σ_i φ(g_i), ‖g_i‖², the variance in two passes; nothing is
+    formed again, and the value dies where plain grad's does."""
 
     name = "head-value"
     grad: Var
@@ -3670,10 +3667,10 @@ ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, H
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class InScan:
-    """Where a leaf's means of φ (and variance) are formed inside a scan: its core is a
+    """Where a leaf's means of φ (variance, norms) are formed inside a scan: its core is a
     dot_general of two values the scan stacks (stacked outputs or scanned inputs) that keeps
-    the iterations apart (a batch dim of both operands: stacked layers). Each mean, and the
-    variance, is then a reduction over examples and units per slice of that axis, so the scan
+    the iterations apart (a batch dim of both operands: stacked layers). Each mean, the variance
+    and each ‖g_i‖²'s part is then a reduction per slice of that axis (norms: summed), so the scan
     body forms slice t from iteration t's operands of the whole batch, and no stacked operand
     outlives the loop (plain grad contracts inside it too). A core that contracts the
     iterations (a weight every iteration shares) has no such slices, but its sum is linear:
@@ -3683,15 +3680,16 @@ class InScan:
     scan: Eqn
     operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
     axis: int | None  # the core's output axis over iterations; None: summed over them
-    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign", "var"
+    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign", "var", "norms"
 
 
 def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | None:
-    """The proof that `m`'s means of φ and variance can be formed inside a scan, or None."""
+    """The proof that `m`'s means of φ, variance and norms can be formed inside a scan, or None."""
     if not isinstance(m, DotCore):
         return None
-    if any(w not in _REPLAY or how != "factorized" for w, how in methods.items()):
-        return None  # norms and clipping read the operands of every layer at once
+    inside = () if graph.weighted and "norms" in methods else m.sums(tuple(methods))
+    if any(w not in inside or how != "factorized" for w, how in methods.items()):
+        return None  # clipping waits for every norm; nonfinite="drop" knows its examples by them
     a, b = m.core.invars[:2]
     scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
     scan = next((e for e in scans if e is not None and e.primitive.name == "scan"), None)
@@ -3839,10 +3837,9 @@ class Plan(tuple):
 def plan(
     graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
 ) -> tuple[LeafPlan, ...]:
-    """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or
-    with choose="first" the first that matches in precedence order; the mean alone, where
-    `_plain_mean` takes it and the loss has no backward rule of the user's, is every leaf's
-    "mean-loss"."""
+    """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or with
+    choose="first" the first that matches in precedence order; the mean alone, where `_plain_mean`
+    takes it and the loss has no backward rule of the user's, is every leaf's "mean-loss"."""
     need = _ingredients(stats)
     granularity = "token" if graph.token else "example"
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
@@ -3959,9 +3956,11 @@ def _execute(
         graph, reads, params, batch, on_ready, in_scan, keep
     )
     env = {**batched, **unbatched}
-    for i, job in in_scan.items():  # their means exist in core coordinates: apply the post
+    for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
         for w in job.means:
-            results[w, i] = job.route.replay(results[w, i], env, _REPLAY[w])
+            r, found = job.route, results[w, i]
+            post = found[:, None] * _scale_sq(r.post, env, r.dtype) if w == "norms" else None
+            results[w, i] = r.replay(found, env, _REPLAY[w]) if post is None else post
 
     def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
         found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
@@ -4208,13 +4207,14 @@ def _scan_with_sums(
             if job.axis is None:  # the one iteration it contracts: its contribution
                 totals = {**totals, i: totals[i] + found["sum"]}
             else:
-                sums.update({(w, i, job.axis): jnp.squeeze(found[w], job.axis) for w in job.means})
+                for w in job.means:  # norms [B] per iteration, the rest one slice of the core
+                    sums[w, i, job.axis] = found[w] if w == "norms" else found[w].squeeze(job.axis)
         return (outs[:ncar], totals), (outs[ncar:n_out], sums)
 
     (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
     found = {("sum", i): total for i, total in totals.items()}
-    for (w, i, axis), per_iteration in sums.items():
-        found[w, i] = jnp.moveaxis(per_iteration, 0, axis)
+    for (w, i, axis), per_iteration in sums.items():  # norms: summed over the iterations
+        found[w, i] = per_iteration.sum(0) if w == "norms" else jnp.moveaxis(per_iteration, 0, axis)
     ys = dict(zip(stacked, ys_read, strict=True))
     return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 
@@ -4391,7 +4391,7 @@ def _graph(
     """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
     loss is not proven its value ("" where it is; `backward`: already found by the caller)."""
     granularity, choose, chunk_size, memory_budget = options
-    inside = set(_ingredients(stats)) <= {*_PHI, *(() if weighted else ("var",))}  # InScan's
+    inside = set(_ingredients(stats)) <= {*_PHI, *(() if weighted else ("var", "norms"))}
     graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
     plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
     why = (backward or _user_backward(loss, params, batch)) if plain else None

@@ -1,6 +1,6 @@
-"""Means of φ and the variance formed inside the scan that stacks a weight's layers (DESIGN:
-InScan): the scan body reduces g over the batch one layer per iteration (Σ φ(g), or a layer's
-centred variance), so no stacked operand outlives the loop.
+"""Means of φ, the variance and norms formed inside the scan that stacks a weight's layers
+(DESIGN: InScan): the scan body reduces g over the batch one layer per iteration (Σ φ(g), a
+layer's centred variance, its part of each ‖g_i‖²), so no stacked operand outlives the loop.
 Equal to the naive loop (float64, B 1/2/5, with a mask; granularity="token" refuses a scan over
 layers, SPEC §3); taken
 only where its proof holds — each precondition is broken once below and the leaf then computes
@@ -30,6 +30,8 @@ PHI_STATS = [("mean",), ("mean", "sq_mean"), ("sign_mean",)]
 INSIDE = [*PHI_STATS, ("var",), ("mean", "var")]
 # (statistics, batch size): the variance of one example is not defined
 CASES = [(s, n) for s in INSIDE for n in (1, 2, 5) if n > 1 or "var" not in s]
+# norms: alone (the Gram identity), beside the mean and the variance (per-example gradients)
+NORMS = [("sq_norms",), ("mean", "sq_norms"), ("mean", "var", "sq_norms")]
 
 
 def _case_id(case: tuple) -> str:
@@ -107,11 +109,31 @@ def test_means_and_variance_formed_inside_the_scan_equal_the_naive_loop(name: st
             assert_tree_close(got[s], want[s], f"{name}/{choose}/{s}")
 
 
-@pytest.mark.parametrize("stats", [("mean", "sq_mean"), ("mean", "var")], ids="+".join)
+@pytest.mark.parametrize("n", [2, 5], ids=lambda n: f"B{n}")
+@pytest.mark.parametrize("stats", NORMS, ids="+".join)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_norms_formed_inside_the_scan_equal_the_naive_loop(name: str, stats: tuple, n: int):
+    """A layer's contraction adds its part of each ‖g_i‖² per iteration (formed, or by the
+    Gram identity when the norms come alone); an outer product's norms are no sum of its core
+    (‖a‖²‖b‖² per unit): they are formed after the scan, as before."""
+    params, loss, batch = _case(name, n)
+    assert _in_scan(loss, params, batch, stats)["['layers']"] == (name == "sequence")
+    _, unit_grads = naive_unit_grads(loss, params, batch)
+    want = naive_stats(unit_grads, clip_norm=1.0)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
+    for s in stats:
+        assert_tree_close(got[s], want[s], f"{name}/{s}")
+
+
+_STATS_MASKED = [("mean", "sq_mean"), ("mean", "var"), ("mean", "sq_norms")]
+
+
+@pytest.mark.parametrize("stats", _STATS_MASKED, ids="+".join)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_masked_example_counts_in_no_statistic_of_a_scanned_layer(name: str, stats: tuple):
     """The gathered operands of an example not kept are replaced by 0 (NaN there included) for
-    the means formed inside; the variance of kept examples merges chunks (Chan) after the scan."""
+    the means formed inside; the variance of kept examples merges chunks (Chan) after the scan,
+    and the norms are formed there too (a masked example's norm is 0)."""
     params, loss, batch = _case(name, 5)
     keep = np.array([True, False, True, True, False])
     x, y = batch
@@ -122,15 +144,42 @@ def test_a_masked_example_counts_in_no_statistic_of_a_scanned_layer(name: str, s
     fn = pegrad.value_and_grad_stats(loss, stats)
     _, got = jax.jit(fn)(params, batch, mask=jnp.asarray(keep))
     for s in stats:
+        if s == "sq_norms":  # per example: the kept ones', 0 elsewhere
+            want[s] = _scatter(want[s], keep)
         assert_tree_close(got[s], want[s], f"{name}/masked/{s}")
 
 
+def _scatter(values: Any, keep: np.ndarray) -> np.ndarray:
+    out = np.zeros(keep.shape)
+    out[keep] = np.asarray(values)
+    return out
+
+
+@pytest.mark.parametrize("stats", _STATS_MASKED, ids="+".join)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_dropped_example_counts_in_no_statistic_of_a_scanned_layer(name: str, stats: tuple):
+    """nonfinite="drop" knows which examples count only once every norm is: the norms of a
+    scanned layer are then not formed inside the scan (its means would be summed before the
+    NaN example is known), and the statistics are those of the finite examples."""
+    params, loss, batch = _case(name, 5)
+    x, y = batch
+    batch = (x.at[1].set(jnp.nan), y)
+    finite = np.array([True, False, True, True, True])
+    _, unit_grads = naive_unit_grads(loss, params, jax.tree.map(lambda v: v[finite], batch))
+    want = naive_stats(unit_grads, clip_norm=1.0)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats, nonfinite="drop"))(params, batch)
+    for s in stats:
+        if s == "sq_norms":
+            want[s] = _scatter(want[s], finite)
+        assert_tree_close(got[s], want[s], f"{name}/dropped/{s}")
+
+
 @pytest.mark.parametrize(
-    "stats", [("sq_norms",), ("clipped_mean",), ("mean", "sq_norms"), ("var", "sq_norms")]
+    "stats", [("clipped_mean",), ("clipped_mean", "sq_norms"), ("mean", "var", "clipped_mean")]
 )
-def test_norms_and_clipping_are_not_formed_inside_the_scan(stats: tuple):
-    """They read every layer's operands at once (norms sum over layers before clipping); the
-    variance beside them is formed with the norms, after the scan."""
+def test_clipping_is_not_formed_inside_the_scan(stats: tuple):
+    """Its weights wait for every layer's norms, so it reads every layer's operands after the
+    scan; whatever the leaf computes beside it is formed there too."""
     params, loss, batch = _case("sequence", 3)
     clip = 1.0 if "clipped_mean" in stats else None
     assert not any(_in_scan(loss, params, batch, stats, clip_norm=clip).values())
@@ -195,23 +244,26 @@ def test_no_stacked_operand_leaves_the_backward_scan(stats: tuple):
     assert not ours - large(_scan_outputs(plain, params, batch)), ours
 
 
-@pytest.mark.parametrize("stats", [*INSIDE, ("mean", "sq_norms")], ids="+".join)
+@pytest.mark.parametrize("stats", [*INSIDE, *NORMS, ("clipped_mean",)], ids="+".join)
 def test_operands_larger_than_the_weight_are_hoisted_only_for_statistics_formed_inside(
     stats: tuple,
 ):
     """Six positions of width 3: a layer's stacked operands hold more numbers than its
-    per-example weight gradient. Means of φ and the variance consume them inside the scan, so
-    the dot is hoisted for them; norms would hold them after it, so there it stays in the scan
-    (and the leaf takes the fallback)."""
+    per-example weight gradient. Means of φ, the variance and norms consume them inside the
+    scan, so the dot is hoisted for them; clipping would hold them after it, so there it stays
+    in the scan (and the leaf takes the fallback)."""
     params, loss, batch = _scan_case(6, 3)
-    taken = _in_scan(loss, params, batch, stats)
-    route = {p.leaf: p.route for p in pegrad.explain(loss, params, batch, stats, choose="first")}
-    inside = "sq_norms" not in stats
+    inside = "clipped_mean" not in stats
+    clip = {} if inside else {"clip_norm": 1.0}
+    taken = _in_scan(loss, params, batch, stats, **clip)
+    plans = pegrad.explain(loss, params, batch, stats, choose="first", **clip)
     assert taken["['layers']"] == inside
-    assert route["['layers']"] == ("contraction" if inside else "fallback")
+    assert {p.leaf: p.route for p in plans}["['layers']"] == (
+        "contraction" if inside else "fallback"
+    )
     _, unit_grads = naive_unit_grads(loss, params, batch)
     want = naive_stats(unit_grads, clip_norm=1.0)
-    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats, **clip))(params, batch)
     for s in stats:
         assert_tree_close(got[s], want[s], f"long/{s}")
 
