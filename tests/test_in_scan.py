@@ -254,16 +254,16 @@ def test_operands_larger_than_the_weight_are_hoisted_only_for_statistics_formed_
     in the scan (and the leaf takes the fallback)."""
     params, loss, batch = _scan_case(6, 3)
     inside = "clipped_mean" not in stats
-    clip = {} if inside else {"clip_norm": 1.0}
-    taken = _in_scan(loss, params, batch, stats, **clip)
-    plans = pegrad.explain(loss, params, batch, stats, choose="first", **clip)
+    clip = None if inside else 1.0
+    taken = _in_scan(loss, params, batch, stats, clip_norm=clip)
+    plans = pegrad.explain(loss, params, batch, stats, choose="first", clip_norm=clip)
     assert taken["['layers']"] == inside
     assert {p.leaf: p.route for p in plans}["['layers']"] == (
         "contraction" if inside else "fallback"
     )
     _, unit_grads = naive_unit_grads(loss, params, batch)
     want = naive_stats(unit_grads, clip_norm=1.0)
-    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats, **clip))(params, batch)
+    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats, clip_norm=clip))(params, batch)
     for s in stats:
         assert_tree_close(got[s], want[s], f"long/{s}")
 
