@@ -1455,9 +1455,9 @@ class Graph:
         memory_budget: int | None = None,
     ) -> "Graph":
         """The graph; `hoist`: move every hoistable weight-gradient dot out of its scan (the
-        statistics are means of φ or the variance, formed back inside it by InScan), else where
-        holds fewer numbers (_hoist_pays); a convolution's where its emitted operands for the
-        whole batch fit `memory_budget` (bytes; None: always)."""
+        statistics are what InScan forms back inside it: means of φ, variance, norms), else only
+        where that holds fewer numbers (_hoist_pays); a convolution's where its emitted operands
+        for the whole batch fit `memory_budget` (bytes; None: always)."""
         leaves, param_tree = jax.tree.flatten(params)
         paths = _paths(params)
         aux_tree = []
