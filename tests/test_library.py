@@ -68,8 +68,8 @@ def test_a_named_axis_norm_scale_takes_the_contraction_route():
     for stats in [("mean", "sq_mean"), ("mean", "var"), ("mean", "sq_norms")]:
         routes = _routes(loss, params, batch, stats)
         assert routes["['final']"] == "contraction", (stats, routes)
-        assert routes["['gains']"] == "head-value", (stats, routes)
-        assert routes["['qk']"] == "contraction", (stats, routes)
+        assert routes["['scales']"] == "head-value", (stats, routes)
+        assert routes["['qkv']"] == "contraction", (stats, routes)
 
 
 def _unit_axis(width: int):

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import bench
+
 T, D = 4, 6  # positions, width
 F64 = jnp.float64
 
@@ -392,45 +394,11 @@ def relative_position_attention(key: jax.Array) -> tuple[Any, Callable]:
     return params, loss
 
 
-def _scaled_norm(g: jax.Array, x: jax.Array) -> jax.Array:
-    """RMS norm with its scale as a named-axis library writes it: a contraction over nothing
-    with the feature axis batched (einsum "d,td->td"), not a broadcast multiply."""
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
-    return jnp.einsum("d,td->td", g, x)
-
-
 def named_axis_lm(key: jax.Array) -> tuple[Any, Callable]:
-    """A tied-embedding LM written the way a named-axis library (Haliax) lowers it: every product
-    an einsum, the embedding a contraction with one-hot tokens, norm scales a feature-batched
-    contraction, blocks stacked over layers in lax.scan, the head the embedding transposed."""
-    V, L = 4, 2
-    k = jax.random.split(key, 5)
-    params = {
-        "embed": 0.5 * _normal(k[0], V, D),
-        "gains": 1.0 + 0.1 * _normal(k[1], L, 2, D),
-        "final": 1.0 + 0.1 * _normal(k[2], D),
-        "qk": _normal(k[3], L, D, D) / 3,
-        "mlp": _normal(k[4], L, 2, D, D) / 3,
-    }
-
-    def block(h: jax.Array, w: tuple) -> tuple[jax.Array, None]:
-        gains, qk, (w1, w2) = w
-        x = _scaled_norm(gains[0], h)
-        scores = jnp.einsum("td,de,se->ts", x, qk, x)
-        causal = jnp.tril(jnp.ones((T, T), bool))
-        h = h + jnp.einsum("ts,sd->td", jax.nn.softmax(jnp.where(causal, scores, -1e9)), x)
-        x = _scaled_norm(gains[1], h)
-        return h + jnp.einsum("te,ed->td", jnp.tanh(jnp.einsum("td,de->te", x, w1)), w2), None
-
-    def loss(p: Any, tokens: jax.Array) -> jax.Array:
-        one_hot = jax.nn.one_hot(tokens[:-1], V, dtype=F64)
-        h = jnp.einsum("tv,vd->td", one_hot, p["embed"])
-        h, _ = jax.lax.scan(block, h, (p["gains"], p["qk"], (p["mlp"][:, 0], p["mlp"][:, 1])))
-        return _next_token_loss(
-            jnp.einsum("td,vd->tv", _scaled_norm(p["final"], h), p["embed"]), tokens
-        )
-
-    return params, loss
+    """bench.py's named-axis GPT (`_named_axis_lm`: every product an einsum, a one-hot embedding
+    tied to the head, RMS-norm scales as "d,td->td", blocks stacked in lax.scan) at the zoo's
+    width, in float64: the model the bench measures is the one proven exact here."""
+    return bench._named_axis_lm(key, 4, D, 2, 2)
 
 
 MODELS = [
