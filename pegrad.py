@@ -2111,14 +2111,14 @@ class CoreRoute(_Priced):
 def _operands(core: Eqn, env: Env, dtype: DTypeLike, tie: bool) -> tuple[Array, Array]:
     """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
     first. x exists from the forward pass, δ only in the backward pass: left alone, XLA fuses
-    φ(x) into the forward pass and holds it until the backward pass needs it (an extra
-    activation per layer); adding zero times one entry of δ gives φ(x) a data dependency on δ,
-    so that φ(x) and φ(δ) live only around their matmul. (XLA:CPU drops optimization barriers
-    before it schedules.) Norms and clipping keep every layer's factors until all norms are
-    known, so there the tie would only add copies."""
+    φ(x) (or the Gram's copy of x) into the forward pass and holds it until the backward pass
+    needs it (an extra activation per layer); adding zero times one entry of each example's δ
+    makes it wait for δ, so that both live only around their product (a NaN in one example
+    reaches no other). (XLA:CPU drops optimization barriers before it schedules.) Clipping
+    keeps every layer's factors until all norms are known: there the tie would add copies."""
     a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
     if tie and a.size:
-        b = b + a.reshape(-1)[0] * 0.0
+        b = b + a.reshape(len(a), -1)[:, 0].reshape(-1, *[1] * (b.ndim - 1)) * 0.0
     return a, b
 
 
@@ -2212,10 +2212,14 @@ class _Formed(CoreRoute):
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.sums(wanted)])
-        if "norms" in sums:
-            sums["norms"] = sums["norms"][:, None] * _scale_sq(self.post, env, self.dtype)
-        out = {w: g if w == "norms" else self.replay(g, env, _REPLAY[w]) for w, g in sums.items()}
+        out = self.posted(sums, env)
         return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+
+    def posted(self, core: Mapping[str, Array], env: Env) -> dict[str, Array]:
+        """`post` replayed on sums in the core's coordinates (here or after a scan: InScan)."""
+        sq = lambda w, g: g[:, None] * _scale_sq(self.post, env, self.dtype)  # noqa: E731
+        replay = lambda w, g: self.replay(g, env, _REPLAY[w])  # noqa: E731
+        return {w: (sq if w == "norms" else replay)(w, g) for w, g in core.items()}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -2366,8 +2370,7 @@ class OuterProduct(DotCore, _Simple):
     The factors are unique up to a scalar per unit (a_u s_u ⊗ b_u / s_u): before centring,
     each b_u is scaled to unit norm, its sign aligned with the largest b_u's (`_gauge`), so
     that nearly equal gradients have nearly equal factors and the centred factors are small
-    where the variance is (W x and c·x giving one gradient would else cancel O(1) terms).
-    """
+    where the variance is (W x and c·x giving one gradient would else cancel O(1) terms)."""
 
     name = "outer-product"
 
@@ -2558,7 +2561,7 @@ class Contraction(DotCore):
     def compute(self, env: Env, what: str) -> Array:
         assert what == "norms"  # for core_sums: by the Gram identity, [B] before `post`
         lc, rc, lb, rb = _dot_dims(self.core)
-        a, b = _operands(self.core, env, self.dtype, tie=False)
+        a, b = _operands(self.core, env, self.dtype, tie=True)
         ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
         gb = _units_layout(b, rb, rc)
         gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
@@ -3724,12 +3727,11 @@ class LeafPlan:
 
     `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
     route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
-    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized" (no
-    per-unit gradient exists), "chunked" (the route materializes some), or "fallback" (no route
-    proved its identities and per-unit gradients are materialized; exact, slowest). `formed`:
-    where per-unit gradients of this leaf exist, how many examples' at once and their bytes —
-    ("chunk loop", c, bytes), or ("head", c, bytes) for a contraction's per-example φ.
-    """
+    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized",
+    "chunked" (the route materializes some), or "fallback" (no route proved its identities and
+    per-unit gradients are materialized; exact, slowest). `formed`: where per-unit gradients of
+    this leaf exist, how many examples' at once and their bytes — ("chunk loop", c, bytes), or
+    ("head", c, bytes) for a contraction's per-example φ."""
 
     leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
     shape: tuple[int, ...]
@@ -3957,10 +3959,8 @@ def _execute(
     )
     env = {**batched, **unbatched}
     for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
-        for w in job.means:
-            r, found = job.route, results[w, i]
-            post = found[:, None] * _scale_sq(r.post, env, r.dtype) if w == "norms" else None
-            results[w, i] = r.replay(found, env, _REPLAY[w]) if post is None else post
+        posted = job.route.posted({w: results[w, i] for w in job.means}, env)
+        results.update({(w, i): g for w, g in posted.items()})
 
     def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
         found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
