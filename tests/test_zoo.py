@@ -3,6 +3,8 @@
 at granularity="token" the rewrite equals the untied reference (tests/test_pegrad.py proves the
 untied reference against per-position copies written by hand)."""
 
+from typing import cast
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,7 @@ def test_a_nan_example_reaches_no_other_examples_norm(name: str, impl: str, stat
     _, grads = naive_unit_grads(loss, params, (x, y))
     want = naive_stats(grads, 1.0)["sq_norms"]
     spoiled = (x.at[0].set(jnp.nan), y)
-    fn = pegrad.value_and_grad_stats(loss, stats, impl=impl)
+    fn = pegrad.value_and_grad_stats(loss, stats, impl=cast(pegrad.Impl, impl))
     _, got = eqx.filter_jit(fn)(params, spoiled)
     norms = np.asarray(got["sq_norms"])
     assert np.isnan(norms[0]), name
