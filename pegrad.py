@@ -2110,12 +2110,12 @@ class CoreRoute(_Priced):
 
 def _operands(core: Eqn, env: Env, dtype: DTypeLike, tie: bool) -> tuple[Array, Array]:
     """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
-    first. x exists from the forward pass, δ only in the backward pass: left alone, XLA fuses
-    φ(x) (or the Gram's copy of x) into the forward pass and holds it until the backward pass
-    needs it (an extra activation per layer); adding zero times one entry of each example's δ
-    makes it wait for δ, so that both live only around their product (a NaN in one example
-    reaches no other). (XLA:CPU drops optimization barriers before it schedules.) Clipping
-    keeps every layer's factors until all norms are known: there the tie would add copies."""
+    first. x exists from the forward pass, δ only in the backward pass: left alone, XLA makes
+    φ(x), or the copy of x a product batched over examples reads, in the forward pass and holds
+    it until the backward pass (an extra activation per layer); adding zero times one entry of
+    each example's δ makes it wait for δ: both live only around their product, and a NaN stays
+    in its example (XLA:CPU drops optimization barriers). Untied: clipping, which keeps every
+    factor until all norms are known; convolutions, rank-one norms and variance (measured)."""
     a, b = (_read(env, v).astype(dtype) for v in core.invars[:2])
     if tie and a.size:
         b = b + a.reshape(len(a), -1)[:, 0].reshape(-1, *[1] * (b.ndim - 1)) * 0.0
@@ -2150,7 +2150,7 @@ def _formed_sums(
     n = route.graph.n_examples
     names = [w for w in ("sum", "sq", "sign", "var", "norms") if w in wanted]
     means = [w for w in names if w in _PHI]
-    a, b = _operands(route.core, env, dtype, tie=False)
+    a, b = _operands(route.core, env, dtype, tie=isinstance(route, DotCore))
     c = route.chunk(a.size + b.size, unit)
     pad = -n % c
     a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))

@@ -2,9 +2,11 @@
 
 Each committed study chose its lrs on seeds 0-2 and computed its verdicts on seeds 3-7. The
 re-checks below train the same variants at the same (committed) lrs on seeds 20-24, without any
-selection (`--lrs-from`); batch-scaling, whose result is a fitted exponent, is re-run whole with
-its lrs chosen on seeds 20-22. This script puts each committed verdict beside its re-check and
-beside the verdict over all ten evaluation seeds pooled (3-7 and 20-24: neither set chose an lr):
+selection (`--lrs-from`); batch-scaling, whose result is a fitted exponent, keeps its committed
+selection (seeds 0-2 decide only where each B's lr bracket lies) and trains the brackets on
+seeds 20-24, at the commit that trained the study (the cache then holds its selection runs).
+This script puts each committed verdict beside its re-check and beside the verdict over all ten
+evaluation seeds pooled (3-7 and 20-24: neither set chose an lr):
 
     python experiments.py sign --task mlp --lrs-from results/sign-mlp/summary.json \
         --seeds 20-24 --out results/recheck/sign-mlp --cache runs/cache-tiny      # and so on
@@ -120,24 +122,30 @@ def main() -> None:
         print()
     counts = ", ".join(f"{k.strip('*')} {n}" for k, n in sorted(tally.items(), key=lambda x: -x[1]))
     print(f"Of {sum(tally.values())} committed verdicts: {counts}.\n")
-    committed = load(RESULTS / "batch-scaling-mlp" / "summary.json")
-    recheck = load(RESULTS / "recheck" / "batch-scaling-mlp" / "summary.json")
-    print("## batch-scaling-mlp (lrs chosen again, on seeds 20-22)\n")
-    print(f"Committed: `{committed['command']}` at {committed['git_commit'][:7]}  ")
-    print(f"Re-check: `{recheck['command']}` at {recheck['git_commit'][:7]}\n")
-    print("| method, arm | committed: exponent [95 % interval] (B fitted) | re-check | predicted |")
-    print("|---|---|---|---|")
-    again = {(f["method"], f["arm"]): f for f in recheck["fits"]}
-    for f in committed["fits"]:
-        g = again[(f["method"], f["arm"])]
+    exponents("batch-scaling-mlp")
+    exponents("batch-scaling-lm")
+
+
+def exponents(study: str) -> None:
+    """A batch-scaling study's fitted exponents beside its re-check's and beside the fit over
+    both sets of evaluation seeds (every run then cached)."""
+    runs = [load(RESULTS / study / "summary.json")]
+    runs += [load(RESULTS / "recheck" / f"{study}{x}" / "summary.json") for x in ("", "-pooled")]
+    print(f"\n## {study} (the committed brackets, evaluated on seeds 20-24)\n")
+    for what, run in zip(("Committed", "Re-check", "Pooled"), runs, strict=True):
+        print(f"{what}: `{run['command']}` at {run['git_commit'][:7]}  ")
+    head = "| method, arm | committed: exponent [95 % interval] (B fitted) | re-check | pooled |"
+    print(f"\n{head} predicted |\n" + "|---" * head.count("|") + "|")
+    found = [{(f["method"], f["arm"]): f for f in run["fits"]} for run in runs]
+    for f in runs[0]["fits"]:
         cells = [
             "–"
-            if x["exponent"] is None
+            if (x := fits[(f["method"], f["arm"])])["exponent"] is None
             else f"{x['exponent']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}] "
             f"(B {', '.join(map(str, x['batch_sizes_fitted']))})"
-            for x in (f, g)
+            for fits in found
         ]
-        print(f"| {f['method']}, {f['arm']} | {cells[0]} | {cells[1]} | {f['predicted']:g} |")
+        print(f"| {f['method']}, {f['arm']} | {' | '.join(cells)} | {f['predicted']:g} |")
 
 
 if __name__ == "__main__":
