@@ -87,7 +87,9 @@ import math
 import os
 import re
 import shlex
+import signal
 import sys
+import threading
 import time
 import types
 import zipfile
@@ -1086,6 +1088,35 @@ def main(cfg: Config, task: TaskFactory | None = None) -> dict[str, Any]:
         raise Interrupted(interrupted(Path(str(cfg.out)))) from None
 
 
+@contextlib.contextmanager
+def ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
+    """Within, Ctrl-C is never lost: Python drops an exception raised where it cannot propagate
+    (a garbage-collection callback prints "Exception ignored in ..." and goes on), so the
+    KeyboardInterrupt of a SIGINT arriving there vanished and the run went on. Here SIGINT only
+    marks the request; the `check()` yielded raises it at the next step boundary. A second
+    Ctrl-C raises at once. Only where Python's own handler is in place, in the main thread."""
+    asked: list[bool] = []
+
+    def check() -> None:
+        if asked:
+            asked.clear()
+            raise KeyboardInterrupt
+
+    def handler(signum: int, frame: Any) -> None:
+        check()  # a second Ctrl-C before the step boundary: at once
+        asked.append(True)
+
+    ours = threading.current_thread() is threading.main_thread()
+    ours = ours and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, handler) if ours else None
+    try:
+        yield check
+        check()  # one that came after the last step
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
+
+
 def interrupted(out: Path) -> str:
     """What Ctrl-C says: where the run in `out` stands, and the command that continues it
     (the flags of `python train.py`, as typed: `cli_config` reads the rest from config.json)."""
@@ -1199,6 +1230,7 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
     with (
         removed_on_failure(created, kept=lambda: logged),
         open(metrics_path if lead else os.devnull, "a") as metrics,
+        ctrl_c_between_steps() as ctrl_c,
     ):
 
         def write(record: dict[str, Any]) -> None:
@@ -1229,6 +1261,7 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
 
         t_start = time.perf_counter()
         for step in range(start, cfg.steps):
+            ctrl_c()  # a Ctrl-C since the last step ends the run here
             record: dict[str, Any] = {"step": step}
             if step % cfg.eval_interval == 0:
                 record["eval_loss"] = evaluate(step)
