@@ -1094,7 +1094,8 @@ def ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
     (a garbage-collection callback prints "Exception ignored in ..." and goes on), so the
     KeyboardInterrupt of a SIGINT arriving there vanished and the run went on. Here SIGINT only
     marks the request; the `check()` yielded raises it at the next step boundary. A second
-    Ctrl-C raises at once. Only where Python's own handler is in place, in the main thread."""
+    Ctrl-C raises at once (and stays marked). Only where Python's own handler is in place, in
+    the main thread."""
     asked: list[bool] = []
 
     def check() -> None:
@@ -1103,7 +1104,8 @@ def ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
             raise KeyboardInterrupt
 
     def handler(signum: int, frame: Any) -> None:
-        check()  # a second Ctrl-C before the step boundary: at once
+        if asked:  # a second Ctrl-C before the step boundary: at once, the mark kept in case
+            raise KeyboardInterrupt  # Python drops this one too
         asked.append(True)
 
     ours = threading.current_thread() is threading.main_thread()
