@@ -120,6 +120,7 @@ class Config:
     """Everything the benchmark measures. Each field is a flag: `mlp_width` is --mlp-width."""
 
     quick: bool = False  # smoke-test sizes (QUICK below); flags given explicitly still win
+    accelerator: bool = False  # the GPU/TPU run (ACCELERATOR below); explicit flags still win
     sections: tuple[str, ...] = SECTIONS  # which parts to run
     stat_sets: tuple[str, ...] = (  # statistic sets, names joined by "+"
         "mean",
@@ -153,6 +154,7 @@ class Config:
     paper_seq: int = 1024  # its sequence length
     paper_batch: int = 8  # its batch size (compile only)
     paper_tied_head: bool = False  # tied embedding/head (False: 163M parameters, True: 124M)
+    paper_run: bool = False  # also run (time) it: real parameters and tokens (an accelerator's)
     paper_stat_sets: tuple[str, ...] = (  # statistic sets of the "paper" memory profile
         "mean+sq_mean",
         "sign_mean",
@@ -211,6 +213,40 @@ QUICK: dict[str, Any] = dict(
     family_width=32,
     family_seq=16,
     family_layers=2,
+)
+
+# --accelerator: the README's cost table on a GPU or TPU in one command (a few minutes on one
+# H100), GPT-2 small (tied head, T 1024) run first, then the families in the README's order, each
+# written to --json as it completes so a run cut short keeps what it measured:
+#     python bench.py --accelerator --sections paper --json runs/gpu-paper.json
+#     python bench.py --accelerator --json runs/gpu-families.json
+ACCELERATOR: dict[str, Any] = dict(
+    sections=("families",),
+    impls=("vmap", "factorized"),
+    reps=5,
+    min_time_s=0.05,
+    max_program_s=5.0,
+    max_run_gib=60.0,
+    paper_tied_head=True,
+    paper_run=True,
+    paper_stat_sets=("mean+sq_mean", "mean+var", "clipped_mean+sq_norms"),
+    families=(
+        "transformer",
+        "gqa-rope",
+        "mlp",
+        "transformer-stacked",
+        "flax-gpt",
+        "transformer-scan",
+        "named-axis",
+        "flax-gpt-scan",
+        "cnn",
+        "cnn-8x8",
+        "cnn-scan",
+        "gru",
+        "moe",
+    ),
+    family_stat_sets=("mean+sq_mean", "mean+var", "mean+sq_norms", "clipped_mean+sq_norms"),
+    family_impls=("vmap", "factorized"),
 )
 
 PLAIN = "plain"
@@ -496,9 +532,17 @@ def paper_workload(config: Config) -> Workload:
     lm = models.TransformerConfig.paper(
         n_layers=config.paper_layers, tied_head=config.paper_tied_head
     )
-    model = eqx.filter_eval_shape(models.TransformerLM, lm, key=jax.random.key(config.seed))
+    key_model, key_data = jax.random.split(jax.random.key(config.seed))
+    if config.paper_run:  # real parameters and tokens, to be timed
+        model = models.TransformerLM(lm, key=key_model)
+        shape = (config.paper_batch, config.paper_seq + 1)
+        tokens = jax.random.randint(key_data, shape, 0, lm.vocab_size, jnp.int32)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+    else:  # shapes only: compiled, never run, nothing model-sized allocated
+        model = eqx.filter_eval_shape(models.TransformerLM, lm, key=key_model)
+        shape = (config.paper_batch, config.paper_seq)
+        batch = (jax.ShapeDtypeStruct(shape, jnp.int32),) * 2
     params, static = eqx.partition(model, _is_float_leaf)
-    tokens = jax.ShapeDtypeStruct((config.paper_batch, config.paper_seq), jnp.int32)
     n = models.count_params(model)
     name = f"paper d{lm.d_model} L{lm.n_layers} T{config.paper_seq} ({n / 1e6:.0f}M)"
     return Workload(
@@ -506,9 +550,9 @@ def paper_workload(config: Config) -> Workload:
         name,
         models.make_loss_fn(static, models.lm_loss),
         params,
-        (tokens, tokens),
+        batch,
         tuple(programs_for(config.paper_stat_sets, config.paper_batch, config, token=True)),
-        run=False,
+        run=config.paper_run,
     )
 
 
@@ -919,6 +963,8 @@ def measure(workload: Workload, config: Config) -> list[Record]:
             "footprint_bytes": None,
             "paths": "",
             "note": "",
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
         }
         start = time.perf_counter()
         try:
@@ -926,6 +972,10 @@ def measure(workload: Workload, config: Config) -> list[Record]:
         except ValueError as error:  # pegrad refuses this statistic set for this model
             record["note"] = f"not available: {str(error).splitlines()[0]}"
             print(f"  {_label(program):45s} not available", file=sys.stderr)
+            continue
+        except Exception as error:  # a failure (a new JAX, say): recorded, the run goes on
+            record["note"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+            print(f"  {_label(program):45s} {record['note']}", file=sys.stderr)
             continue
         record["compile_s"] = time.perf_counter() - start
         memory = exe.memory_analysis()
@@ -1576,7 +1626,11 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             parser.add_argument(flag, type=kind, help=text)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
-    base = Config(**QUICK) if given.get("quick") else Config()
+    preset = {
+        **(QUICK if given.get("quick") else {}),
+        **(ACCELERATOR if given.get("accelerator") else {}),
+    }
+    base = Config(**preset)
     return dataclasses.replace(base, **given)
 
 
@@ -1639,6 +1693,8 @@ def run(config: Config) -> list[Record]:
         print(f"\n### {workload.section}: {workload.model}, B = {workload.batch_size}")
         print(f"\n(load average {load:.1f} when done)\n")
         print(markdown_table(rows), flush=True)
+        if config.json:  # after each model, so that a run cut short keeps what it measured
+            write_json(records, config.json)
         del workload
         gc.collect()
     if "mlp-scaling" in config.sections:

@@ -228,8 +228,7 @@ class Accumulator(NamedTuple):
             )
         if "var" in stats and "mean" not in stats:
             raise ValueError(
-                "Accumulator: 'var' is merged from each micro-batch's 'mean' and "
-                "'var': accumulate 'mean' too"
+                "Accumulator: 'var' is merged with each micro-batch's 'mean': accumulate 'mean' too"
             )
         zeros = jax.tree.map(
             lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
@@ -616,9 +615,7 @@ def _refuse_dropped_state(model: PyTree, given: list) -> None:
                 f"every step, would see the same state. {_PER_EXAMPLE_RANDOMNESS}"
             )
     if len(after) != len(given):
-        raise ValueError(
-            f"loss_fn changed the model's structure in place. {_PER_EXAMPLE_RANDOMNESS}"
-        )
+        raise ValueError(f"loss_fn changed the model structure in place. {_PER_EXAMPLE_RANDOMNESS}")
 
 
 _PER_EXAMPLE_RANDOMNESS = (
@@ -646,6 +643,11 @@ def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
             f"draw, e.g. one dropout mask for the batch. {_PER_EXAMPLE_RANDOMNESS}. Randomness "
             "meant to be shared: draw it outside loss_fn and pass the array"
         )
+
+
+def _scan_counts(p: Mapping[str, Any]) -> tuple[int, int]:  # constants, carries (JAX 0.11: ft_in)
+    n = [len(tree) for tree in p["ft_in"].unpack()] if "ft_in" in p else None
+    return (n[0], n[1]) if n else (p["num_consts"], p["num_carry"])
 
 
 def _example_dependence(jaxpr: jcore.Jaxpr, tainted: Sequence[bool]) -> tuple[list[bool], str]:
@@ -683,12 +685,11 @@ def _reaches(eqn: jcore.JaxprEqn, ins: list[bool]) -> tuple[list[bool], str]:
     if name in ("scan", "while"):
         body = inner(params["jaxpr" if name == "scan" else "body_jaxpr"])
         skip = 0 if name == "scan" else params["cond_nconsts"]
-        consts = params["num_consts"] if name == "scan" else params["body_nconsts"]
-        n_carry = params["num_carry"] if name == "scan" else n_out
+        nc, n_carry = _scan_counts(params) if name == "scan" else (params["body_nconsts"], n_out)
         ins_all, ins = ins, ins[skip:]
-        carry = ins[consts : consts + n_carry]
+        carry = ins[nc : nc + n_carry]
         while True:
-            outs, draw = _example_dependence(body, ins[:consts] + carry + ins[consts + n_carry :])
+            outs, draw = _example_dependence(body, ins[:nc] + carry + ins[nc + n_carry :])
             if draw:
                 return [], draw
             grown = [a or b for a, b in zip(carry, outs[:n_carry], strict=True)]
@@ -732,9 +733,7 @@ def _check_mask(
         )
     kept = _concrete(mask) * per_example  # under jit: NaN, as documented
     if "var" in stats and kept < 2:
-        raise ValueError(
-            f"'var' is undefined for {kept} kept unit(s): the mask keeps too few; use ≥ 2"
-        )
+        raise ValueError(f"'var' is undefined for {kept} kept unit(s): a mask must keep ≥ 2")
     return jnp.asarray(mask)
 
 
@@ -1747,7 +1746,7 @@ class _Hoist:
 def _hoistable(scan: Eqn, k: int, producer_out: Mapping[Var, Eqn]) -> _Hoist | None:
     """Output k of `scan` as a hoistable weight-gradient contraction, or None."""
     body = scan.params["jaxpr"].jaxpr
-    nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
+    nc, ncar = _scan_counts(scan.params)
     producer, users = _producers(body), _users(body)
     var = body.outvars[k]
     accumulated = k < ncar
@@ -1820,7 +1819,7 @@ def _operand_source(scan: Eqn, var: Atom) -> tuple[str, int]:
     """Where a body variable comes from: ("const" | "xs", index into the scan's inputs), or
     ("emit", -1) for a value the body computes (or a carry), which the scan must output."""
     body = scan.params["jaxpr"].jaxpr
-    nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
+    nc, ncar = _scan_counts(scan.params)
     if var in body.invars:
         i = body.invars.index(var)
         if i < nc:
@@ -1857,7 +1856,7 @@ def _scan_like(scan: Eqn, step: Callable, init: PyTree, xs: PyTree) -> PyTree:
 def _scan_hoisted(scan: Eqn, invals: list[Value], hoists: Mapping[int, _Hoist]) -> list[Value]:
     """Evaluate `scan` with the `hoists` (by output index) computed after it."""
     params, body = scan.params, scan.params["jaxpr"]
-    nc, ncar = params["num_consts"], params["num_carry"]
+    nc, ncar = _scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     operands = (v for h in hoists.values() for v in h.dot.invars[:2])
     emit = list(dict.fromkeys(v for v in operands if _operand_source(scan, v)[0] == "emit"))
@@ -3711,7 +3710,7 @@ def _per_iteration(scan: Eqn, var: Atom) -> Atom | None:
     """The body's value at iteration t of `var`'s slice t (along axis 0): `var` a stacked
     output of `scan` or one of its scanned inputs; else None."""
     body = scan.params["jaxpr"].jaxpr
-    nc, ncar = scan.params["num_consts"], scan.params["num_carry"]
+    nc, ncar = _scan_counts(scan.params)
     for k, v in enumerate(scan.outvars):
         if v is var and k >= ncar:
             return body.outvars[k]
@@ -4161,7 +4160,7 @@ def _stacked_output(graph: Graph, var: Var) -> bool:
     eqn = graph.producer.get(var)
     if eqn is None or eqn.primitive.name != "scan":
         return False
-    return eqn.outvars.index(var) >= eqn.params["num_carry"]
+    return eqn.outvars.index(var) >= _scan_counts(eqn.params)[1]
 
 
 def _scan_with_sums(
@@ -4180,7 +4179,7 @@ def _scan_with_sums(
     core's coordinates (unbatched). Stacked outputs nobody `read`s are not formed (None): the
     operands hoisting emitted for these leaves, now consumed inside."""
     params, body = scan.params, scan.params["jaxpr"]
-    nc, ncar = params["num_consts"], params["num_carry"]
+    nc, ncar = _scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     stacked = [k for k in range(ncar, len(scan.outvars)) if scan.outvars[k] in read]
     extra = [v for job in jobs.values() for v in job.operands]

@@ -88,6 +88,29 @@ def test_command_line():
     )
     quick = bench.parse_config(["--quick", "--reps", "2"])
     assert quick.reps == 2 and quick.mlp_width == bench.QUICK["mlp_width"]
+    accelerator = bench.parse_config(["--accelerator", "--families", "mlp"])
+    assert accelerator.families == ("mlp",) and accelerator.paper_run
+    assert accelerator.family_stat_sets == bench.ACCELERATOR["family_stat_sets"]
+
+
+def test_a_program_that_fails_to_build_is_recorded_and_the_run_goes_on(monkeypatch):
+    # An accelerator's run is one call: one failure (a newer JAX, say) must not lose the rest.
+    config = dataclasses.replace(
+        bench.Config(**bench.QUICK), sections=("mlp",), reps=1, min_time_s=0.0
+    )
+    workload = bench.mlp_workload(config, 4, "mlp", ("mean+sq_mean",))
+    build = bench.Program.build
+
+    def broken(self, loss_fn, clip_norm):
+        if self.impl == "vmap":
+            raise KeyError("num_consts")
+        return build(self, loss_fn, clip_norm)
+
+    monkeypatch.setattr(bench.Program, "build", broken)
+    records = bench.measure(workload, config)
+    failed = [r for r in records if r["impl"] == "vmap"]
+    assert failed and all(r["note"] == "failed: KeyError: 'num_consts'" for r in failed)
+    assert all(r["time_ratio"] is not None for r in records if r["impl"] != "vmap")
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 5])

@@ -327,3 +327,30 @@ def test_every_process_lowers_a_scanned_model_to_the_same_program(name: str):
         assert proc.returncode == 0, proc.stderr[-3000:]
         digests.add(proc.stdout.split()[-1])
     assert len(digests) == 1
+
+
+class _PackedInputs:
+    """A scan's inputs as JAX 0.11 describes them (`ft_in`): constants, carries and scanned
+    inputs, each part sized by its leaves; here only what pegrad reads, `unpack()`."""
+
+    def __init__(self, *sizes: int):
+        self.parts = [[None] * n for n in sizes]
+
+    def unpack(self) -> list[list[None]]:
+        return self.parts
+
+
+def test_a_scans_constants_and_carries_are_read_in_either_jax_layout() -> None:
+    # JAX < 0.11 names the counts (num_consts, num_carry); 0.11 packs the inputs in ft_in.
+    def loop(c: Any, xs: Any, w: Any, v: Any, u: Any) -> Any:
+        return jax.lax.scan(lambda c, x: ((c[0] * w, c[1] + v), x * c[0] * u), c, xs)
+
+    args = ((1.0, 2.0), jnp.ones(3), 2.0, 3.0, 4.0)
+    (scan,) = [e for e in jax.make_jaxpr(loop)(*args).eqns if e.primitive.name == "scan"]
+    counts = pegrad._scan_counts(scan.params)
+    assert counts == (3, 2)  # w, v and u; both carries
+    xs = len(scan.invars) - sum(counts)
+    named = {"num_consts", "num_carry", "ft_in"}
+    for layout in ({"num_consts": 3, "num_carry": 2}, {"ft_in": _PackedInputs(3, 2, xs)}):
+        params = {k: v for k, v in scan.params.items() if k not in named} | layout
+        assert pegrad._scan_counts(params) == counts
