@@ -107,10 +107,12 @@ def test_a_program_that_fails_to_build_is_recorded_and_the_run_goes_on(monkeypat
         return build(self, loss_fn, clip_norm)
 
     monkeypatch.setattr(bench.Program, "build", broken)
-    records = bench.measure(workload, config)
+    saved: list[int] = []  # what --json would hold after each compilation
+    records = bench.measure(workload, config, lambda rows: saved.append(len(rows)))
     failed = [r for r in records if r["impl"] == "vmap"]
     assert failed and all(r["note"] == "failed: KeyError: 'num_consts'" for r in failed)
     assert all(r["time_ratio"] is not None for r in records if r["impl"] != "vmap")
+    assert len(saved) == len(records) - len(failed) and saved[-1] == len(records)
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
