@@ -6,9 +6,12 @@ JAX compiles for a GPU it does not have ("deviceless AOT"): with the CUDA plugin
 `jax.jit(f).lower(...).compile().memory_analysis()` is XLA:GPU's buffer assignment. Nothing
 runs, and no autotuning happens (there is no card to time kernels on), so kernel choices can
 differ from a real compile: on the transformer the real H200 gave 306 MiB where this gives 338.
-Ratios are to plain grad's temporaries compiled the same way.
+Ratios are to plain grad's temporaries compiled the same way. With --gpt2: GPT-2 small (tied
+head, T 1024) at B 4 and 8, the footprint's line through them, and the largest B under 80 and
+141 GiB (an H100's and an H200's memory) on that line.
 
     JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --families transformer mlp
+    JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --gpt2
 """
 
 import argparse
@@ -48,9 +51,12 @@ def main() -> None:
         default=["mean+sq_mean", "mean+var", "mean+sq_norms", "clipped_mean+sq_norms"],
     )
     parser.add_argument("--impls", nargs="+", default=["vmap", "factorized"])
+    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small's largest batch")
     args = parser.parse_args()
     topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET, topology="1x1x1")
     sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    if args.gpt2:
+        return gpt2(args, sharding)
     config = dataclasses.replace(
         bench.Config(),
         families=tuple(args.families),
@@ -73,6 +79,30 @@ def main() -> None:
             plain = plain or temp
             row = (workload.model, program.stats, program.impl, f"{temp / 2**20:.1f}")
             print("| " + " | ".join(row) + f" | {temp / plain:.2f} |", flush=True)
+
+
+def gpt2(args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
+    model = bench.scale_model(bench.Config(), "gpt2")
+    put = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+    )
+    programs = [bench.Program("mean", "plain")]
+    programs += [bench.Program(s, i) for i in args.impls for s in args.stat_sets]
+    print(f"{model.name}, XLA:GPU (H200 target), footprint in GiB\n")
+    print("| stats | impl | B 8 | GiB / example | fixed | largest B, 80 GiB | largest B, 141 GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for program in programs:
+        fn = jax.jit(program.build(model.loss_fn, 1.0))
+        feet = []
+        for b in (4, 8):
+            memory = fn.lower(put(model.params), put(model.batch(b))).compile().memory_analysis()
+            assert memory is not None, "this JAX gives no compiled memory analysis"
+            feet.append(bench._footprint(memory) / 2**30)
+        slope = (feet[1] - feet[0]) / 4
+        fixed = feet[1] - 8 * slope
+        fits = [str(int((budget - fixed) // slope)) for budget in (80, 141)]
+        row = (program.stats, program.impl, f"{feet[1]:.2f}", f"{slope:.3f}", f"{fixed:.2f}", *fits)
+        print("| " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":
