@@ -86,23 +86,23 @@ def gpt2(args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
     put = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
     )
+    placed = dataclasses.replace(
+        model, params=put(model.params), batch=lambda b: put(model.batch(b))
+    )
     programs = [bench.Program("mean", "plain")]
     programs += [bench.Program(s, i) for i in args.impls for s in args.stat_sets]
     print(f"{model.name}, XLA:GPU (H200 target), footprint in GiB\n")
     print("| stats | impl | B 8 | GiB / example | fixed | largest B, 80 GiB | largest B, 141 GiB |")
     print("|---|---|---|---|---|---|---|")
     for program in programs:
-        fn = jax.jit(program.build(model.loss_fn, 1.0))
-        feet = []
-        for b in (4, 8):
-            memory = fn.lower(put(model.params), put(model.batch(b))).compile().memory_analysis()
-            assert memory is not None, "this JAX gives no compiled memory analysis"
-            feet.append(bench._footprint(memory) / 2**30)
-        slope = (feet[1] - feet[0]) / 4
-        fixed = feet[1] - 8 * slope
-        fits = [str(int((budget - fixed) // slope)) for budget in (80, 141)]
-        row = (program.stats, program.impl, f"{feet[1]:.2f}", f"{slope:.3f}", f"{fixed:.2f}", *fits)
-        print("| " + " | ".join(row) + " |", flush=True)
+        feet = [
+            (b, bench.compile_memory(program, placed, b, 1.0)["footprint_bytes"] / 2**30)
+            for b in (4, 8)
+        ]
+        fixed, slope = bench.affine_fit(feet)
+        fits = [str(bench.largest_batch(fixed, slope, budget)) for budget in (80, 141)]
+        row = (program.stats, program.impl, f"{feet[1][1]:.2f}", f"{slope:.3f}", f"{fixed:.2f}")
+        print("| " + " | ".join((*row, *fits)) + " |", flush=True)
 
 
 if __name__ == "__main__":
