@@ -4,9 +4,11 @@ The clipped mean (1/B) Σ_i c_i g_i, c_i = min(1, C/‖g_i‖), is formed by peg
 leaf keeps what its route reads (for a dense layer δ_i and x_i) until every norm is known. The
 alternative DP libraries call ghost clipping runs the norms first, then a second backward pass of
 the loss reweighted per example, Σ_i c_i ℓ_i (exact where the gradient is linear in its seed).
-This script measures both against plain grad on bench.py's MLP and three of its families:
+This script measures both against plain grad on bench.py's MLP and three of its families (or
+the families named on the command line, without the MLP):
 
     python results/bench/clip_two_pass.py > results/bench/clip-two-pass.md
+    python results/bench/clip_two_pass.py transformer-scan transformer
 """
 
 import statistics
@@ -59,8 +61,9 @@ def temp_bytes(exe) -> int:
 
 
 def main():
-    config = bench.parse_config(["--families", "transformer", "cnn", "gru"])
-    workloads = [lambda: bench.mlp_workload(config, 128, "mlp", ["clipped_mean"])]
+    named = sys.argv[1:]
+    config = bench.parse_config(["--families", *(named or ["transformer", "cnn", "gru"])])
+    workloads = [] if named else [lambda: bench.mlp_workload(config, 128, "mlp", ["clipped_mean"])]
     workloads += bench.family_workloads(config)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; float32; C = {CLIP}; "
