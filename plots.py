@@ -9,6 +9,7 @@ Every multi-seed quantity is drawn as its mean over seeds with the seeds' spread
 as a band or an error bar, so that a difference can be read against the noise.
 """
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -450,13 +451,14 @@ def draw_costs(markdown: Path, out: Path) -> None:
     columns, rows, ratios = cost_table(markdown.read_text())
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.35 * len(rows) + 2.5), sharey=True)
     y, height = np.arange(len(rows)), 0.8 / len(columns)
+    labels = [re.sub(r"\[(.*?)\]\(.*?\)", r"\1", r).replace("`", "") for r in rows]  # link text
     for ax, k, what in zip(axes, (0, 1), ("time", "temporary memory"), strict=True):
         for j, column in enumerate(columns):
             ax.barh(y + (j - (len(columns) - 1) / 2) * height, ratios[:, j, k], height,
                     label=column)  # fmt: skip
         ax.axvline(1.0, color="black", lw=1)
         ax.set_xscale("log")
-        ax.set_yticks(y, [r.replace("`", "") for r in rows], fontsize=8)
+        ax.set_yticks(y, labels, fontsize=8)
         ax.grid(axis="x", alpha=0.3)
         ax.set_title(f"{what} / plain jax.value_and_grad's", fontsize=10)
     axes[0].invert_yaxis()  # the table's order, top down (the axes share y)
