@@ -6,8 +6,9 @@
    paired timing gives the ratios to plain grad and vmap's in the same run.
 2. The MLP's variance, temporary memory <= 1.35x plain grad. The exact variance needs K = ÃᵀB̃,
    one weight-sized buffer (OuterProduct.compute). The probe forms the variance in row blocks
-   of K instead (a monkeypatched OuterProduct.compute: `lax.map` over blocks, or the blocks
-   unrolled into in-place updates), checks it equals pegrad's, and reads the compiled memory.
+   of K instead (a monkeypatched OuterProduct.compute: `lax.map` over blocks, a `fori_loop`, or
+   the blocks unrolled into in-place updates), checks it equals pegrad's, and reads the compiled
+   memory.
 3. The clipped mean of blocks in `lax.scan`, temporary memory 1.23x (target <= 1.1x): compiled
    memory beside the bytes of every layer's output gradients, which one pass keeps.
 
@@ -84,8 +85,10 @@ def scanned_clipped() -> dict[str, Any]:
     return {"model": workload.model, "temp_mib": temp, "output_gradients_mib": deltas}
 
 
-def _blocked_compute(blocks: int, unrolled: bool) -> Callable:
-    """OuterProduct.compute with the variance formed `blocks` rows of K at a time."""
+def _blocked_compute(blocks: int, how: str) -> Callable:
+    """OuterProduct.compute with the variance formed `blocks` rows of K at a time, by `how`:
+    "map" (`lax.map` over row blocks), "unrolled" (in-place updates), "fori" (`fori_loop`
+    writing into a carry whose zeros depend on the layer, so that no two layers share them)."""
     original = pegrad.OuterProduct.compute
 
     def compute(self: Any, env: Any, what: str) -> jax.Array:
@@ -119,11 +122,20 @@ def _blocked_compute(blocks: int, unrolled: bool) -> Callable:
         units, nb, f = Ac.shape
         k = blocks if f % blocks == 0 else 1  # the 10-class head: whole
         fb = f // k
-        if unrolled:
+        if how == "unrolled":
             total = jnp.zeros((nb, f, Bc.shape[-1]), dtype)
             for j in range(k):
                 part = rows((Ac[..., j * fb : (j + 1) * fb], abar[..., j * fb : (j + 1) * fb]))
                 total = jax.lax.dynamic_update_slice_in_dim(total, part, j * fb, 1)
+        elif how == "fori":
+
+            def body(j: jax.Array, total: jax.Array) -> jax.Array:
+                ac = jax.lax.dynamic_slice_in_dim(Ac, j * fb, fb, 2)
+                ab = jax.lax.dynamic_slice_in_dim(abar, j * fb, fb, 1)
+                return jax.lax.dynamic_update_slice_in_dim(total, rows((ac, ab)), j * fb, 1)
+
+            zeros = jnp.zeros((nb, f, Bc.shape[-1]), dtype) * abar[:, :1, None]
+            total = jax.lax.fori_loop(0, k, body, zeros)
         else:
             parts = (
                 Ac.reshape(units, nb, k, fb).transpose(2, 0, 1, 3),
@@ -145,8 +157,9 @@ def variance_blocks() -> list[dict[str, Any]]:
     plain, var = (p for p in workload.programs if p.impl in ("plain", "factorized"))
     original = pegrad.OuterProduct.compute
     variants = [("plain grad", plain, None), ("pegrad (K whole)", var, None)]
-    variants += [(f"lax.map, {k} blocks", var, (k, False)) for k in (4, 16)]
-    variants += [(f"unrolled, {k} blocks", var, (k, True)) for k in (4, 16)]
+    variants += [(f"lax.map, {k} blocks", var, (k, "map")) for k in (4, 16)]
+    variants += [(f"fori_loop, zeros per layer, {k} blocks", var, (k, "fori")) for k in (4, 16)]
+    variants += [(f"unrolled, {k} blocks", var, (k, "unrolled")) for k in (4, 16)]
     rows, reference = [], None
     for name, program, blocked in variants:
         pegrad.OuterProduct.compute = original if blocked is None else _blocked_compute(*blocked)
