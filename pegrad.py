@@ -260,9 +260,8 @@ class Accumulator(NamedTuple):
         def fn(
             params: PyTree, batch: PyTree, mask: ArrayLike | None = None
         ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
-            # The kept units where known before tracing (a traced mask keeps at most B): fewer
-            # than 2 have M2 0 ("var" is NaN below 2 kept units, read as M2 = 0 here; no batch
-            # leaf: refused).
+            # Kept units known before tracing (a traced mask keeps ≤ B): under 2, M2 is 0 ("var"
+            # is NaN below 2 kept units, read as M2 = 0 here; no batch leaf: refused).
             shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else [2]
             per_example = math.prod(shape[1:2]) if token else 1
             if per_example * min(shape[0], shape[0] if mask is None else _concrete(mask)) < 2:
