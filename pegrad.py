@@ -264,7 +264,7 @@ class Accumulator(NamedTuple):
             # is NaN below 2 kept units, read as M2 = 0 here; no batch leaf: refused).
             shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else [2]
             per_example = math.prod(shape[1:2]) if token else 1
-            if per_example * min(shape[0], shape[0] if mask is None else _concrete(mask)) < 2:
+            if per_example * (shape[0] if mask is None else min(shape[0], _concrete(mask))) < 2:
                 loss, out = without(params, batch, mask)
                 return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
             loss, out = with_var(params, batch, mask)
