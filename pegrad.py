@@ -2095,11 +2095,16 @@ class CoreRoute(_Priced):
         """`post` applied to x in the core's coordinates (to each of its leading units)."""
         return (_replay_each if units else _replay)(self.post, x, env, phi)
 
-    def chunk(self, operands: int, one: int) -> int:
+    def chunk(self, operands: int, one: int, accelerator: bool = False) -> int:
         """Examples whose gradients (`one` numbers each) core_sums forms at once: as many as
-        hold the `operands` numbers of the batch's operands, or the caller's bound."""
-        bound = max(1, operands // max(1, one))
+        hold the `operands` numbers of the batch's operands — on an accelerator, or the batched
+        values of the whole step if more (a chunk loop's iterations cost kernel launches
+        there, memory on XLA:CPU: results/bench/gpu-time.md) — or the caller's bound."""
         graph, unit = self.graph, one * self.dtype.itemsize
+        if accelerator:
+            values = sum(math.prod(_shape(v)) for v in graph.batched) * graph.n_examples
+            operands = max(operands, values)
+        bound = max(1, operands // max(1, one))
         return _examples_per_chunk(
             graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound
         )
@@ -2131,7 +2136,7 @@ def _chan(a: tuple, b: tuple) -> tuple:
 
 def _formed_sums(
     route: CoreRoute,
-    form: Callable[[Array, Array, list[str], Array], list],
+    form: Callable[[Array, Array, list[str], Array | int], list],
     unit: int,
     env: Env,
     dtype: DTypeLike,
@@ -2139,16 +2144,50 @@ def _formed_sums(
 ) -> dict[str, Array]:
     """Ingredients from per-example gradients formed c examples at a time (one scan over
     chunks; c examples' `unit` numbers formed at once hold at most as many numbers as the
-    operands, or the caller's bound): (1/N) Σ_i φ(g_i) for "sum", "sq", "sign"; the variance
+    operands, or the caller's bound; on a GPU or TPU all at once, without a loop, where they
+    hold no more than the step's batched values — `CoreRoute.chunk`): (1/N) Σ_i φ(g_i) for
+    "sum", "sq", "sign"; the variance
     Σ_i (g_i − ḡ)²/(N − 1) for "var", each chunk's (mean, M2) merged by Chan's update (no
     cancellation); ‖g_i‖² ([B]) for "norms". form(a, b, names, r) gives, for a chunk's operands
     of which the first r are examples, what `_moments` gives. Padding examples have zero
     operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off."""
     n = route.graph.n_examples
     names = [w for w in ("sum", "sq", "sign", "var", "norms") if w in wanted]
-    means = [w for w in names if w in _PHI]
     a, b = _operands(route.core, env, dtype, tie=isinstance(route, DotCore))
-    c = route.chunk(a.size + b.size, unit)
+    c, whole = (route.chunk(a.size + b.size, unit, accelerator) for accelerator in (False, True))
+    if whole == n:  # no loop on an accelerator: the batch's gradients formed at once, untied
+        untied = lambda: _operands(route.core, env, dtype, tie=False)  # noqa: E731
+        one_pass = lambda: _sums_of(form(*untied(), names, n), names, n)  # noqa: E731
+        chunked = lambda: _chunked_sums(form, a, b, c, names, dtype, n)  # noqa: E731
+        return _per_platform(cpu=chunked, accelerator=one_pass)
+    return _chunked_sums(form, a, b, c, names, dtype, n)
+
+
+_AS_ON_ACCELERATOR = False  # tests set it: XLA:CPU then runs what a GPU or TPU would
+
+
+def _per_platform(cpu: Callable[[], PyTree], accelerator: Callable[[], PyTree]) -> PyTree:
+    """cpu() where the program is lowered for XLA:CPU, accelerator() for a GPU or TPU (both
+    traced, one lowered: jax.lax.platform_dependent)."""
+    if _AS_ON_ACCELERATOR:
+        return accelerator()
+    return jax.lax.platform_dependent(cpu=cpu, default=accelerator)
+
+
+def _sums_of(out: list, names: Sequence[str], n: int) -> dict[str, Array]:
+    """What `_moments` gave for all n examples at once, as `_formed_sums` returns it."""
+    means = [w for w in names if w in _PHI]
+    found = {w: t * (1.0 / n) for w, t in zip(means, out[: len(means)], strict=True)}
+    if "var" in names:
+        found["var"] = out[len(means) + 1] * (1.0 / (n - 1))  # M2 / (N − 1)
+    return found | ({"norms": out[-1]} if "norms" in names else {})
+
+
+def _chunked_sums(
+    form: Callable, a: Array, b: Array, c: int, names: list[str], dtype: DTypeLike, n: int
+) -> dict[str, Array]:
+    """`_formed_sums` c examples at a time: one scan over chunks, padded to a multiple of c."""
+    means = [w for w in names if w in _PHI]
     pad = -n % c
     a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
     counts = jnp.minimum(c, n - c * jnp.arange((n + pad) // c)).astype(dtype)
@@ -2179,14 +2218,16 @@ def _formed_sums(
     return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
 
 
-def _moments(g: Array, names: Sequence[str], r: Array) -> list[Array]:
+def _moments(g: Array, names: Sequence[str], r: Array | int) -> list[Array]:
     """For per-example values g [c, ...] whose first r rows are examples (the rest padding):
     Σ φ(g) per mean in `names`; the mean and M2 over the r examples for "var" (the padding
     left out, not subtracted); the norms per row for "norms"."""
     out = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
     if "var" in names:
         mean = _sum0(g) / r
-        centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, g - mean)
+        centred = g - mean  # with padding rows (r traced), those rows left out
+        if not isinstance(r, int):  # (a `where` XLA:GPU would materialize g for)
+            centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, centred)
         out += [mean, _sum0(centred * centred)]
     return out + ([jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else [])
 
@@ -2528,7 +2569,7 @@ class Contraction(DotCore):
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
 
-        def form(a: Array, b: Array, names: list[str], r: Array) -> list:
+        def form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
             return _moments(jax.vmap(dot)(a, b), names, r)
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
@@ -2730,7 +2771,7 @@ class Convolution(_Formed):
         if not any(w in self.FORMED for w in wanted):
             return {"sum": self.folded(env)} if "sum" in wanted else {}
 
-        def form(a: Array, b: Array, names: list[str], r: Array) -> list:
+        def form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
             # one offset's [E, n, o] at a time, E − r of it padding
             out = _conv_offsets(a, b, params, dtype, lambda y: _moments(y, names, r))
             k = len(out) - ("norms" in names)

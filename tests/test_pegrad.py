@@ -189,6 +189,50 @@ def test_the_backward_pass_waits_behind_a_barrier_only_on_xla_cpu(platform: str,
     assert ("optimization_barrier" in text) == held
 
 
+def _wide_over_positions(b: int, seq: int = 2, d: int = 12):
+    """A weight used at two positions whose per-example gradient (d² numbers) outnumbers its
+    operands (2·seq·d): XLA:CPU forms it in chunks of fewer than B examples."""
+    k = jax.random.split(jax.random.key(b), 4)
+    params = {"w": jax.random.normal(k[0], (d, d)), "v": jax.random.normal(k[1], (d, 3))}
+
+    def loss(p: dict, ex: tuple) -> jax.Array:
+        x, y = ex
+        return jnp.sum((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+
+    return (
+        loss,
+        params,
+        (jax.random.normal(k[2], (b, seq, d)), jax.random.normal(k[3], (b, seq, 3))),
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_on_an_accelerator_the_gradients_formed_at_once_equal_the_naive_loop(
+    batch_size: int, monkeypatch: pytest.MonkeyPatch
+):
+    """A GPU or TPU forms a contraction's per-example gradients for the whole batch at once
+    (no chunk loop: its iterations cost kernel launches there) from untied operands; XLA:CPU
+    runs that program here, every statistic against the naive loop."""
+    loss, params, batch = _wide_over_positions(batch_size)
+    fn = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "sq_mean")))
+    text = fn.trace(params, batch).lower(lowering_platforms=("cpu",)).as_text()
+    assert "stablehlo.while" in text or batch_size == 1  # XLA:CPU chunks; this test does not
+    monkeypatch.setattr(pegrad, "_AS_ON_ACCELERATOR", True)
+    check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "wide")
+
+
+@pytest.mark.parametrize("platform, loops", [("cpu", True), ("cuda", False), ("tpu", False)])
+def test_a_chunk_loop_of_formed_gradients_is_lowered_for_xla_cpu_only(platform: str, loops: bool):
+    """Compiled for an H200 (hlo_cost.py, results/bench/gpu-time.md), the transformer's chunk
+    loops were two thirds of its kernel launches and made it slower than vmap; on XLA:CPU they
+    bound the memory the formed gradients hold."""
+    loss, params, batch = _wide_over_positions(5)
+    for stats in [("mean", "sq_mean"), ("mean", "var"), ("mean", "sq_norms")]:
+        fn = jax.jit(pegrad.value_and_grad_stats(loss, stats))
+        text = fn.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
+        assert ("stablehlo.while" in text) == loops, (stats, platform)
+
+
 # -- the mean alone: plain grad of the mean loss ----------------------------------------------
 
 KEPT = {1: [True], 2: [True, False], 5: [True, False, True, True, False]}

@@ -10,20 +10,38 @@ Ratios are to plain grad's temporaries compiled the same way. With --gpt2: GPT-2
 head, T 1024) at B 4 and 8, the footprint's line through them, and the largest B under 80 and
 141 GiB (an H100's and an H200's memory) on that line.
 
+Every row also carries the step time hlo_cost.py estimates from the optimized HLO (kernels,
+loops by their trip counts, a roofline per kernel, the H200's fitted fixed costs) and its ratio
+to plain grad's estimate. `--calibrate gpu.json --code DIR` compiles the programs of a measured
+run with the bench.py, pegrad.py and models.py of the checkout DIR (the commit that was
+measured), fits the fixed costs to the measured times and prints predicted against measured:
+results/bench/gpu-time.md.
+
     JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --families transformer mlp
     JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --gpt2
+    git worktree add /tmp/measured 7cc1926
+    JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --calibrate results/bench/gpu.json \
+        --code /tmp/measured
 """
 
 import argparse
 import dataclasses
+import importlib
+import json
 import os
+import statistics
 import sys
+from typing import Any
 
 import jax
 from jax.experimental import topologies
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import bench  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.join(HERE, "..", "..")
+sys.path.insert(0, REPO)
+import hlo_cost  # noqa: E402
+
+STAT_SETS = ["mean+sq_mean", "mean+var", "mean+sq_norms", "clipped_mean+sq_norms"]
 
 TARGET = """
 gpu_device_info {
@@ -44,44 +62,133 @@ device_description_str: "NVIDIA H200"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=list(bench.FAMILIES))
-    parser.add_argument(
-        "--stat-sets",
-        nargs="+",
-        default=["mean+sq_mean", "mean+var", "mean+sq_norms", "clipped_mean+sq_norms"],
-    )
+    parser.add_argument("--families", nargs="+", default=["transformer", "mlp"])
+    parser.add_argument("--stat-sets", nargs="+", default=STAT_SETS)
     parser.add_argument("--impls", nargs="+", default=["vmap", "factorized"])
     parser.add_argument("--gpt2", action="store_true", help="GPT-2 small's largest batch")
+    parser.add_argument("--code", default=REPO, help="the checkout whose bench/pegrad compile")
+    parser.add_argument("--calibrate", metavar="JSON", help="measured rows (bench.py --json)")
+    parser.add_argument("--hlo-dir", default="", help="also write each program's HLO here")
+    parser.add_argument("--json", default="", help="write the rows here")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.abspath(args.code))  # before REPO: the measured commit's files
+    bench = importlib.import_module("bench")
     topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET, topology="1x1x1")
     sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
     if args.gpt2:
-        return gpt2(args, sharding)
+        return gpt2(bench, args, sharding)
+    measured = []
+    if args.calibrate:
+        with open(args.calibrate) as f:
+            measured = json.load(f)
+        args.stat_sets = sorted({r["stats"] for r in measured if r["impl"] != "plain"})
     config = dataclasses.replace(
         bench.Config(),
         families=tuple(args.families),
         family_stat_sets=tuple(args.stat_sets),
         family_impls=tuple(args.impls),
     )
-    print("| model | stats | impl | temp MiB | temp / plain |\n|---|---|---|---|---|")
+    rows = []
+    print("| model | stats | impl | temp MiB | temp / plain | launches | copies | loop its "
+          "| GFLOP | est ms | est / plain |\n" + "|---" * 11 + "|")  # fmt: skip
     for make in bench.family_workloads(config):
         workload = make()
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             (workload.params, workload.batch),
         )
-        plain = None
+        plain: dict[str, Any] = {}
         for program in workload.programs:
-            fn = jax.jit(program.build(workload.loss_fn, 1.0))
-            memory = fn.lower(*abstract).compile().memory_analysis()
+            compiled = jax.jit(program.build(workload.loss_fn, 1.0)).lower(*abstract).compile()
+            memory = compiled.memory_analysis()
             assert memory is not None, "this JAX gives no compiled memory analysis"
-            temp = memory.temp_size_in_bytes
-            plain = plain or temp
-            row = (workload.model, program.stats, program.impl, f"{temp / 2**20:.1f}")
-            print("| " + " | ".join(row) + f" | {temp / plain:.2f} |", flush=True)
+            text = compiled.as_text() or ""
+            if args.hlo_dir:
+                name = f"{workload.model.split()[0]}-{program.stats}-{program.impl}.hlo"
+                os.makedirs(args.hlo_dir, exist_ok=True)
+                with open(os.path.join(args.hlo_dir, name), "w") as f:
+                    f.write(text)
+            read = hlo_cost.read_hlo(text)
+            row = dict(model=workload.model, stats=program.stats, impl=program.impl)
+            row |= dict(temp_bytes=memory.temp_size_in_bytes, program=read)
+            row |= read.summary(hlo_cost.H200)
+            plain = plain or row
+            rows.append(row)
+            cells = (workload.model, program.stats, program.impl)
+            cells += (
+                f"{row['temp_bytes'] / 2**20:.1f}",
+                f"{row['temp_bytes'] / plain['temp_bytes']:.2f}",
+            )
+            cells += (str(row["launches"]), str(row["copies"]), str(row["loop_iterations"]))
+            cells += (f"{row['gflop']:.1f}", f"{row['estimate_ms']:.2f}")
+            cells += (f"{row['estimate_ms'] / plain['estimate_ms']:.2f}",)
+            print("| " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "program"} for r in rows], f, indent=1)
+    if measured:
+        calibrate(rows, measured)
 
 
-def gpt2(args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
+def calibrate(rows: list[dict[str, Any]], measured: list[dict[str, Any]]) -> None:
+    """Fit the H200's fixed costs to the measured rows; print predicted against measured."""
+    key = lambda r: (r["model"], r["stats"] if r["impl"] != "plain" else "mean", r["impl"])  # noqa: E731
+    compiled = {key(r): r for r in rows}
+    pairs = [(compiled[key(m)], m) for m in measured if key(m) in compiled]
+    missing = [key(m) for m in measured if key(m) not in compiled]
+    if missing:
+        raise SystemExit(f"measured rows with no compiled program: {missing}")
+    fit = hlo_cost.calibrate(
+        [c["program"] for c, _ in pairs], [m["time_s"] for _, m in pairs], hlo_cost.H200
+    )
+    card = fit.card
+    print(f"\nfitted: step {card.step_s * 1e6:.1f} us, launch {card.launch_s * 1e6:.2f} us, "
+          f"loop iteration {card.loop_s * 1e6:.2f} us, dots {card.gemm_factor:.2f}x their "
+          f"roofline, other kernels {card.other_factor:.2f}x\n")  # fmt: skip
+    print("| model | stats | impl | launches | copies | loop its | GFLOP | roofline ms "
+          "| measured ms | estimated ms | error | left-out error | measured / plain "
+          "| estimated / plain |\n" + "|---" * 14 + "|")  # fmt: skip
+    plain = {c["model"]: (c["program"].time_s(card), m["time_s"]) for c, m in pairs
+             if c["impl"] == "plain"}  # fmt: skip
+    for (c, m), err, loo in zip(pairs, fit.relative_errors, fit.loo_errors, strict=True):
+        est = c["program"].time_s(card)
+        cells = (c["model"].split(" (")[0], m["stats"], m["impl"], str(c["launches"]))
+        cells += (str(c["copies"]), str(c["loop_iterations"]), f"{c['gflop']:.1f}")
+        cells += (f"{c['program'].roofline_s(card) * 1e3:.3f}", f"{m['time_s'] * 1e3:.3f}")
+        cells += (f"{est * 1e3:.3f}", f"{err:+.1%}", f"{loo:+.1%}")
+        cells += (f"{m['time_s'] / plain[c['model']][1]:.2f}", f"{est / plain[c['model']][0]:.2f}")
+        print("| " + " | ".join(cells) + " |")
+    abs_err = [abs(e) for e in fit.relative_errors]
+    abs_loo = [abs(e) for e in fit.loo_errors]
+    print(f"\n|error|: mean {statistics.mean(abs_err):.1%}, max {max(abs_err):.1%}; "
+          f"left out: mean {statistics.mean(abs_loo):.1%}, max {max(abs_loo):.1%}")  # fmt: skip
+    agree = total = 0
+    for i, (ci, mi) in enumerate(pairs):  # every pair of programs of one model
+        for cj, mj in pairs[i + 1 :]:
+            if ci["model"] != cj["model"]:
+                continue
+            total += 1
+            same = (ci["program"].time_s(card) < cj["program"].time_s(card)) == (
+                mi["time_s"] < mj["time_s"]
+            )
+            agree += same
+            if not same:
+                print(f"  ordered unlike the card: {key(mi)} {mi['time_s'] * 1e3:.2f} ms vs "
+                      f"{key(mj)} {mj['time_s'] * 1e3:.2f} ms")  # fmt: skip
+    print(f"pairs of one model's programs ordered as the card did: {agree} of {total}")
+    groups = {(m["model"], m["stats"]) for _, m in pairs if m["impl"] != "plain"}
+    same_winner = 0
+    for model, stats in sorted(groups):
+        both = {m["impl"]: (c["program"].time_s(card), m["time_s"]) for c, m in pairs
+                if (m["model"], m["stats"]) == (model, stats)}  # fmt: skip
+        if {"vmap", "factorized"} <= set(both):
+            est_f = both["factorized"][0] < both["vmap"][0]
+            meas_f = both["factorized"][1] < both["vmap"][1]
+            same_winner += est_f == meas_f
+    print(f"vmap against factorized, the faster one as on the card: {same_winner} of {len(groups)}")
+
+
+def gpt2(bench: Any, args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
     model = bench.scale_model(bench.Config(), "gpt2")
     put = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
