@@ -92,8 +92,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+import hlo_cost
 import models
 import pegrad
+from hlo_cost import H200
 
 IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token", "micro_grad")
 SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families", "scale")
@@ -969,6 +971,8 @@ def measure(
             "time_s": None,
             "temp_bytes": None,
             "footprint_bytes": None,
+            "kernels": None,
+            "h200_estimate_s": None,
             "paths": "",
             "note": "",
             "device": jax.devices()[0].device_kind,
@@ -986,6 +990,8 @@ def measure(
             print(f"  {_label(program):45s} {record['note']}", file=sys.stderr)
             continue
         record["compile_s"] = time.perf_counter() - start
+        kernels = hlo_cost.read_hlo(exe.as_text() or "")  # the card's estimate beside its time
+        record["kernels"], record["h200_estimate_s"] = kernels.launches, kernels.time_s(H200)
         memory = exe.memory_analysis()
         record["temp_bytes"] = temp = None if memory is None else int(memory.temp_size_in_bytes)
         record["footprint_bytes"] = None if memory is None else _footprint(memory)

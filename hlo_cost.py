@@ -75,10 +75,10 @@ class Card:
 H200_SHEET = Card("NVIDIA H200", matmul_flops=494.7e12, vector_flops=67e12, bandwidth=4.8e12)
 H200 = dataclasses.replace(
     H200_SHEET,
-    step_s=197.8e-6,
-    launch_s=1.90e-6,
-    loop_s=0.0,
-    gemm_factor=7.01,
+    step_s=199.0e-6,
+    launch_s=1.87e-6,
+    loop_s=0.40e-6,
+    gemm_factor=7.05,
     other_factor=0.0,
 )
 

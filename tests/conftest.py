@@ -30,6 +30,7 @@ SLOW = (
     "tests/test_api.py::test_dropping_nonfinite_examples_equals_the_loop_over_the_others",
     "tests/test_slicing.py::test_any_slicing_pattern_equals_the_naive_loop",
     "tests/test_bench.py::test_bench_records",
+    "tests/test_bench.py::test_the_accelerator_script_writes_measured_time_beside_the_estimate",
     "tests/test_experiments.py::test_batch_scaling_arms_and_its_cache",
     "tests/test_experiments.py::test_precond_measures_the_mean_to_noise_ratio_per_regime",
     "tests/test_experiments.py::test_sign_and_its_recheck_on_unseen_seeds",

@@ -7,6 +7,7 @@ of the output, not the speed of anything.
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -252,3 +253,23 @@ def test_the_scale_peers_compute_what_they_name():
     assert float(loss) == pytest.approx(float(losses.mean()), rel=1e-12)
     for name in names:
         assert_tree_close(stats[name], expected[name], name)
+
+
+def test_the_accelerator_script_writes_measured_time_beside_the_estimate(tmp_path):
+    """results/bench/gpu_run.py, the one command for a lent GPU, at tiny sizes on the CPU."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "results" / "bench" / "gpu_run.py"
+    spec = importlib.util.spec_from_file_location("gpu_run", path)
+    assert spec is not None and spec.loader is not None
+    gpu_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_run)
+    gpu_run.main(["--tiny", "--out", str(tmp_path), "--families", "transformer"])
+    records = json.loads((tmp_path / "gpu.json").read_text())
+    assert {(r["stats"], r["impl"]) for r in records} >= {
+        (s, i) for s in gpu_run.STAT_SETS for i in ("vmap", "factorized")
+    }
+    for r in records:
+        assert r["time_s"] > 0 and r["h200_estimate_s"] > 0 and r["kernels"] > 0, r
+    text = (tmp_path / "gpu.md").read_text()
+    assert text.count("| transformer") == len(records) and "estimate / plain" in text
