@@ -1130,8 +1130,9 @@ class Progress:
 
 
 def main(cfg: Config, task: TaskFactory | None = None) -> dict[str, Any]:
-    """Train per `cfg` and return the final metrics: {"out", "steps", "loss", "eval_loss",
-    "first_eval_loss", "seconds"}.
+    """Train per `cfg` and return the final metrics: {"out", "steps", "steps_run" (those this
+    call ran: fewer when resumed), "loss", "eval_loss", "first_eval_loss" (the run's, from
+    before a resume too), "seconds"}.
 
     `task`: your own model and data, a factory `(cfg, *, key) -> Task` (what --task names on
     the command line; config.json records it as "MODULE:NAME").
