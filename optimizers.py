@@ -1638,8 +1638,9 @@ def make_train_step(
             traced_checks[0] |= _RUNTIME_CHECKS[0] != before
             if traced_checks[0]:  # the step checks values: wait for them, say what they found
                 jax.block_until_ready(out)
-        except jax.errors.JaxRuntimeError as err:
-            if "InconsistentUpdates" in str(err) and "message" in _LAST_REFUSAL:
+        except (jax.errors.JaxRuntimeError, ValueError) as err:  # JAX's, carrying Equinox's
+            ours = "optimizers.InconsistentUpdates" in str(err) and "message" in _LAST_REFUSAL
+            if ours and not isinstance(err, InconsistentUpdates):
                 raise InconsistentUpdates(_LAST_REFUSAL["message"]) from None
             raise
         new, state, value, st = out
