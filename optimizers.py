@@ -54,8 +54,10 @@ The statistics beside the updates (the contract every rule that reads `stats=` e
   stats["mean"] (the case in `make_train_step`, with or without wrappers that pass them on:
   chain, masked, partition, inject_hyperparams, apply_if_finite, multi_steps); otherwise it is a
   few elementwise operations, run on values under jit: `make_train_step` then waits for its step
-  and raises `InconsistentUpdates` itself; a jit of your own raises JAX's runtime error carrying
-  it.
+  and raises `InconsistentUpdates` itself; a jit of your own raises Equinox's runtime error
+  (`eqx.error_if`; `EQX_ON_ERROR` chooses what it does) naming the rule, the leaf and the fix:
+  under `eqx.filter_jit` an `equinox.EquinoxRuntimeError` with that message, under `jax.jit`
+  JAX's runtime error carrying it.
 * `max_grad_norm` and the global-norm check read the leaves the rule sees (under a mask: its
   part), as optax.clip_by_global_norm inside optax.masked would.
 
@@ -73,8 +75,8 @@ formula. Proof, at float64, for impl="vmap" and impl="factorized", against optax
 the formulas fed by a naive per-example loop: tests/test_optimizers.py and
 tests/test_optimizers_compose.py.
 
-Depends on jax (and its numpy), optax and jaxtyping only; `make_train_step` imports pegrad when
-called.
+Depends on jax (and its numpy), optax, equinox (its runtime errors) and jaxtyping only;
+`make_train_step` imports pegrad when called.
 """
 
 import functools
@@ -83,12 +85,22 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+__all__ = [  # the public API (`from pegrad.optimizers import *`)
+    "adam", "micro_adam", "micro_adam_var", "micro_adam_msq", "micro_sign_sgd", "sign_sgd",
+    "sign_ema", "scale_by_adam", "scale_by_micro_adam", "scale_by_micro_adam_var",
+    "scale_by_micro_adam_msq", "scale_by_ema", "scale_by_micro_sign_sgd", "scale_by_sign_sgd",
+    "scale_by_sign_ema", "multi_steps", "MultiStepsState", "make_train_step", "required_stats",
+    "trainable", "InconsistentUpdates", "MissingStatistics", "ULPS", "Step", "Stats",
+    "LearningRate", "Mask", "Block", "Hyper", "Transformation", "AnyTransformation",
+    "SecondMoment",
+]  # fmt: skip
 Stats = dict[str, Any]
 LearningRate = optax.ScalarOrSchedule  # a float, or a function of the step count
 Mask = PyTree | Callable[[PyTree], PyTree] | None
@@ -122,7 +134,9 @@ class MissingStatistics(ValueError):
         super().__init__(
             f"{rule} reads the statistics {names} besides ḡ (the updates) but got {have}: call "
             f"update(ḡ, state, params, stats=stats) with the stats of "
-            f"pegrad.value_and_grad_stats(loss_fn, {ask}), or use optimizers.make_train_step"
+            f"pegrad.value_and_grad_stats(loss_fn, {ask}), or use optimizers.make_train_step "
+            "(a wrapper that drops stats=, as optax.MultiSteps inside optax.chain does: "
+            "optimizers.multi_steps(opt, every_k) accumulates ḡ and the statistics)"
         )
 
 
@@ -295,38 +309,48 @@ class InconsistentUpdates(ValueError):
     """A rule reading statistics was given updates that are not c·ḡ of its statistics' ḡ."""
 
 
-_LAST_REFUSAL: dict[str, str] = {}  # the message of a refusal raised on the host (under jit)
+_LAST_REFUSAL: dict[str, str] = {}  # the whole message of the last refusal found under jit
 
 
 class _QuietRefusals(logging.Filter):
-    """JAX logs every exception a debug callback raises with its traceback; a refusal is
-    raised again with its own message (make_train_step), so its log record is dropped."""
+    """JAX logs the exception of a failed callback with its traceback; a refusal's is
+    Equinox's runtime error carrying the message, raised again as it is: its log is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], InconsistentUpdates))
+        error = record.exc_info[1] if record.exc_info else None
+        return "optimizers.InconsistentUpdates" not in str(error)
 
 
-logging.getLogger("jax._src.debugging").addFilter(_QuietRefusals())
+logging.getLogger("jax._src.callback").addFilter(_QuietRefusals())
 
 
-def _refuse(rule: str, paths: tuple[str, ...], bad: Any, where: Any, u: Any, cg: Any) -> None:
-    """The host side of the runtime check: raise for the runs (under vmap) that failed it."""
+def _refusal(rule: str, paths: tuple[str, ...], bad: Any, where: Any, u: Any, cg: Any) -> str:
+    """The message for the first run (under vmap) and leaf that failed the check, or ""."""
     bad = np.asarray(bad)
     if not bad.any():
-        return
+        return ""
     run = np.unravel_index(np.argmax(bad.any(axis=-1)), bad.shape[:-1]) if bad.ndim > 1 else ()
     leaf = int(np.argmax(bad[run]))
     at = lambda x: np.asarray(x)[run][leaf]
-    message = _inconsistent(rule, paths[leaf], int(at(where)), float(at(u)), float(at(cg)))
-    _LAST_REFUSAL["message"] = message
-    raise InconsistentUpdates(message)
+    return _inconsistent(rule, paths[leaf], f"flat index {int(at(where))}, the update is "
+                         f"{float(at(u))!r} where c·ḡ is {float(at(cg))!r}")  # fmt: skip
 
 
-def _inconsistent(rule: str, path: str, index: int, u: float, cg: float) -> str:
+def _failed_leaf(rule: str, paths: tuple[str, ...], *values: Any) -> np.ndarray:
+    """The host side of the runtime check: each run's (under vmap) failing leaf, its whole
+    message (coordinate and values) kept for make_train_step, which raises it."""
+    message = _refusal(rule, paths, *values)
+    if message:
+        _LAST_REFUSAL["message"] = message
+    return np.asarray(np.argmax(np.asarray(values[0]), axis=-1), np.int32)
+
+
+def _inconsistent(rule: str, path: str, coordinate: str = "") -> str:
+    at = f", {coordinate}" if coordinate else " (make_train_step names the coordinate, values)"
     return (
         f"{rule}: the updates it was given are not c·ḡ, one global multiple of the mean "
-        f"gradient its statistics describe (stats['mean']): at {path}, flat index {index}, the "
-        f"update is {u!r} where c·ḡ is {cg!r} (every coordinate must agree to rounding). "
+        f"gradient its statistics describe (stats['mean']): at {path}{at} (every coordinate "
+        "must agree to rounding). "
         "A transformation before the rule changed ḡ per coordinate or across batches. Coupled "
         "L2 (optax.add_decayed_weights before it): pass l2=λ to the rule (the Adam family: "
         "exact), or put (λ/2)·‖p‖² in the loss; decoupled decay is weight_decay=λ. Accumulation "
@@ -385,13 +409,18 @@ def _scale_of(rule: str, updates: PyTree, mean: PyTree) -> Array | None:
         failed = bool(jnp.any(bad))
     except jax.errors.ConcretizationTypeError:  # traced: checked when the step runs
         failed = None
-    if failed is None:
+    if failed is None:  # under jit: Equinox's runtime error (eqx.filter_jit shows it first)
         _RUNTIME_CHECKS[0] += 1
-        check = functools.partial(_refuse, rule, paths)
-        raise_ = lambda: jax.debug.callback(check, bad, where, u_at, cg_at)
-        jax.lax.cond(jnp.any(bad), raise_, lambda: None)
+        host = functools.partial(_failed_leaf, rule, paths)
+        out = jax.ShapeDtypeStruct((), jnp.int32)
+        find = lambda: jax.pure_callback(
+            host, out, bad, where, u_at, cg_at, vmap_method="broadcast_all"
+        )
+        leaf = jax.lax.cond(jnp.any(bad), find, lambda: jnp.zeros((), jnp.int32))
+        messages = [f"optimizers.InconsistentUpdates: {_inconsistent(rule, p)}" for p in paths]
+        c = eqx.branched_error_if(c, jnp.any(bad), leaf, messages)
     elif failed:
-        _refuse(rule, paths, bad, where, u_at, cg_at)
+        raise InconsistentUpdates(_refusal(rule, paths, bad, where, u_at, cg_at))
     return c
 
 
@@ -1429,6 +1458,12 @@ def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, .
     """
     params = trainable(params)
     _refuse_multisteps(optimizer, params)
+    return _traced_stats(optimizer, params)
+
+
+def _traced_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, ...]:
+    """required_stats' trace (MissingStatistics where a wrapper drops stats=)."""
+    params = trainable(params)
     tx = _with_stats(optimizer)
     grads = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _moment_dtype(p.dtype)), params
@@ -1451,16 +1486,55 @@ def required_stats(optimizer: AnyTransformation, params: PyTree) -> tuple[str, .
 
 
 def _refuse_multisteps(optimizer: AnyTransformation, params: PyTree) -> None:
-    """optax.MultiSteps around a rule that reads statistics: refused before anything runs."""
+    """optax.MultiSteps around a rule that reads statistics: refused before anything runs;
+    nested (optax.chain(optax.MultiSteps(...).gradient_transformation(), ...)), found by its
+    state, where its rules would get no stats= at all."""
     if isinstance(optimizer, optax.MultiSteps):
-        inner = optimizer.inner_opt
-        reads = [n for n in required_stats(inner, params) if n != "mean"]
-        if reads:
-            raise InconsistentUpdates(
-                f"optax.MultiSteps accumulates ḡ over micro-batches, but its inner optimizer "
-                f"reads {reads}, which would be one micro-batch's: use "
-                f"optimizers.multi_steps(opt, every_k), which accumulates ḡ and the statistics"
-            )
+        reads = [n for n in required_stats(optimizer.inner_opt, params) if n != "mean"]
+        where = "its inner optimizer"
+    else:
+        state = jax.eval_shape(optimizer.init, trainable(params))
+        _refuse_narrow_apply_if_finite(optimizer, state, params)
+        nested = lambda x: isinstance(x, optax.MultiStepsState)
+        if not any(nested(x) for x in jax.tree.leaves(state, is_leaf=nested)):
+            return
+        try:
+            reads = [n for n in _traced_stats(optimizer, params) if n != "mean"]
+        except MissingStatistics as err:  # the stats= MultiSteps dropped
+            reads = [n for n in err.names if n not in ("mean", "batch_size")]
+        where = "a rule inside it"
+    if reads:
+        raise InconsistentUpdates(
+            f"optax.MultiSteps accumulates ḡ over micro-batches, but {where} reads {reads}, "
+            "which would be one micro-batch's (or none): use optimizers.multi_steps(opt, "
+            "every_k), which accumulates ḡ and the statistics, in place of optax.MultiSteps"
+        )
+
+
+def _refuse_narrow_apply_if_finite(optimizer: Any, state: Any, params: PyTree) -> None:
+    """optax.apply_if_finite's skip branch returns zeros of the updates it was given (ḡ, float32
+    for bfloat16 parameters) where its inner rule returns updates in the parameters' dtype:
+    its lax.cond fails inside optax. Refused here, naming the leaves and the fixes."""
+    wrapped = lambda x: isinstance(x, optax.ApplyIfFiniteState)
+    if not any(wrapped(x) for x in jax.tree.leaves(state, is_leaf=wrapped)):
+        return
+    narrow = [
+        f"{jax.tree_util.keystr(path)} {p.dtype}"
+        for path, p in jax.tree_util.tree_leaves_with_path(trainable(params))
+        if _moment_dtype(p.dtype) != p.dtype
+    ]
+    try:
+        _traced_stats(optimizer, params)
+    except TypeError as err:
+        if not (narrow and "cond branches" in str(err)):
+            raise
+        raise TypeError(
+            f"optax.apply_if_finite around these rules with parameters narrower than float32 "
+            f"({', '.join(narrow)}): its skip branch returns float32 zeros (ḡ's dtype) where the "
+            "rules return updates in the parameters' dtype, and optax's lax.cond refuses the "
+            "mismatch. Keep the parameters in float32 (cast inside loss_fn), or drop non-finite "
+            "examples with pegrad's nonfinite='drop' (make_train_step(..., nonfinite='drop'))"
+        ) from None
 
 
 class _Static:
@@ -1564,8 +1638,9 @@ def make_train_step(
             traced_checks[0] |= _RUNTIME_CHECKS[0] != before
             if traced_checks[0]:  # the step checks values: wait for them, say what they found
                 jax.block_until_ready(out)
-        except jax.errors.JaxRuntimeError as err:
-            if "InconsistentUpdates" in str(err) and "message" in _LAST_REFUSAL:
+        except (jax.errors.JaxRuntimeError, ValueError) as err:  # JAX's, carrying Equinox's
+            ours = "optimizers.InconsistentUpdates" in str(err) and "message" in _LAST_REFUSAL
+            if ours and not isinstance(err, InconsistentUpdates):
                 raise InconsistentUpdates(_LAST_REFUSAL["message"]) from None
             raise
         new, state, value, st = out

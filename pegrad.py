@@ -25,15 +25,13 @@ dense weight). Two implementations, equal by contract:
 
 Layout: Part I is the definition — §1 the API (value_and_grad_stats, explain, Accumulator), §2
 the statistics, §3 the input checks (SPEC §6), §4 the references, §5 the jaxpr interpreter and
-position tracing they run on; it reaches the engine only through `_factorized` and `Plan.build`
-(tests/test_layout.py). Part II is the engine: §6 the graph, §6′ scan hoisting, §7 the routes,
-§8 the planner, §9 the executor, §10 the mean-loss policy; §11 loads the package's other
-modules. The reference shares §5 with the rewrite (`Graph.build` builds the same `Untie`, which
-the token fallback runs); the independent check is tests/helpers.py's naive loop, which never
-calls pegrad: `jax.grad` one example at a time, per token of a loss written with one parameter
-copy per position (tests/pieces.py), equal at float64 for every statistic, implementation,
-granularity and batch size (tests/test_pegrad.py, tests/test_zoo.py). Depends on jax (with
-numpy) and jaxtyping only: copy this file.
+position tracing they run on; it reaches Part II, the engine (§6–§11, DESIGN.md), only through
+`_factorized` and `Plan.build` (tests/test_layout.py). The reference shares §5 with the rewrite
+(`Graph.build` builds the same `Untie`, which the token fallback runs); the independent check is
+tests/helpers.py's naive loop, which never calls pegrad: `jax.grad` one example at a time, per
+token of a loss written with one parameter copy per position (tests/pieces.py), equal at float64
+for every statistic, implementation, granularity and batch size (tests/test_pegrad.py,
+tests/test_zoo.py). Depends on jax (with numpy) and jaxtyping only: copy this file.
 """
 
 import abc
@@ -57,6 +55,9 @@ from jax.extend import core as jcore
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, PyTree
 
+__all__ = ["value_and_grad_stats", "explain", "Accumulator", "gradient_noise_scale", "stat_dtype",
+           "Plan", "LeafPlan", "ROUTES", "Untie", "STATISTICS", "Impl", "Granularity", "Choose",
+           "NonFinite", "Stats", "Loss", "LossFn"]  # fmt: skip
 __version__ = "0.1.0"  # the package's one version: pyproject.toml reads it ([tool.hatch.version])
 STATISTICS = ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean")
 Impl = Literal["vmap", "factorized"]
@@ -338,14 +339,8 @@ class Accumulator(NamedTuple):
 
 
 _PHI: dict[str, Phi] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
-_INGREDIENTS = {
-    "mean": ("sum",),
-    "sq_mean": ("sq",),
-    "sign_mean": ("sign",),
-    "var": ("var",),
-    "sq_norms": ("norms",),
-    "clipped_mean": ("norms", "clipped"),
-}
+_INGREDIENTS = {"mean": ("sum",), "sq_mean": ("sq",), "sign_mean": ("sign",), "var": ("var",),
+                "sq_norms": ("norms",), "clipped_mean": ("norms", "clipped")}  # fmt: skip
 
 
 def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
@@ -377,17 +372,10 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
             f"gradient_noise_scale: no {', '.join(missing)} in the statistics; ask "
             'value_and_grad_stats for ("mean", "sq_mean") or ("mean", "var")'
         )
-    mean = stats["mean"]
-
-    def over(x: Array | np.ndarray) -> Array:  # N in the dtype of x
-        return jnp.asarray(stats["batch_size"]).astype(x.dtype)
-
-    if "var" in stats:
-        var = stats["var"]
-    else:
-        var = jax.tree.map(
-            lambda g, q: over(g) / (over(g) - 1) * (q - g * g), mean, stats["sq_mean"]
-        )
+    mean, n = stats["mean"], jnp.asarray(stats["batch_size"])
+    over = lambda x: n.astype(x.dtype)  # noqa: E731  # N in the dtype of x
+    sigma2 = lambda g, q: over(g) / (over(g) - 1) * (q - g * g)  # noqa: E731
+    var = stats["var"] if "var" in stats else jax.tree.map(sigma2, mean, stats["sq_mean"])
     trace = jax.tree.map(jnp.sum, var)
     grad_sq = jax.tree.map(lambda t, g: jnp.sum(g * g) - t / over(g), trace, mean)
     wide = _widest([x.dtype for x in jax.tree.leaves(trace)] or [jnp.float32])
@@ -509,20 +497,16 @@ def _check_inputs(
             raise ValueError(
                 f"every batch leaf needs the leading axes [{dims}, ...], the same for all "
                 f"(granularity={granularity!r}): batch{first} has shape {lead} but batch{name} "
-                f"has shape {shape}"
+                f"has shape {shape}" + _STACK * isinstance(batch, list)
             )
     if 0 in lead[:axes]:
         raise ValueError(f"the batch is empty: [{dims}] = {list(lead[:axes])}, no units")
     per_example = lead[1] if axes == 2 else 1  # one position is one example
-    if "var" in stats and lead[0] * per_example < 2:
-        raise ValueError(
-            "'var' is the unbiased variance 1/(B-1) Σ (g_i - mean)² and is undefined for a "
-            f"batch of {lead[0] * per_example} unit(s); use B ≥ 2"
-        )
+    _refuse_var(stats, lead[0] * per_example, "a batch needs B ≥ 2")
     closed, (loss_shape, _) = jax.make_jaxpr(loss_fn, return_shape=True)(
         params, _one_example(batch)
     )
-    _refuse_shared_draws(closed.jaxpr, len(jax.tree.leaves(params)))
+    _refuse_shared_draws(closed.jaxpr, n_params := len(jax.tree.leaves(params)))
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
             "loss_fn(params, example) must return a scalar loss for ONE example; it returned "
@@ -530,7 +514,16 @@ def _check_inputs(
         )
     if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
         raise TypeError(f"loss_fn must return a floating scalar, got dtype {loss_shape.dtype}")
+    if _calls(closed.jaxpr, "custom_vjp"):  # a backward rule the user wrote: its draws too
+        grad = jax.make_jaxpr(jax.grad(lambda p, x: loss_fn(p, x)[0]))(params, _one_example(batch))
+        _refuse_shared_draws(grad.jaxpr, n_params, "a custom_vjp backward rule of loss_fn")
     return per_example
+
+
+def _calls(jaxpr: jcore.Jaxpr, name: str) -> bool:
+    """Whether `jaxpr` or a sub-jaxpr holds a primitive whose name starts with `name`."""
+    subs = lambda e: any(_calls(s, name) for s in _sub_jaxprs(e))
+    return any(e.primitive.name.startswith(name) or subs(e) for e in jaxpr.eqns)
 
 
 def _is_parameter(x: object) -> bool:
@@ -550,7 +543,7 @@ def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[Py
     the model with None elsewhere — no framework is imported to tell."""
     _refuse_coupled(params)
     if isinstance(params, (dict, list, tuple)):
-        model = None
+        model, traced = None, []
     else:
         leaves, model = jax.tree.flatten(params)
         if not leaves:
@@ -560,6 +553,8 @@ def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[Py
                 "whose floating arrays are the parameters; flax linen: the params dict"
             )
         fixed = [None if _is_parameter(x) else x for x in leaves]
+        tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
+        traced = [k for k, f in zip(_paths(params), fixed, strict=True) if isinstance(f, tracer)]
         params = jax.tree.unflatten(model, [x if _is_parameter(x) else None for x in leaves])
 
     def loss(p: PyTree, example: PyTree) -> tuple[Array, PyTree]:  # checked: _check_inputs
@@ -568,9 +563,21 @@ def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[Py
             values = iter(jax.tree.leaves(p))
             given = [next(values) if f is None else f for f in fixed]
             p = jax.tree.unflatten(model, given)
-        out = loss_fn(p, example)
+        try:
+            out = loss_fn(p, example)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            if model is None or not traced:
+                raise
+            raise TypeError(
+                f"loss_fn needed a concrete value where the model's non-array field(s) "
+                f"params{', params'.join(traced)} became tracers: a jax.jit around pegrad's "
+                "function traces every leaf of the model; jit it with eqx.filter_jit (flax: "
+                "nnx.jit), which keeps the fields that are not arrays static"
+            ) from None
         if given is not None:
             _refuse_dropped_state(p, given)
+        if not has_aux and isinstance(out, tuple):
+            raise ValueError("loss_fn returned a tuple: a (loss, aux) pair needs has_aux=True")
         if not has_aux:
             return out, ()
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -617,6 +624,7 @@ def _refuse_dropped_state(model: PyTree, given: list) -> None:
         raise ValueError(f"loss_fn changed the model structure in place. {_PER_EXAMPLE_RANDOMNESS}")
 
 
+_STACK = "; a list of examples? stack them: jax.tree.map(lambda *x: jnp.stack(x), *examples)"
 _PER_EXAMPLE_RANDOMNESS = (
     "Pass randomness with the example: a key per example in the batch (jax.random.split(key, "
     "B), new each step), given to the layer (Equinox key=; flax linen rngs={'dropout': key}; "
@@ -629,7 +637,7 @@ _PER_EXAMPLE_RANDOMNESS = (
 _DRAWS = {"random_bits": (0,), "threefry2x32": (0, 1), "rng_bit_generator": (0,)}
 
 
-def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
+def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int, who: str = "loss_fn") -> None:
     """A random draw in the one-example loss whose key does not depend on the example (a key
     closed over, or held in the model) is the same draw for every example, and at every step:
     one dropout mask for the whole batch where a batched model draws one per example."""
@@ -637,7 +645,7 @@ def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int) -> None:
     _, draw = _example_dependence(jaxpr, tainted)
     if draw:
         raise ValueError(
-            f"loss_fn draws random numbers ({draw}) from a key that does not depend on the "
+            f"{who} draws random numbers ({draw}) from a key that does not depend on the "
             "example (closed over, or held in the model): every example would get the same "
             f"draw, e.g. one dropout mask for the batch. {_PER_EXAMPLE_RANDOMNESS}. Randomness "
             "meant to be shared: draw it outside loss_fn and pass the array"
@@ -730,10 +738,16 @@ def _check_mask(
             f"mask must be a bool array of shape ({n},) (one entry per example), got "
             f"{getattr(mask, 'dtype', type(mask))}{tuple(jnp.shape(mask))}"
         )
-    kept = _concrete(mask) * per_example  # under jit: NaN, as documented
-    if "var" in stats and kept < 2:
-        raise ValueError(f"'var' is undefined for {kept} kept unit(s): a mask must keep ≥ 2")
+    _refuse_var(stats, _concrete(mask) * per_example, "a mask must keep ≥ 2")  # jit: NaN
     return jnp.asarray(mask)
+
+
+def _refuse_var(stats: tuple[str, ...], units: int, need: str) -> None:
+    if "var" in stats and units < 2:
+        raise ValueError(
+            f"'var' is undefined for {units} kept unit(s), the unbiased 1/(N−1) Σ (g_u − ḡ)²: "
+            f"{need}; a micro-batch of accumulation: pegrad.Accumulator.value_and_grad_stats"
+        )
 
 
 def _concrete(x: ArrayLike) -> int:

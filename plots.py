@@ -1,9 +1,12 @@
 """plots.py: the figures of experiments.py and of one train.py run; matplotlib is optional
-(`pip install -e ".[plots]"`).
+(`pip install -e ".[plots]"`, or `pip install "pegrad[plots]"`; installed: `python -m
+pegrad.plots ...`).
 
+    python plots.py runs/adam          # a run: OUT/run.png, its train and eval loss beside its
+                                       # gradient noise scale, from its metrics.jsonl
     python plots.py results/sign       # a study's figure, from summary.json and traces.csv.gz
-    python plots.py runs/adam          # a run's gradient noise scale, from its metrics.jsonl
     python plots.py --costs README.md results/figures/costs.png   # the cost table's picture
+    python plots.py --help
 
 Every multi-seed quantity is drawn as its mean over seeds with the seeds' spread (min to max)
 as a band or an error bar, so that a difference can be read against the noise.
@@ -17,6 +20,10 @@ from typing import Any
 import numpy as np
 
 NOTE = 'matplotlib not installed: wrote the CSV/JSON only; pip install -e ".[plots]" for plots'
+NO_FIGURE = (
+    'matplotlib is not installed, so no figure was written: pip install -e ".[plots]" in a '
+    'checkout, or pip install "pegrad[plots]"'
+)
 
 
 def pyplot() -> Any:
@@ -157,11 +164,11 @@ def _held_runs(summary: dict[str, Any], family: str) -> list[tuple[str, float, i
 
 def draw(out: Path) -> None:
     """OUT/<experiment>.png from OUT/summary.json and OUT/traces.csv.gz; for a train.py run's
-    directory (metrics.jsonl, no summary.json), OUT/noise_scale.png (`draw_noise_scale`)."""
+    directory (metrics.jsonl, no summary.json), OUT/run.png (`draw_run`)."""
     import json
 
     if not (out / "summary.json").exists() and (out / "metrics.jsonl").exists():
-        draw_noise_scale(out)
+        draw_run(out)
         return
     plt = pyplot()
     if plt is None:
@@ -356,18 +363,25 @@ def _draw_critical(plt: Any, summary: dict[str, Any]) -> Any:
 NOISE_EMA = 0.9  # decay per logged step of the averages whose ratio is the smoothed B_simple
 
 
-def noise_scale_series(run: Path, decay: float = NOISE_EMA) -> dict[str, np.ndarray]:
-    """From RUN/metrics.jsonl, per logged step: "step", the per-batch "noise_scale" (B_simple =
-    trace_cov / grad_sq of that step's batch), "trace_cov" and "grad_sq" as logged, their
-    exponential moving averages "trace_cov_ema" and "grad_sq_ema" (decay per logged step), and
-    "smoothed", the ratio of the two EMAs. Each of trace_cov and grad_sq is unbiased and their
-    ratio is not, so they are averaged first (pegrad.gradient_noise_scale); both EMAs start at 0
-    with the same decay, so their ratio needs no bias correction. A step whose grad_sq EMA is
-    ≤ 0 (noise outweighs the signal so far) has no smoothed value (NaN)."""
+def read_metrics(run: Path) -> list[dict[str, Any]]:
+    """RUN/metrics.jsonl as train.py writes it: one record per logged step."""
     import json
 
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    logged = [m for m in logged if "trace_cov" in m and "grad_sq" in m]
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def noise_scale_series(run: Path, decay: float = NOISE_EMA) -> dict[str, np.ndarray]:
+    """From RUN/metrics.jsonl, per logged step: "step", the per-batch "noise_scale_batch"
+    (B_simple = trace_cov / grad_sq of that step's batch), "trace_cov" and "grad_sq" as logged,
+    their exponential moving averages "trace_cov_ema" and "grad_sq_ema" (decay per logged step),
+    and "smoothed", the ratio of the two EMAs: train.py's "noise_scale" (`train.NoiseScale`),
+    recomputed here so that a run logged before it is drawn the same. Each of trace_cov and
+    grad_sq is unbiased and their ratio is not, so they are averaged first
+    (pegrad.gradient_noise_scale); both EMAs start at 0 with the same decay, so their ratio
+    needs no bias correction. A step whose grad_sq EMA is ≤ 0 (noise outweighs the signal so
+    far) has no smoothed value (NaN)."""
+    logged = [m for m in read_metrics(run) if "trace_cov" in m and "grad_sq" in m]
     if not logged:
         raise ValueError(f"{run / 'metrics.jsonl'}: no trace_cov/grad_sq (written by train.py)")
     trace = np.array([m["trace_cov"] for m in logged], float)
@@ -380,7 +394,7 @@ def noise_scale_series(run: Path, decay: float = NOISE_EMA) -> dict[str, np.ndar
     with np.errstate(divide="ignore", invalid="ignore"):
         return {
             "step": np.array([m["step"] for m in logged], float),
-            "noise_scale": trace / grad,
+            "noise_scale_batch": trace / grad,
             "smoothed": np.where(den > 0, num / den, np.nan),
             "trace_cov": trace,
             "grad_sq": grad,
@@ -389,27 +403,44 @@ def noise_scale_series(run: Path, decay: float = NOISE_EMA) -> dict[str, np.ndar
         }
 
 
-def draw_noise_scale(run: Path, decay: float = NOISE_EMA) -> None:
-    """RUN/noise_scale.png: B_simple against step (log y; each batch's ratio as dots, those ≤ 0
-    marked at the bottom; the ratio of the EMAs as a line), and its numerator tr Σ and
-    denominator |G|² (their EMAs) beside it."""
-    series = noise_scale_series(run, decay)
+def loss_series(run: Path) -> dict[str, np.ndarray]:
+    """From RUN/metrics.jsonl: "step" and "loss" of each logged training batch, "eval_step"
+    and "eval_loss" of each evaluation (train.py's labels: the loss of the parameters after
+    that many updates)."""
+    records = read_metrics(run)
+    train = [(m["step"], m["loss"]) for m in records if "loss" in m]
+    held = [(m["step"], m["eval_loss"]) for m in records if "eval_loss" in m]
+    pairs = lambda xs: np.array(xs, float).reshape(-1, 2).T  # noqa: E731
+    (step, loss), (eval_step, eval_loss) = pairs(train), pairs(held)
+    return {"step": step, "loss": loss, "eval_step": eval_step, "eval_loss": eval_loss}
+
+
+def draw_run(run: Path, decay: float = NOISE_EMA) -> Path | None:
+    """RUN/run.png: the train and eval loss against step; B_simple against step (log y; the
+    smoothed estimate train.py logs as noise_scale as a line, each batch's ratio as dots, those
+    ≤ 0 marked at the bottom); and its numerator tr Σ and denominator |G|² (their EMAs). The
+    path written, or None without matplotlib (`NO_FIGURE`)."""
+    series, losses = noise_scale_series(run, decay), loss_series(run)
     plt = pyplot()
     if plt is None:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    x, raw, smooth = series["step"], series["noise_scale"], series["smoothed"]
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     ax = axes[0]
+    ax.plot(losses["step"], losses["loss"], "-", color="C0", lw=1, label="train (one batch)")
+    ax.plot(losses["eval_step"], losses["eval_loss"], "o-", color="C3", label="eval (held out)")
+    finish(ax, "loss", "step", "loss")
+    x, raw, smooth = series["step"], series["noise_scale_batch"], series["smoothed"]
+    ax = axes[1]
     ok = np.isfinite(raw) & (raw > 0)
     ax.plot(x[ok], raw[ok], ".", color="0.6", ms=3, label="one batch: tr Σ / |G|²")
     if (~ok).any():
         floor = np.nanmin(np.where(ok, raw, np.nan)) if ok.any() else 1.0
         ax.plot(x[~ok], np.full((~ok).sum(), floor), "v", color="C3", ms=4,
                 label="one batch: |G|² ≤ 0 (noise outweighs the signal)")  # fmt: skip
-    ax.plot(x, smooth, "-", color="C0", label=f"EMA(tr Σ) / EMA(|G|²), decay {decay:g}/log")
+    ax.plot(x, smooth, "-", color="C0", label=f"noise_scale: EMA(tr Σ) / EMA(|G|²), {decay:g}/log")
     ax.set_yscale("log")
     finish(ax, "gradient noise scale B_simple (≈ the critical batch)", "step", "units (examples)")
-    ax = axes[1]
+    ax = axes[2]
     for key, label, c in (("trace_cov", "tr Σ", "C1"), ("grad_sq", "|G|²", "C2")):
         ema = series[key + "_ema"]
         ax.plot(x, np.where(series[key] > 0, series[key], np.nan), ".", color=c, ms=2, alpha=0.4)
@@ -417,7 +448,8 @@ def draw_noise_scale(run: Path, decay: float = NOISE_EMA) -> None:
     ax.set_yscale("log")
     finish(ax, "numerator and denominator (each unbiased; values ≤ 0 not drawn)", "step", "")
     fig.suptitle(str(run), fontsize=9)
-    save(fig, run / "noise_scale.png", plt)
+    save(fig, run / "run.png", plt)
+    return run / "run.png"
 
 
 def cost_table(markdown: str) -> tuple[list[str], list[str], np.ndarray]:
@@ -467,11 +499,42 @@ def draw_costs(markdown: Path, out: Path) -> None:
     save(fig, out, plt)
 
 
-if __name__ == "__main__":
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python plots.py DIR ... | --costs TABLE.md OUT.png | --help`: one line "error: ..." and
+    exit status 1 on a folder it cannot draw, or without matplotlib (`NO_FIGURE`)."""
+    import argparse
     import sys
 
-    if sys.argv[1:2] == ["--costs"]:  # python plots.py --costs README.md results/figures/costs.png
-        draw_costs(Path(sys.argv[2]), Path(sys.argv[3]))
-    else:
-        for folder in sys.argv[1:]:
-            draw(Path(folder))
+    parser = argparse.ArgumentParser(
+        prog="plots.py",
+        description="Draw a train.py run (OUT/run.png: train and eval loss, gradient noise "
+        "scale) or an experiments.py study (OUT/<experiment>.png), from the files they wrote.",
+        epilog='matplotlib is optional: pip install -e ".[plots]" (installed: "pegrad[plots]")',
+    )
+    parser.add_argument("folders", nargs="*", type=Path, metavar="DIR",
+                        help="a train.py --out directory, or a study's results/NAME")  # fmt: skip
+    parser.add_argument("--costs", nargs=2, type=Path, metavar=("TABLE.md", "OUT.png"),
+                        help="the cost table of TABLE.md (the README) as a picture")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not (args.folders or args.costs):
+        parser.error("give a DIR to draw, or --costs TABLE.md OUT.png")
+    for folder in args.folders:
+        if not ((folder / "metrics.jsonl").is_file() or (folder / "summary.json").is_file()):
+            sys.exit(f"error: {folder} holds no metrics.jsonl (train.py) or summary.json (a study)")
+    try:
+        import matplotlib  # noqa: F401  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        sys.exit(f"error: {NO_FIGURE}")
+    if args.costs:
+        draw_costs(*args.costs)
+        print(f"wrote {args.costs[1]}")
+    for folder in args.folders:
+        try:
+            draw(folder)
+        except (ValueError, KeyError, OSError) as err:
+            sys.exit(f"error: {folder}: {err}")
+        print(f"drew {folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -24,13 +24,15 @@ Writes into --out (default runs/<timestamp>), created when training starts: conf
 resolved config; --resume, how a process began, is recorded false), metrics.jsonl (one object
 per logged step: step, loss, lr, grad_norm, frac_snr_gt_1_over_B (the fraction of coordinates
 with μ̂² > σ̂²/B), nu_adam_over_nu_micro (ḡ²/q averaged over coordinates), the gradient noise
-scale of the step's batch (`pegrad.gradient_noise_scale`: trace_cov = tr Σ and grad_sq = |G|²,
-each unbiased, and noise_scale = B_simple = their ratio, which is not: average trace_cov and
-grad_sq over steps before dividing, as `python plots.py OUT` draws it), and eval_loss when
-evaluated), checkpoint.npz (no pickle) with a human-readable checkpoint.json. "step" counts the
-optimizer updates applied to the parameters a loss was measured on, everywhere: the console's
-`step N/STEPS  loss L` is metrics.jsonl's {"step": N, "loss": L}, printed (off a terminal) on
-the steps metrics.jsonl logs, every --log-interval, at each evaluation and at the last step.
+scale B_simple = tr Σ / |G|² (`pegrad.gradient_noise_scale`): noise_scale, the one to plot,
+is the ratio of trace_cov_ema and grad_sq_ema, moving averages over the logged steps of the
+step's batch's trace_cov = tr Σ and grad_sq = |G|² (each unbiased; `NoiseScale`; null while
+the averaged |G|² is ≤ 0), and noise_scale_batch is one batch's ratio (biased, noisy, can be
+negative), and eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable
+checkpoint.json. "step" counts the optimizer updates applied to the parameters a loss was
+measured on, everywhere: the console's `step N/STEPS  loss L  noise scale S` is metrics.jsonl's
+{"step": N, "loss": L, "noise_scale": S}, printed (off a terminal) on the steps metrics.jsonl
+logs, every --log-interval, at each evaluation and at the last step.
 
 Your own model and data: a factory `make(cfg, *, key) -> Task` (the parameters, the loss of one
 example, a batch sampler and its data; see `Task`), named by `--task MODULE:NAME` or
@@ -138,11 +140,11 @@ class Config:
     size: Literal["tiny", "mini", "small", "paper"] = knob(
         "mini", "preset: SIZES, MLP_SIZES in train.py"
     )
-    d_model: int | None = knob(None, "transformer width (None: the preset's)")
-    n_layers: int | None = knob(None, "transformer blocks (None: the preset's)")
-    n_heads: int | None = knob(None, "attention heads (None: the preset's)")
-    d_ff: int | None = knob(None, "transformer MLP width (None: the preset's)")
-    context_length: int | None = knob(None, "transformer context (None: the preset's)")
+    d_model: int | None = knob(None, "transformer width (None: the preset's)", min=1)
+    n_layers: int | None = knob(None, "transformer blocks (None: the preset's)", min=1)
+    n_heads: int | None = knob(None, "attention heads (None: the preset's)", min=1)
+    d_ff: int | None = knob(None, "transformer MLP width (None: the preset's)", min=1)
+    context_length: int | None = knob(None, "transformer context (None: the preset's)", min=1)
     dtype: Literal["float32", "bfloat16", "float64"] = knob("float32", "parameter dtype")
     # Data.
     data: str | None = knob(None, "UTF-8 text file (None: CPython's pydoc_data.topics text)")
@@ -152,13 +154,15 @@ class Config:
     optimizer: Literal[AdamFamily, SignFamily] = knob("micro_adam", "update rule (optimizers.py)")
     impl: Literal["vmap", "factorized"] = knob("factorized", "pegrad implementation", resume=True)
     granularity: Literal["example", "token"] = knob("example", "statistics over examples/tokens")
-    chunk_size: int | None = knob(None, "max per-example gradients at once (pegrad)", resume=True)
+    chunk_size: int | None = knob(
+        None, "max per-example gradients at once (pegrad)", min=1, resume=True
+    )
     lr: float = knob(3e-3, "peak learning rate", min=0)
     schedule: Literal["constant", "cosine"] = knob("cosine", "after warmup: constant or cosine")
     warmup: int = knob(50, "linear warmup steps", min=0)
     b1: float = knob(0.9, "Adam family: first-moment decay")
     b2: float = knob(0.999, "Adam family: second-moment decay")
-    eps: float = knob(1e-8, "Adam family: epsilon outside the square root")
+    eps: float = knob(1e-8, "Adam family: epsilon outside the square root", min=0)
     eps_root: float | None = knob(
         None, "Adam family: epsilon inside the square root, optax's eps_root (None: none)", min=0
     )
@@ -167,7 +171,7 @@ class Config:
         "none", "micro_adam_msq: average v̂ over each tensor or row before the root"
     )
     weight_decay: float = knob(0.0, "decoupled weight decay on matrices and embeddings", min=0)
-    max_grad_norm: float | None = knob(None, "clip by the global norm of the mean gradient")
+    max_grad_norm: float | None = knob(None, "clip by the global norm of the mean gradient", min=0)
     # Run.
     batch_size: int = knob(32, "examples per step, over all devices", min=1)
     steps: int = knob(600, "updates in the whole run (cosine: over these)", min=1, resume=True)
@@ -301,10 +305,13 @@ def read_config(saved: Path) -> dict[str, Any]:
 def refuse_changes(saved: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
     """ConfigError unless every knob of `new` that may not change on resume equals the run's
     (`old`, read from `saved`), naming each that differs with both values."""
+    same = lambda k, a, b: task_spec(a) == task_spec(b) if k == "task" else a == b  # noqa: E731
     differ = [
         f"{flag(f.name)} {spell(new[f.name])} differs from the run's {spell(old.get(f.name))}"
         for f in dataclasses.fields(Config)
-        if not f.metadata["resume"] and f.name in new and new[f.name] != old.get(f.name)
+        if not f.metadata["resume"]
+        and f.name in new
+        and not same(f.name, new[f.name], old.get(f.name))
     ]
     if differ:
         raise ConfigError(
@@ -353,6 +360,8 @@ def check(cfg: Config) -> Config:
         )
     if cfg.data is not None and not Path(cfg.data).is_file():
         raise ConfigError(f"data file not found: {cfg.data}")
+    make_optimizer(cfg)  # its own checks (b1, b2, momentum, ...), before any work
+    cfg = dataclasses.replace(cfg, task=task_spec(cfg.task))
     if cfg.resume and cfg.out is None:
         raise ConfigError("--resume needs --out DIR, the run to continue")
     if cfg.out is None:
@@ -379,6 +388,15 @@ def check(cfg: Config) -> Config:
     return cfg
 
 
+def task_spec(spec: str | None) -> str | None:
+    """--task as config.json records it: PATH.py:NAME with the path made absolute, so that
+    --resume finds the file from any directory; MODULE:NAME (and None) as given."""
+    where, sep, name = (spec or "").rpartition(":")
+    if spec is None or not (sep and where) or not (where.endswith(".py") or "/" in where):
+        return spec
+    return f"{Path(where).expanduser().resolve()}:{name}"
+
+
 def check_out(out: Path) -> None:
     """--out is a directory this process may create, or write into."""
     for there in (out, *out.parents):
@@ -390,6 +408,15 @@ def check_out(out: Path) -> None:
             return
 
 
+def digits(*values: float) -> list[str]:
+    """The values with the fewest significant digits (at least 6) that tell them apart."""
+    for p in range(6, 18):
+        shown = [f"{float(v):.{p}g}" for v in values]
+        if len(set(shown)) == len(set(map(float, values))):
+            return shown
+    return [repr(float(v)) for v in values]
+
+
 def check_schedule(old: Config, new: Config, taken: int) -> None:
     """A resumed run equals an uninterrupted run of its new config only if the learning rate of
     each of the `taken` steps behind its checkpoint is what the new config gives it: --steps
@@ -399,11 +426,12 @@ def check_schedule(old: Config, new: Config, taken: int) -> None:
     before, after = (np.asarray(make_schedule(c)(steps)) for c in (old, new))
     if not np.array_equal(before, after):
         first = int(np.flatnonzero(before != after)[0])
+        now, was = digits(after[first], before[first])
         raise ConfigError(
             f"--resume --steps {new.steps}: the {new.schedule} schedule is laid over --steps, "
             f"and this run took its {taken} steps with --steps {old.steps} (the learning rate "
-            f"of step {first} would be {after[first]:.6g}, not {before[first]:.6g}), so it "
-            f"would equal no uninterrupted run; resume with --steps {old.steps}, or start a "
+            f"of step {first} would be {now}, not {was}), so it would equal no uninterrupted "
+            f"run; resume with --steps {old.steps}, or start a "
             "new run (--schedule constant does not depend on --steps)"
         )
 
@@ -599,6 +627,12 @@ def make_task(cfg: Config, *, key: PRNGKeyArray, factory: TaskFactory | None = N
                 f"task {name}: sample's batch{jax.tree_util.keystr(path)} has shape "
                 f"{leaf.shape}; every leaf's leading axis must be --batch-size "
                 f"{cfg.batch_size}"
+                + (
+                    "; a list of examples? stack them: jax.tree.map(lambda *x: jnp.stack(x), "
+                    "*examples)"
+                    if isinstance(batch, list)
+                    else ""
+                )  # fmt: skip
             )
     example = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), batch)
     loss = jax.eval_shape(task.loss_fn, task.params, example)
@@ -611,6 +645,7 @@ def make_task(cfg: Config, *, key: PRNGKeyArray, factory: TaskFactory | None = N
             f"shape {loss.shape} {loss.dtype}"
             if isinstance(loss, jax.ShapeDtypeStruct)
             else f"a {type(loss).__name__}"
+            + (" (a (loss, aux) pair? return the loss alone)" if isinstance(loss, tuple) else "")
         )
         raise ConfigError(
             f"task {name}: loss_fn(params, example) returned {what} for one example; it must "
@@ -857,7 +892,8 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
     μ̂² > σ̂²/B  ⇔  (B·ḡ² − q)/(B−1) > (q − ḡ²)/(B−1)  ⇔  (B+1)·ḡ² > 2q; and the gradient
     noise scale from the same three, the global numbers of `pegrad.gradient_noise_scale`:
     trace_cov = tr Σ = B/(B−1)·Σ(q − ḡ²), grad_sq = |G|² = Σḡ² − tr Σ/B (each unbiased) and
-    noise_scale = B_simple = their ratio (which is not). Formed here from the flat vectors the
+    noise_scale_batch = their ratio on this one batch (which is not; `NoiseScale` smooths each
+    part before dividing, the "noise_scale" a run logs). Formed here from the flat vectors the
     other diagnostics use, in float32 like them: two sums that fuse with theirs (no measurable
     cost; pegrad's per-leaf form cost ~5 % of the default LM's step in small reductions)."""
     flat = lambda tree: jnp.concatenate(
@@ -875,8 +911,34 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
         / jnp.maximum(jnp.sum(q > 0, dtype=jnp.float32), 1.0),
         "trace_cov": trace_cov,
         "grad_sq": grad_sq,
-        "noise_scale": trace_cov / grad_sq,
+        "noise_scale_batch": trace_cov / grad_sq,
     }
+
+
+NOISE_EMA = 0.9  # decay per logged step of the averages whose ratio is the logged noise_scale
+
+
+class NoiseScale:
+    """The gradient noise scale B_simple = tr Σ / |G|² as a run logs it ("noise_scale"): each
+    part averaged first, an exponential moving average over the logged steps (decay NOISE_EMA;
+    both start at 0, so their ratio needs no bias correction), then divided, as
+    `pegrad.gradient_noise_scale` says (each part is unbiased, their ratio is not, and one
+    batch's |G|² can be ≤ 0). None while the averaged |G|² is ≤ 0 (noise outweighs the signal
+    so far). A resumed run replays the records it keeps, so it logs what an uninterrupted one
+    does; `python plots.py OUT` draws the same average."""
+
+    def __init__(self, decay: float = NOISE_EMA):
+        self.decay, self.trace, self.grad = decay, 0.0, 0.0
+
+    def add(self, record: Mapping[str, Any]) -> dict[str, float | None]:
+        """Fold one logged record's trace_cov and grad_sq in; the averages and their ratio."""
+        a = self.decay
+        self.trace = a * self.trace + (1 - a) * float(record["trace_cov"])
+        self.grad = a * self.grad + (1 - a) * float(record["grad_sq"])
+        return {"trace_cov_ema": self.trace, "grad_sq_ema": self.grad, "noise_scale": self.ratio()}
+
+    def ratio(self) -> float | None:
+        return self.trace / self.grad if self.grad > 0 else None
 
 
 def make_step(
@@ -1034,13 +1096,17 @@ class Progress:
     def __init__(self, cfg: Config, start: int, units_per_step: int, unit: str):
         self.cfg, self.start, self.units_per_step, self.unit = cfg, start, units_per_step, unit
         self.tty, self.t0 = sys.stdout.isatty(), 0.0
+        self.noise_scale: float | None = None  # the logged noise_scale so far (`NoiseScale`)
         self.quiet = jax.process_index() != 0  # one process speaks for a multi-process run
 
     def update(self, step: int, loss: float) -> None:
-        """`loss`: step `step`'s, measured before its update (metrics.jsonl's "step")."""
+        """`loss`: step `step`'s, measured before its update (metrics.jsonl's "step"), and
+        `noise_scale`, the smoothed B_simple logged so far (`NoiseScale`), where there is one."""
         if self.quiet:
             return
         line = f"step {step}/{self.cfg.steps}  loss {loss:.4f}"
+        if self.noise_scale is not None:
+            line += f"  noise scale {self.noise_scale:.3g}"
         if step == self.start:  # the first step compiles: measure the speed from its end
             self.t0 = time.perf_counter()
         else:
@@ -1064,8 +1130,9 @@ class Progress:
 
 
 def main(cfg: Config, task: TaskFactory | None = None) -> dict[str, Any]:
-    """Train per `cfg` and return the final metrics: {"out", "steps", "loss", "eval_loss",
-    "first_eval_loss", "seconds"}.
+    """Train per `cfg` and return the final metrics: {"out", "steps", "steps_run" (those this
+    call ran: fewer when resumed), "loss", "eval_loss", "first_eval_loss" (the run's, from
+    before a resume too), "seconds"}.
 
     `task`: your own model and data, a factory `(cfg, *, key) -> Task` (what --task names on
     the command line; config.json records it as "MODULE:NAME").
@@ -1119,20 +1186,45 @@ def ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
             signal.signal(signal.SIGINT, previous)
 
 
+def resume_command(out: Path) -> str:
+    """The command, to paste where the run was started, that continues the run in `out`:
+    `cli_config` reads every knob not typed from its config.json."""
+    if __package__:  # installed: python -m pegrad.train
+        program = f"python -m {__package__}.train"
+    else:
+        here = Path(__file__).resolve()
+        shown = os.path.relpath(here) if here.parent == Path.cwd().resolve() else str(here)
+        program = f"python {shlex.quote(shown)}"
+    return f"{program} --resume --out {shlex.quote(str(out))}"
+
+
 def interrupted(out: Path) -> str:
-    """What Ctrl-C says: where the run in `out` stands, and the command that continues it
-    (the flags of `python train.py`, as typed: `cli_config` reads the rest from config.json)."""
-    resume = f"--resume --out {shlex.quote(str(out))}"
+    """What Ctrl-C says: where the run in `out` stands, and the command that continues it."""
+    resume = resume_command(out)
     with contextlib.suppress(ConfigError):
         step = checkpoint_step(out)
         if step is not None:
             return (
-                f"the last checkpoint is {out / 'checkpoint.npz'} (step {step}); {resume} "
-                "continues from it"
+                f"the last checkpoint is {out / 'checkpoint.npz'} (step {step}); continue it "
+                f"with: {resume}"
             )
     if (out / "config.json").is_file():
-        return f"before the first checkpoint of {out}; {resume} starts it over"
+        return f"before the first checkpoint of {out}; start it over with: {resume}"
     return f"before anything was written to {out}: nothing to resume, run the command again"
+
+
+def divergence_fixes(cfg: Config) -> str:
+    """What a run that diverged can change (SPEC §4; README, Results: MicroAdamMSQ's divergence
+    is an ε artefact): the flags, with this run's values."""
+    lr = f"a smaller --lr (this run: {cfg.lr:g}, warmup {cfg.warmup})"
+    if cfg.optimizer == "micro_adam_msq" and not (cfg.eps == 0 and cfg.eps_root):
+        root = cfg.eps or 1e-8
+        return (
+            "micro_adam_msq divides by √ReLU(v̂) + ε, and v̂ = μ̂² is ~0 (or below) where the "
+            f"noise outweighs the mean: put ε inside the root, --eps 0 --eps-root {root:g} "
+            f"(the paper's form, SPEC §4), or --msq-block tensor; else {lr}"
+        )
+    return f"Try {lr}, or --max-grad-norm" if cfg.max_grad_norm is None else f"Try {lr}"
 
 
 def start_writing(out: Path, cfg: Config, metrics: str) -> list[Path]:
@@ -1222,8 +1314,15 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
     metrics_path = out / "metrics.jsonl"
     old = metrics_path.read_text().splitlines() if start > 0 and metrics_path.exists() else []
     earlier = "".join(line + "\n" for line in old if json.loads(line)["step"] < start)
+    noise = NoiseScale()  # the noise scale's averages, as the records kept left them
+    for line in earlier.splitlines():
+        if "trace_cov" in (kept := json.loads(line)):
+            noise.add(kept)
     progress = Progress(cfg, start, cfg.batch_size * task.units_per_example, task.unit)
-    result: dict[str, Any] = {"out": str(out), "steps": cfg.steps}
+    result: dict[str, Any] = {"out": str(out), "steps": cfg.steps, "steps_run": cfg.steps - start}
+    for line in earlier.splitlines():  # the run's first evaluation, before a resume
+        if "eval_loss" in (kept := json.loads(line)):
+            result.setdefault("first_eval_loss", kept["eval_loss"])
     last_saved = start if start > 0 else None
     # Nothing was written before here. A run that fails before it logs a step (e.g. its step
     # does not compile) removes what it created; Ctrl-C keeps config.json, to resume from.
@@ -1250,7 +1349,7 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
                 kept = (
                     f"kept the last good checkpoint, {out / 'checkpoint.npz'} (step {last_saved})"
                 )
-            return Diverged(f"{why}; stopped, {kept}")
+            return Diverged(f"{why}; stopped, {kept}. {divergence_fixes(cfg)}")
 
         def evaluate(step: int) -> float:
             value = float(np.mean([float(eval_loss(tree["params"], b)) for b in eval_sets]))
@@ -1278,6 +1377,7 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
             if logs(cfg, step):
                 record |= {"loss": loss, "lr": lr(step)}
                 record |= {k: float(v) for k, v in diag.items()}
+                record |= noise.add(record)
                 record["seconds"] = round(time.perf_counter() - t_start, 3)
                 write(record)
             if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.steps:
@@ -1285,13 +1385,15 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
                 if lead:
                     save_checkpoint(out, step + 1, whole, cfg)
                 last_saved = step + 1
+            progress.noise_scale = noise.ratio()
             progress.update(step, loss)
         write({"step": cfg.steps, "eval_loss": evaluate(cfg.steps)})
     result["seconds"] = time.perf_counter() - t_start
     first = result.get("first_eval_loss", float("nan"))
+    ran = f"{cfg.steps} steps" if start == 0 else f"steps {start} -> {cfg.steps} (resumed)"
     say(
-        f"done: {cfg.steps} steps in {result['seconds']:.0f}s, eval loss {first:.4f} -> "
-        f"{result['eval_loss']:.4f}; wrote {out}"
+        f"done: {ran} in {result['seconds']:.0f}s, eval loss {first:.4f} -> "
+        f"{result['eval_loss']:.4f} over the run; wrote {out}"
     )
     return result
 

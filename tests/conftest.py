@@ -6,6 +6,7 @@ signature in pegrad, models and optimizers with beartype while the tests run.
 
 import fnmatch
 import os
+from collections.abc import Sequence
 
 import pytest
 
@@ -66,15 +67,99 @@ SLOW = (
 )
 
 
-def is_slow(nodeid: str) -> bool:
-    """Whether SLOW names the test: its node id, or the test without [...] (every case), or
-    the test with a [...] pattern of its cases (fnmatch: "[*-B5]")."""
+# The fast suite, the README's test command (`python -m pytest -q -m fast`): a few minutes on two
+# cores, and still every route of pegrad.ROUTES, every statistic, every optimizer, train.py
+# (in process and as a script), plots.py, the README's code and the refusals a new user meets
+# (tests/test_fast_suite.py checks that it does). CI runs it, then the rest (-m "not fast"):
+# every test once. An entry names a test file, a test, or some of its cases (`matches`).
+FAST = (
+    # Every statistic and implementation against the naive loop, on every piece at B = 2, and
+    # on the zoo's models whose routes the pieces do not take (routed-part, disjoint-parts) or
+    # whose framework they do not use (nnx, eqx layers, a custom_jvp).
+    "tests/test_pegrad.py::test_every_statistic_and_implementation_equals_the_naive_loop[*-B2]",
+    "tests/test_pegrad.py::test_zero_size_and_scalar_leaves[2]",  # the "empty" route
+    "tests/test_pegrad.py::test_explain_names_the_route_of_every_leaf",
+    "tests/test_pegrad.py::test_explain_runs_nothing",
+    "tests/test_pegrad.py::test_mismatched_leading_axes_name_the_leaf",
+    "tests/test_pegrad.py::test_non_scalar_loss_is_an_error",
+    "tests/test_pegrad.py::test_integer_parameter_leaves_are_named",
+    "tests/test_pegrad.py::test_variance_of_one_example_is_an_error",
+    "tests/test_pegrad.py::test_unknown_names_and_missing_clip_norm_are_errors",
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[looped_stack-2]",
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[moe_top1_gather-2]",
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[eqx_conv-2]",
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[custom_jvp-2]",
+    "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[nnx_mlp-2]",
+    "tests/test_api.py::test_an_equinox_module_as_it_is",
+    "tests/test_api.py::test_a_flax_nnx_module_as_it_is",
+    "tests/test_api.py::test_a_statistic_named_by_a_string",
+    "tests/test_api.py::test_nan_propagates_by_default",
+    "tests/test_api.py::test_variance_of_one_kept_example_is_an_error_or_nan_under_jit",
+    "tests/test_api.py::test_batch_norm_in_training_mode_is_refused_naming_the_framework",
+    "tests/test_api.py::test_has_aux_with_a_scalar_loss_is_an_error",
+    "tests/test_accumulate.py::test_accumulation_as_a_scan_carry",
+    "tests/test_accumulate.py::test_what_cannot_be_combined_is_refused",
+    "tests/test_noise_scale.py",
+    # Every optimizer: both implementations against its formula; what each reads.
+    "tests/test_optimizers.py::test_impls_agree_and_match_formula[*-mlp]",
+    "tests/test_optimizers.py::test_required_stats_of_every_optimizer",
+    "tests/test_optimizers.py::test_missing_stats_is_a_clear_error",
+    "tests/test_optimizers.py::test_bad_hyperparameters_are_a_clear_error",
+    "tests/test_optimizers_compose.py::test_optax_multisteps_is_refused_naming_multi_steps",
+    "tests/test_optimizers_compose.py::test_an_elementwise_change_before_a_rule_is_refused",
+    "tests/test_optimizers_compose.py::test_required_stats_of_compositions",
+    "tests/test_optimizers_compose.py::test_multi_steps_returns_zero_updates_between_updates",
+    "tests/test_optimizers_docs.py",
+    "tests/test_contracts.py::test_dropout_drawing_the_same_mask_for_every_example_is_refused",
+    "tests/test_contracts.py::test_optax_multisteps_around_a_statistics_rule_is_refused_before_it_runs",
+    # train.py in process (a run, its metrics and console, bad input) and as a script; plots.py.
+    "tests/test_train.py::test_cli_round_trip",
+    "tests/test_train.py::test_console_and_metrics_label_each_loss_with_the_same_step",
+    "tests/test_train.py::test_diagnostics_hold_the_gradient_noise_scale",
+    "tests/test_train.py::test_bad_input_is_a_config_error",
+    "tests/test_train.py::test_a_bad_task_is_refused_before_any_work",
+    "tests/test_train.py::test_cli_failure_is_one_line_naming_the_fix_and_leaves_nothing_behind[factory-signature]",
+    "tests/test_train.py::test_checkpoint_round_trip_keeps_dtypes_and_rejects_another_model",
+    "tests/test_train.py::test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint",
+    "tests/test_train.py::test_every_flag_is_checked_before_any_work",
+    "tests/test_train.py::test_a_refused_resume_prints_learning_rates_with_the_digits_that_differ",
+    "tests/test_train.py::test_metrics_log_the_smoothed_noise_scale_and_the_console_shows_it",
+    "tests/test_train.py::test_a_divergence_names_the_flags_that_fix_it",
+    "tests/test_train_step.py::test_schedule_equals_its_formula",
+    "tests/test_train_step.py::test_the_optimizer_decays_matrices_only",
+    "tests/test_plots.py",
+    # The README's code, the layout, the public API, the package, the refusals of issue 50.
+    "tests/test_readme.py",
+    "tests/test_layout.py",
+    "tests/test_public_api.py",
+    "tests/test_refusals.py",
+    "tests/test_fast_suite.py",
+    "tests/test_install.py::test_wheel_is_one_package_named_pegrad",
+    "tests/test_install.py::test_one_import_line_in_a_checkout_beside_a_users_own_files",
+)
+
+
+def matches(nodeid: str, entries: Sequence[str]) -> bool:
+    """Whether an entry names the test: its file, its node id, the test without [...] (every
+    case), or the test with a [...] pattern of its cases (fnmatch: "[*-B5]")."""
     test, _, case = nodeid.partition("[")
-    for entry in SLOW:
-        slow_test, _, slow_cases = entry.partition("[")
-        if slow_test == test and (not slow_cases or fnmatch.fnmatchcase(case, slow_cases)):
+    for entry in entries:
+        named, _, cases = entry.partition("[")
+        if entry == test.split("::")[0] or (
+            named == test and (not cases or fnmatch.fnmatchcase(case, cases))
+        ):
             return True
     return False
+
+
+def is_fast(nodeid: str) -> bool:
+    """Whether FAST names the test (`matches`)."""
+    return matches(nodeid, FAST)
+
+
+def is_slow(nodeid: str) -> bool:
+    """Whether SLOW names the test (`matches`)."""
+    return matches(nodeid, SLOW)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -82,10 +167,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+        if is_fast(item.nodeid):
+            item.add_marker(pytest.mark.fast)
     # A renamed test must not slip into the quick suite unnoticed.
     modules = {item.nodeid.split("::")[0]: getattr(item, "module", None) for item in items}
-    for entry in SLOW:
-        path, name = entry.split("[")[0].split("::")
-        module = modules.get(path)
-        if module is not None and not hasattr(module, name):
-            raise pytest.UsageError(f"tests/conftest.py SLOW names {entry}: no such test")
+    for kind, entries in (("SLOW", SLOW), ("FAST", FAST)):
+        for entry in entries:
+            path, _, name = entry.split("[")[0].partition("::")
+            module = modules.get(path)
+            if module is not None and name and not hasattr(module, name):
+                raise pytest.UsageError(f"tests/conftest.py {kind} names {entry}: no such test")

@@ -204,10 +204,12 @@ def expected(c: dict[str, Any], params: dict, grads: dict) -> dict:
 
 
 def refused(error: BaseException) -> bool:
-    """A refusal: pegrad's error, or (a user's own jax.jit) JAX's error carrying it."""
+    """A refusal: pegrad's error, or (a user's own jax.jit) JAX's error carrying Equinox's
+    (a JaxRuntimeError, or a ValueError under jax_enable_x64)."""
     if isinstance(error, optimizers.InconsistentUpdates):
         return True
-    return isinstance(error, jax.errors.JaxRuntimeError) and "InconsistentUpdates" in str(error)
+    runtime = (jax.errors.JaxRuntimeError, ValueError)
+    return isinstance(error, runtime) and "optimizers.InconsistentUpdates" in str(error)
 
 
 CANCELLING = {"outer": ["decay_1e-9", "scale"], "inner": ["decay_1e-9", "decay_1e-9"]}

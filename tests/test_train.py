@@ -161,7 +161,7 @@ def test_diagnostics_hold_the_gradient_noise_scale():
     }
     diag = train.diagnostics(stats)
     assert (float(diag["trace_cov"]), float(diag["grad_sq"])) == (3.0, 4.0)
-    assert float(diag["noise_scale"]) == 0.75
+    assert float(diag["noise_scale_batch"]) == 0.75
     # ...on any statistics: pegrad's global numbers (train forms them in float32, flat)
     import pegrad
 
@@ -178,7 +178,7 @@ def test_diagnostics_hold_the_gradient_noise_scale():
     for ours, theirs in (
         ("trace_cov", "trace_cov"),
         ("grad_sq", "grad_sq"),
-        ("noise_scale", "b_simple"),
+        ("noise_scale_batch", "b_simple"),
     ):
         np.testing.assert_allclose(diag[ours], want[theirs], rtol=1e-5, err_msg=ours)
 
@@ -200,8 +200,8 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, monkeypatch: pyt
             train.main(tiny(killed, **steps))
     assert isinstance(err.value, KeyboardInterrupt)
     assert str(err.value) == (
-        f"the last checkpoint is {killed / 'checkpoint.npz'} (step 4); --resume --out {killed} "
-        "continues from it"
+        f"the last checkpoint is {killed / 'checkpoint.npz'} (step 4); continue it with: "
+        f"{train.resume_command(killed)}"
     )
     assert json.loads((killed / "checkpoint.json").read_text())["step"] == 4
     train.main(tiny(killed, resume=True, **steps))
@@ -304,9 +304,9 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path: Path):
     assert proc.returncode == 130, stderr
     step = train.checkpoint_step(out)
     assert step is not None and step % 3 == 0
-    assert stderr.strip().splitlines() == [
+    assert stderr.strip().splitlines() == [  # a command to paste where the run started
         f"interrupted: the last checkpoint is {out / 'checkpoint.npz'} (step {step}); "
-        f"--resume --out {out} continues from it"
+        f"continue it with: python train.py --resume --out {out}"
     ]
 
 
@@ -360,7 +360,7 @@ def test_the_ctrl_c_hint_continues_the_run_as_it_was_configured(
              "--checkpoint-interval", "3"]  # fmt: skip
     full = tmp_path / "full"
     train.cli([*flags, "--out", str(full)])
-    for kill_at, then in [(1, "starts it over"), (4, "continues from it")]:
+    for kill_at, then in [(1, "start it over with"), (4, "continue it with")]:
 
         def crash(self: train.Progress, step: int, loss: float, kill_at: int = kill_at) -> None:
             if step == kill_at:
@@ -373,10 +373,11 @@ def test_the_ctrl_c_hint_continues_the_run_as_it_was_configured(
             train.cli([*flags, "--out", str(out)])
         assert exit.value.code == 130
         (line,) = capsys.readouterr().err.strip().splitlines()
-        printed = re.fullmatch(rf"interrupted: .*; (--resume --out .*) {then}", line)
+        printed = re.fullmatch(rf"interrupted: .*; {then}: python (\S+) (--resume --out .*)", line)
         assert printed is not None, line
+        assert Path(printed.group(1)).resolve() == REPO / "train.py"  # the program, to paste
         saved = (out / "config.json").read_bytes()
-        train.cli(shlex.split(printed.group(1)))
+        train.cli(shlex.split(printed.group(2)))
         assert (out / "config.json").read_bytes() == saved
         assert train.checkpoint_step(out) == 5
         assert strip_seconds(metrics(out)) == strip_seconds(metrics(full))
@@ -670,7 +671,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_p
                steps=10, checkpoint_interval=1)  # fmt: skip
     with pytest.raises(train.Diverged, match=r"at step \d+") as err:
         train.main(cfg)
-    assert "checkpoint" in str(err.value)
+    assert "checkpoint" in str(err.value) and "a smaller --lr (this run: 1e+30" in str(err.value)
     diverged = int(re.search(r"at step (\d+)", str(err.value)).group(1))  # pyright: ignore[reportOptionalMemberAccess]
     logged = metrics(tmp_path)
     assert logged[-1]["step"] == diverged and logged[-1]["diverged"].startswith("loss is ")
@@ -726,3 +727,147 @@ def test_two_devices_give_the_losses_of_one(reference: train.Config, tmp_path: P
         for key in ("loss", "eval_loss", "grad_norm", "frac_snr_gt_1_over_B"):
             if key in a:
                 np.testing.assert_allclose(a[key], b[key], rtol=1e-12, err_msg=key)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 50: a new user's first hour with train.py.
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+        (["--d-model", "0"], "--d-model must be >= 1, got 0"),
+        (["--eps=-1e-8"], "--eps must be >= 0"),
+        (["--b1", "1.5"], "b1 must be in"),
+        (["--optimizer", "sign_sgd", "--max-grad-norm", "1.0"], "invariant to gradient scale"),
+        (["--max-grad-norm", "0"], "max_grad_norm must be > 0"),
+    ],
+    ids=["chunk-size", "d-model", "eps", "b1", "sign-clip", "clip-zero"],
+)
+def test_every_flag_is_checked_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], message: str
+):
+    """A bad flag is refused by `check`, before a device, a model or a file is touched."""
+
+    def work(*args: Any) -> Any:
+        raise AssertionError("the run began before the flags were checked")
+
+    monkeypatch.setattr(train, "_train", work)
+    cfg = train.parse_config([*flags, "--out", str(tmp_path / "run")])
+    with pytest.raises(train.ConfigError, match=re.escape(message)):
+        train.main(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_resume_prints_learning_rates_with_the_digits_that_differ():
+    """A schedule laid over another --steps: the two learning rates of the first step that
+    changes are printed with as many digits as tell them apart (not "0.003, not 0.003")."""
+    old = train.Config(schedule="cosine", warmup=0, steps=600, lr=3e-3)
+    new = dataclasses.replace(old, steps=601)
+    with pytest.raises(train.ConfigError) as err:
+        train.check_schedule(old, new, 300)
+    now, was = re.search(r"would be (\S+), not (\S+)\)", str(err.value)).groups()  # pyright: ignore[reportOptionalMemberAccess]
+    assert now != was and float(now) != float(was)
+    assert train.digits(0.003, 0.0030000001) == ["0.003", "0.0030000001"]
+    assert train.digits(0.1, 0.2) == ["0.1", "0.2"]
+
+
+def test_metrics_log_the_smoothed_noise_scale_and_the_console_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """metrics.jsonl's noise_scale is the ratio of the averaged parts (`train.NoiseScale`,
+    what `python plots.py OUT` draws), never one batch's ratio, which is logged as
+    noise_scale_batch; the console prints the smoothed one beside the loss."""
+    import plots
+
+    train.main(tiny(tmp_path, model="mlp", steps=8, log_interval=1, eval_interval=4))
+    logged = [m for m in metrics(tmp_path) if "trace_cov" in m]
+    noise = train.NoiseScale()
+    for m in logged:
+        np.testing.assert_allclose(m["noise_scale_batch"], m["trace_cov"] / m["grad_sq"], 1e-6)
+        assert {k: m[k] for k in ("trace_cov_ema", "grad_sq_ema", "noise_scale")} == noise.add(m)
+    drawn = plots.noise_scale_series(tmp_path)["smoothed"]
+    logged_ratio = np.array(
+        [np.nan if m["noise_scale"] is None else m["noise_scale"] for m in logged]
+    )
+    np.testing.assert_allclose(drawn, logged_ratio, rtol=1e-12)
+    assert any(m["noise_scale"] != m["noise_scale_batch"] for m in logged[1:])
+    console = capsys.readouterr().out
+    shown = re.findall(r"^step (\d+)/8  loss \S+  noise scale (\S+)", console, re.MULTILINE)
+    ratio = {str(m["step"]): m["noise_scale"] for m in logged if m["noise_scale"] is not None}
+    assert shown and all(f"{ratio[s]:.3g}" == v for s, v in shown)
+
+
+def test_a_resumed_run_reports_the_steps_it_ran_and_the_runs_first_eval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    run = dict(model="mlp", schedule="constant", eval_interval=2, checkpoint_interval=2)
+    first = train.main(tiny(tmp_path, steps=4, **run))
+    capsys.readouterr()
+    resumed = train.main(tiny(tmp_path, steps=6, resume=True, **run))
+    assert resumed["steps_run"] == 2 and first["steps_run"] == 4
+    assert (
+        resumed["first_eval_loss"] == first["first_eval_loss"] == metrics(tmp_path)[0]["eval_loss"]
+    )
+    assert "done: steps 4 -> 6 (resumed)" in capsys.readouterr().out
+
+
+def test_a_task_file_resumes_from_any_directory(
+    own_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """--task PATH.py:make typed relative to where the run started: config.json records the
+    file's absolute path, so --resume --out DIR works from another directory (and the same
+    file typed relative to there is the same task)."""
+    monkeypatch.chdir(own_task.parent)
+    out = tmp_path / "run"
+    train.cli(["--task", "my_task.py:make", "--batch-size", "4", "--steps", "2", "--dtype",
+               "float64", "--schedule", "constant", "--out", str(out)])  # fmt: skip
+    recorded = json.loads((out / "config.json").read_text())["task"]
+    assert recorded == f"{own_task}:make"
+    monkeypatch.chdir(tmp_path)
+    train.cli(["--resume", "--out", str(out), "--steps", "3"])
+    train.cli(["--resume", "--out", str(out), "--steps", "4",
+               "--task", f"{os.path.relpath(own_task)}:make"])  # fmt: skip
+    assert train.checkpoint_step(out) == 4
+
+
+@pytest.mark.parametrize(
+    "optimizer, flags", [("micro_adam_msq", "--eps 0 --eps-root 1e-08"), ("adam", "--lr")]
+)
+def test_a_divergence_names_the_flags_that_fix_it(optimizer: str, flags: str):
+    message = train.divergence_fixes(train.Config(optimizer=optimizer))  # type: ignore[arg-type]
+    assert flags in message and "a smaller --lr (this run: 0.003" in message
+
+
+TUPLE_LOSS = """
+import train
+
+def make(cfg, *, key):
+    task = train.mlp_task(cfg, key=key)
+    return task._replace(loss_fn=lambda params, example: (task.loss_fn(params, example), 0.0))
+"""
+LIST_BATCH = """
+import jax
+
+import train
+
+def make(cfg, *, key):
+    task = train.mlp_task(cfg, key=key)
+    def sample(data, *, key):
+        x, y = task.sample(data, key=key)
+        return [(x[i], y[i]) for i in range(cfg.batch_size)]
+    return task._replace(sample=sample)
+"""
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [(TUPLE_LOSS, "a (loss, aux) pair? return the loss alone"), (LIST_BATCH, "stack them")],
+    ids=["tuple-loss", "list-of-examples"],
+)
+def test_a_task_written_the_other_way_names_the_fix(tmp_path: Path, source: str, message: str):
+    (tmp_path / "task.py").write_text(source)
+    cfg = tiny(tmp_path / "run", model="mlp", task=f"{tmp_path / 'task.py'}:make")
+    with pytest.raises(train.ConfigError, match=re.escape(message)):
+        train.main(cfg)
