@@ -360,7 +360,7 @@ def check(cfg: Config) -> Config:
         )
     if cfg.data is not None and not Path(cfg.data).is_file():
         raise ConfigError(f"data file not found: {cfg.data}")
-    make_optimizer(cfg)  # its own checks (b1, b2, momentum, ...), before any work
+    make_optimizer(cfg, schedule=False)  # its own checks (b1, momentum, ...), no JAX call yet
     cfg = dataclasses.replace(cfg, task=task_spec(cfg.task))
     if cfg.resume and cfg.out is None:
         raise ConfigError("--resume needs --out DIR, the run to continue")
@@ -857,15 +857,17 @@ def make_schedule(
 
 
 def make_optimizer(
-    cfg: Config, hyper: Mapping[str, Any] | None = None
+    cfg: Config, hyper: Mapping[str, Any] | None = None, *, schedule: bool = True
 ) -> optax.GradientTransformationExtraArgs:
     """The optimizer `cfg` names; `hyper` overrides fields in HYPERPARAMETERS with values that
-    may be traced (a vectorized sweep's per-run arrays); None stays None."""
+    may be traced (a vectorized sweep's per-run arrays); None stays None. `schedule=False`:
+    the peak lr as a number in place of the schedule, which builds no JAX array (`check` runs
+    before jax.distributed joins the processes)."""
     h = {name: getattr(cfg, name) for name in HYPERPARAMETERS} | dict(hyper or {})
     # Decay matrices and embeddings, not biases or norm scales (optax.add_decayed_weights'
     # mask: a function of params, or a pytree of bools).
     kwargs: dict[str, Any] = dict(
-        learning_rate=make_schedule(cfg, h["lr"]),
+        learning_rate=make_schedule(cfg, h["lr"]) if schedule else h["lr"],
         weight_decay=cfg.weight_decay,
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
