@@ -3281,14 +3281,32 @@ class DisjointParts(_Composite):
         phi = jnp.square if what == "var" else _PHI[what]
         first = self.places[0]
         lead = parts[0].shape[: parts[0].ndim - len(first.part_shape) + (first.stacked is not None)]
-        out = jnp.zeros((*lead, *_shape(self.core.outvars[0])), parts[0].dtype)
-        for part, place in zip(parts, self.places, strict=True):
-            if place.stacked is not None:
-                part = jnp.expand_dims(part, len(lead) + place.stacked)
-            out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
-        if lead:
-            return _replay_each(self.post, out, env, phi)
-        return _replay(self.post, out, env, phi)
+        shape = _shape(self.core.outvars[0])
+        tiling = _tiling(self.places, shape)
+        if tiling is not None:  # the parts tile one axis: one concatenation, not a write each
+            tiles = [parts[i].reshape(*lead, *self.places[i].part_shape) for i in tiling[1]]
+            out = jnp.concatenate(tiles, axis=len(lead) + tiling[0])
+        else:
+            out = jnp.zeros((*lead, *shape), parts[0].dtype)
+            for part, place in zip(parts, self.places, strict=True):
+                if place.stacked is not None:
+                    part = jnp.expand_dims(part, len(lead) + place.stacked)
+                out = jax.lax.dynamic_update_slice(out, part, (0,) * len(lead) + place.starts)
+        return (_replay_each if lead else _replay)(self.post, out, env, phi)
+
+
+def _tiling(places: Sequence[Placement], shape: tuple[int, ...]) -> tuple[int, list[int]] | None:
+    """(axis, the parts in order along it) where the parts' windows tile `shape` along one
+    axis, each spanning every other axis; else None."""
+    for k, n in enumerate(shape):
+        cut = lambda t, k=k: t[:k] + t[k + 1 :]  # noqa: E731
+        if all(not any(cut(p.starts)) and cut(p.part_shape) == cut(shape) for p in places):
+            spans = sorted(
+                (p.starts[k], p.starts[k] + p.part_shape[k], i) for i, p in enumerate(places)
+            )
+            if [a for a, *_ in spans] == [0, *(b for _, b, _ in spans[:-1])] and spans[-1][1] == n:
+                return k, [i for *_, i in spans]
+    return None
 
 
 # The ops that put a part into a zero table: the transposes of slicing, indexing and
