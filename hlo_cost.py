@@ -296,8 +296,8 @@ def _first_array(shape: str) -> str:
 
 
 class _Reader:
-    def __init__(self, text: str):
-        self.comps, self.entry = _computations(text)
+    def __init__(self, comps: dict[str, list[_Op]]):
+        self.comps = comps
         self.kernels: list[Kernel] = []
         self.loop_iterations = 0
         self.unknown = 0
@@ -326,11 +326,8 @@ class _Reader:
                 ]
                 costs = []
                 for branch in branches:  # the costliest branch, as if always taken
-                    sub = _Reader.__new__(_Reader)
-                    sub.comps, sub.entry, sub.kernels = self.comps, self.entry, []
-                    sub.loop_iterations = sub.unknown = 0
-                    sub.run(branch, times)
-                    costs.append(sub)
+                    costs.append(_Reader(self.comps))
+                    costs[-1].run(branch, times)
                 if costs:
                     worst = max(costs, key=lambda r: sum(k.launches for k in r.kernels))
                     self.kernels += worst.kernels
@@ -375,14 +372,8 @@ class _Reader:
                     other += _elements(inner_shapes.get(o.operands[0], "")) if o.operands else 0
                 elif o.op not in MOVES:
                     other += _elements(o.shape)
-            if dot:
-                kind = "gemm"
-            elif not other:
-                kind = "copy"
-            else:
-                kind = "fusion"
-            if "dynamic_slice_fusion" in op.attrs or (root is not None and not other and not dot):
-                kind = "copy"
+            moves = not other or "dynamic_slice_fusion" in op.attrs  # data moved, nothing computed
+            kind = "gemm" if dot else "copy" if moves else "fusion"
         elif op.op == "custom-call":
             target = re.search(r'custom_call_target="([^"]*)"', op.attrs)
             name = target.group(1) if target else ""
@@ -400,8 +391,9 @@ class _Reader:
 
 def read_hlo(text: str) -> Program:
     """The kernels one step of this optimized HLO module launches (see the module docstring)."""
-    reader = _Reader(text)
-    reader.run(reader.entry, 1)
+    comps, entry = _computations(text)
+    reader = _Reader(comps)
+    reader.run(entry, 1)
     return Program(tuple(reader.kernels), reader.loop_iterations, reader.unknown)
 
 

@@ -2189,7 +2189,8 @@ def _per_platform(cpu: Callable[[], PyTree], accelerator: Callable[[], PyTree]) 
 
 
 def _sums_of(out: list, names: Sequence[str], n: int) -> dict[str, Array]:
-    """What `_moments` gave for all n examples at once, as `_formed_sums` returns it."""
+    """What `_moments` gives (for all n examples, or summed and merged over chunks), as
+    `_formed_sums` returns it."""
     means = [w for w in names if w in _PHI]
     found = {w: t * (1.0 / n) for w, t in zip(means, out[: len(means)], strict=True)}
     if "var" in names:
@@ -2201,13 +2202,12 @@ def _chunked_sums(
     form: Callable, a: Array, b: Array, c: int, names: list[str], dtype: DTypeLike, n: int
 ) -> dict[str, Array]:
     """`_formed_sums` c examples at a time: one scan over chunks, padded to a multiple of c."""
-    means = [w for w in names if w in _PHI]
     pad = -n % c
     a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
     counts = jnp.minimum(c, n - c * jnp.arange((n + pad) // c)).astype(dtype)
     one = jnp.ones((), dtype)
     shapes = jax.eval_shape(lambda x, y: form(x, y, names, one), a[:c], b[:c])
-    k = len(means)
+    k = sum(w in _PHI for w in names)
     var = "var" in names
 
     def chunk(carry: tuple, xs: tuple[Array, Array, Array]) -> tuple[tuple, list]:
@@ -2226,10 +2226,8 @@ def _chunked_sums(
     if var:
         moments = (jnp.zeros((), dtype), zero(shapes[k]), zero(shapes[k + 1]))
     (sums, moments), norms = jax.lax.scan(chunk, (sums, moments), (split(a), split(b), counts))
-    out = {w: t * (1.0 / n) for w, t in zip(means, sums, strict=True)}
-    if var:
-        out["var"] = list(moments)[-1] * (1.0 / (n - 1))  # M2 / (N − 1)
-    return out | ({"norms": norms[0].reshape(-1)[:n]} if norms else {})
+    norms = [norms[0].reshape(-1)[:n]] if norms else []  # padding cut off
+    return _sums_of([*sums, *list(moments)[1:], *norms], names, n)  # (count,) mean, M2
 
 
 def _moments(g: Array, names: Sequence[str], r: Array | int) -> list[Array]:
@@ -4158,7 +4156,7 @@ def _run_head(
             new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
             live = [v for v in values if last_use.get(v, -1) > cut]
             both = (new, [values[v] for v in live])  # held on XLA:CPU only (docstring)
-            new, kept = jax.lax.platform_dependent(both, cpu=_barrier, default=lambda x: x)
+            new, kept = _per_platform(cpu=lambda b=both: _barrier(b), accelerator=lambda b=both: b)
             values.update(zip(live, kept, strict=True))
             results.update(new)
     each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
