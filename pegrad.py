@@ -59,7 +59,6 @@ __all__ = ["value_and_grad_stats", "explain", "Accumulator", "gradient_noise_sca
            "Plan", "LeafPlan", "ROUTES", "Untie", "STATISTICS", "Impl", "Granularity", "Choose",
            "NonFinite", "Stats", "Loss", "LossFn"]  # fmt: skip
 __version__ = "0.1.0"  # the package's one version: pyproject.toml reads it ([tool.hatch.version])
-STATISTICS = ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean")
 Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
 Choose = Literal["cheapest", "first"]
@@ -193,7 +192,9 @@ def explain(
     return Plan.build(loss, floats, batch, per_example, stats, options)
 
 
-_AVERAGED = ("mean", "sq_mean", "sign_mean", "clipped_mean")  # means over units: count-weighted
+def _of_merge(stats: Sequence[str], merge: str) -> list[str]:
+    """The statistics among `stats` whose union over groups merges so (`Statistic.merge`)."""
+    return [s for s in stats if _STATISTIC[s].merge == merge]
 
 
 class Accumulator(NamedTuple):
@@ -222,15 +223,17 @@ class Accumulator(NamedTuple):
     def init(params: PyTree, stats: str | Sequence[str]) -> "Accumulator":
         """Zeros for these statistics of `params` (a pytree of arrays, or a model)."""
         stats = _stat_names(stats)
-        if "sq_norms" in stats:
-            raise ValueError(
-                "Accumulator: 'sq_norms' has one entry per unit of each micro-batch and is not "
-                "combined; collect it from each micro-batch's statistics instead"
-            )
-        if "var" in stats and "mean" not in stats:
-            raise ValueError(
-                "Accumulator: 'var' is merged with each micro-batch's 'mean': accumulate 'mean' too"
-            )
+        for s in stats:  # as `Statistic.merge` says
+            if _STATISTIC[s].merge is None:
+                raise ValueError(
+                    f"Accumulator: '{s}' has one entry per unit of each micro-batch and is not "
+                    "combined; collect it from each micro-batch's statistics instead"
+                )
+            if _STATISTIC[s].merge == "chan" and "mean" not in stats:
+                raise ValueError(
+                    f"Accumulator: '{s}' is merged with each micro-batch's 'mean': accumulate "
+                    "'mean' too"
+                )
         zeros = jax.tree.map(
             lambda x: jnp.zeros(jnp.shape(x), stat_dtype(x.dtype)) if _is_parameter(x) else None,
             params,
@@ -238,8 +241,8 @@ class Accumulator(NamedTuple):
         dtypes = [x.dtype for x in jax.tree.leaves(zeros)]
         if not dtypes:
             raise ValueError("Accumulator.init: params has no floating array leaves")
-        dtype, m2 = _widest(dtypes), zeros if "var" in stats else None
-        means = {s: zeros for s in stats if s in _AVERAGED}
+        dtype, m2 = _widest(dtypes), zeros if _of_merge(stats, "chan") else None
+        means = {s: zeros for s in _of_merge(stats, "average")}
         return Accumulator(jnp.zeros((), dtype), jnp.zeros((), dtype), means, m2)
 
     @staticmethod
@@ -286,28 +289,26 @@ class Accumulator(NamedTuple):
         if missing:
             raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
         n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
-        total = self.count + n_k
-        share = n_k / jnp.maximum(total, 1.0)
 
-        def merge(m: Array, x: Array) -> Array:  # a micro-batch of 0 units may hold NaN
-            x = jnp.asarray(x).astype(m.dtype)
-            return jnp.where(n_k > 0, m + (x - m) * share.astype(m.dtype), m)
+        def merge(m: Array, x: Array, s: Array = 0.0, s_k: Array = 0.0) -> tuple[Array, Array]:
+            """(mean, M2) of the union (`_chan`); a micro-batch of 0 units (which may hold
+            NaN) changes nothing, one of 1 unit has M2_k = 0 (its var is NaN)."""
+            dtype = m.dtype
+            s_k = jnp.asarray(s_k).astype(dtype)
+            s_k = s_k if spread == "m2" else s_k * (n_k - 1).astype(dtype)
+            a = (self.count.astype(dtype), m, jnp.asarray(s, dtype))
+            b = (n_k.astype(dtype), jnp.asarray(x).astype(dtype), jnp.where(n_k > 1, s_k, 0.0))
+            _, mean, m2 = _chan(a, b)
+            return jnp.where(n_k > 0, mean, m), jnp.where(n_k > 0, m2, s)
 
+        first = lambda f: lambda *xs: f(*xs)[0]  # noqa: E731
         m2 = self.m2
         if m2 is not None:
-
-            def chan(s: Array, mean: Array, mean_k: Array, spread_k: Array) -> Array:
-                dtype = s.dtype
-                own = spread_k.astype(dtype)
-                own = own if spread == "m2" else own * (n_k - 1).astype(dtype)
-                own = jnp.where(n_k > 1, own, 0.0)  # one unit: M2_k = 0 (its var is NaN)
-                delta = mean_k.astype(dtype) - mean
-                cross = (self.count * share).astype(dtype)  # N·N_k/(N + N_k)
-                return jnp.where(n_k > 0, s + own + delta * delta * cross, s)
-
-            m2 = jax.tree.map(chan, m2, self.means["mean"], stats["mean"], stats[spread])
-        means = {s: jax.tree.map(merge, m, stats[s]) for s, m in self.means.items()}
-        return Accumulator(total, merge(self.loss, loss), means, m2)
+            second = lambda m, x, s, s_k: merge(m, x, s, s_k)[1]  # noqa: E731
+            m2 = jax.tree.map(second, self.means["mean"], stats["mean"], m2, stats[spread])
+        means = {s: jax.tree.map(first(merge), m, stats[s]) for s, m in self.means.items()}
+        total = self.count + n_k
+        return Accumulator(total, merge(self.loss, loss)[0], means, m2)
 
     def finalize(self) -> tuple[Array, Stats]:
         """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
@@ -329,22 +330,89 @@ class Accumulator(NamedTuple):
 
 
 # ============================================================================================
-# §2 Statistics: what routes compute per leaf ("ingredients") and how statistics are made.
-#
-#   "sum"   (1/N) Σ_u g_u          "sq"     (1/N) Σ_u g_u²        "sign"  (1/N) Σ_u sign(g_u)
-#   "var"   Σ_u (g_u − ḡ)²/(N−1)   "norms"  ‖g_u‖² per unit       "clipped" (1/N) Σ_u c_u g_u
-#
-# φ ∈ {identity, square, sign} is multiplicative: φ(m·x) = φ(m)·φ(x) and φ(x/m) = φ(x)/φ(m),
-# which is what lets a scaling by a batch-independent m move out of a sum over units.
+# §2 Statistics, declared once. Each statistic is made of "ingredients" that routes form per
+# leaf; an ingredient's `kind` is the computation a route implements for it. The engine reads
+# these two tables and compares no statistic's name.
 
 
-_PHI: dict[str, Phi] = {"sum": lambda x: x, "sq": jnp.square, "sign": jnp.sign}
-_INGREDIENTS = {"mean": ("sum",), "sq_mean": ("sq",), "sign_mean": ("sign",), "var": ("var",),
-                "sq_norms": ("norms",), "clipped_mean": ("norms", "clipped")}  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Ingredient:
+    """What routes form per leaf for the statistics, by `kind`:
+
+        "mean"      (1/N) Σ_u φ(g_u), φ multiplicative — φ(m·x) = φ(m)·φ(x), φ(x/m) = φ(x)/φ(m) —
+                    which lets a scaling by a batch-independent m move out of the sum over units
+        "spread"    Σ_u (g_u − ḡ)²/(N − 1), from centred values (two passes; groups of units
+                    merged by Chan's update, `_chan`); a scaling m moves out as m²
+        "norm"      ‖g_u‖² per unit ([B, U]), added over the leaves; m moves out as m²
+        "weighted"  (1/N) Σ_u w_u g_u for weights [B, U] known once every unit's norm is
+
+    `phi`: φ of a mean, and what a scaling after the core becomes (`_REPLAY`). `linear`: linear
+    in g, so a sum over examples of it transposes through any linear tail (the fallback)."""
+
+    kind: Literal["mean", "spread", "norm", "weighted"]
+    phi: Phi
+    linear: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistic:
+    """A statistic: the `ingredients` it needs, the one it publishes (`is_`), its shape — a tree
+    shaped like the parameters, or one entry per unit ("units": [N]) — and how the statistics
+    of two disjoint groups of units merge into their union's (`Accumulator`): "average",
+    count-weighted; "chan", Chan's merge of the sums of squared deviations (it needs "mean");
+    None, not accumulated (the reason is `per`'s)."""
+
+    ingredients: tuple[str, ...]
+    is_: str
+    per: Literal["params", "units"] = "params"
+    merge: Literal["average", "chan"] | None = "average"
+
+
+_INGREDIENT = {
+    "sum": Ingredient("mean", lambda x: x, linear=True),  # (1/N) Σ_u g_u
+    "sq": Ingredient("mean", jnp.square),  # (1/N) Σ_u g_u²
+    "sign": Ingredient("mean", jnp.sign),  # (1/N) Σ_u sign(g_u)
+    "var": Ingredient("spread", jnp.square),  # Σ_u (g_u − ḡ)²/(N − 1)
+    "norms": Ingredient("norm", jnp.square),  # ‖g_u‖² per unit
+    "clipped": Ingredient("weighted", lambda x: x, linear=True),  # (1/N) Σ_u c_u g_u
+}
+_STATISTIC = {
+    "mean": Statistic(("sum",), "sum"),
+    "sq_mean": Statistic(("sq",), "sq"),
+    "sign_mean": Statistic(("sign",), "sign"),
+    "var": Statistic(("var",), "var", merge="chan"),
+    "sq_norms": Statistic(("norms",), "norms", per="units", merge=None),
+    "clipped_mean": Statistic(("norms", "clipped"), "clipped"),
+}
+STATISTICS = tuple(_STATISTIC)
+_PHI: dict[str, Phi] = {w: i.phi for w, i in _INGREDIENT.items() if i.kind == "mean"}  # means
+_REPLAY: dict[str, Phi] = {w: i.phi for w, i in _INGREDIENT.items()}  # var(m·g) = m²·var(g)
+
+
+def _chan(a: tuple, b: tuple) -> tuple:
+    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
+    na, ma, sa = a
+    nb, mb, sb = b
+    n = na + nb
+    delta = mb - ma
+    safe = jnp.maximum(n, 1.0)  # two empty groups (every example masked) stay empty
+    return n, ma + delta * (nb / safe), sa + sb + delta * delta * (na * nb / safe)
 
 
 def _ingredients(stats: Sequence[str]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(i for s in stats for i in _INGREDIENTS[s]))
+    return tuple(dict.fromkeys(i for s in stats for i in _STATISTIC[s].ingredients))
+
+
+def _kind(name: str) -> str:
+    return _INGREDIENT[name].kind
+
+
+_NONLINEAR = tuple(w for w, i in _INGREDIENT.items() if not i.linear)  # formed per example
+
+
+def _of_kind(names: Sequence[str], *kinds: str) -> list[str]:
+    """The ingredients among `names` of these kinds, in `names`' order."""
+    return [w for w in names if _INGREDIENT[w].kind in kinds]
 
 
 def stat_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -400,12 +468,9 @@ def _publish(
     stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: Value
 ) -> Stats:
     """The statistics dict from the ingredients (already divided by N, or N − 1 for var)."""
-    names = {"mean": "sum", "sq_mean": "sq", "sign_mean": "sign", "var": "var"}
-    out: Stats = {s: means[names[s]] for s in stats if s in names}
-    if "clipped_mean" in stats:
-        out["clipped_mean"] = means["clipped"]
-    if "sq_norms" in stats:
-        out["sq_norms"] = sq_norms
+    out: Stats = {}
+    for s in stats:
+        out[s] = sq_norms if _STATISTIC[s].per == "units" else means[_STATISTIC[s].is_]
     with jax.ensure_compile_time_eval():  # concrete under jit: consumers check B at trace time
         out["batch_size"] = jnp.asarray(n_units, jnp.int32)
     return out
@@ -861,7 +926,8 @@ def _reference(
     weighted = keep is not None or drop
     rows_kept = jnp.ones((n_examples,), bool) if keep is None else keep
     need = _ingredients(stats)
-    sums_of = [w for w in ("sum", "sq", "sign") if w in need or (w == "sum" and "var" in need)]
+    spreads = _of_kind(need, "spread")
+    sums_of = [w for w in _PHI if w in need or (w == "sum" and spreads)]
 
     def first_pass(xs: tuple) -> tuple[dict[str, PyTree], tuple]:
         losses, aux, grads, kept = per_unit(*xs)
@@ -870,11 +936,11 @@ def _reference(
         }
         sums["loss"] = losses.sum()
         sq_norms = _unit_sq_norms(grads)
-        if "clipped" in need:
+        for w in _of_kind(need, "weighted"):  # the clip factors weigh the units
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
-            sums["clipped"] = jax.tree.map(
-                lambda g: jnp.tensordot(factors.astype(g.dtype), g, axes=1), grads
+            sums[w] = jax.tree.map(
+                lambda g, c=factors: jnp.tensordot(c.astype(g.dtype), g, axes=1), grads
             )
         return sums, (sq_norms, aux, kept)
 
@@ -884,7 +950,7 @@ def _reference(
     n_units = kept_examples * per_example
     loss = _over(loss_sum, kept_examples).astype(stat_dtype(loss_sum.dtype))
     means = {w: jax.tree.map(lambda s: _over(s, n_units), v) for w, v in sums.items()}
-    if "var" in need:
+    for w in spreads:
         # The definition, two passes: Σ_u (g_u − ḡ)² with ḡ from the first pass.
         def second_pass(xs: tuple) -> tuple[PyTree, None]:
             _, _, grads, kept = per_unit(*xs)
@@ -893,7 +959,7 @@ def _reference(
             return jax.tree.map(lambda c: jnp.sum(c * c, 0), centred), None
 
         centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk)
-        means["var"] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
+        means[w] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
     return loss, _publish(stats, means, sq_norms, n_units), aux
 
 
@@ -1380,7 +1446,6 @@ def _flops(eqn: Eqn) -> float:
 
 
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
-_REPLAY: dict[str, Phi] = {**_PHI, "var": jnp.square}  # replaying post: var(m·g) = m²·var(g)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1444,8 +1509,8 @@ class Graph:
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
     chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
     memory_budget: int | None = None  # the caller's bound on their bytes
-    # Set by the caller where the statistics are the mean alone (_user_backward): why plain
-    # grad of the mean loss is not proven theirs, "" where it is; None: not searched.
+    # Where the statistics are the mean alone (`_mean_loss`): why plain grad of the mean loss
+    # is not proven theirs, "" where it is; None: they are not.
     user_backward: str | None = None
 
     @property
@@ -2097,7 +2162,8 @@ class CoreRoute(_Priced):
         return all(s.scalar for s in self.post)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        methods = {w: "chunked" if w == "norms" and not self.scalar else "factorized" for w in need}
+        scalar = self.scalar  # else a norm's scaling does not move out of the sum over entries
+        methods = {w: "factorized" if scalar or _kind(w) != "norm" else "chunked" for w in need}
         if self.FORMED and "sum" in methods and "chunked" in methods.values():
             methods["sum"] = "chunked"
         return methods
@@ -2138,16 +2204,6 @@ def _operands(core: Eqn, env: Env, dtype: DTypeLike, tie: bool) -> tuple[Array, 
     return a, b
 
 
-def _chan(a: tuple, b: tuple) -> tuple:
-    """Merge (count, mean, M2) of two groups: Chan et al.'s pairwise variance update."""
-    na, ma, sa = a
-    nb, mb, sb = b
-    n = na + nb
-    delta = mb - ma
-    safe = jnp.maximum(n, 1.0)  # two empty groups (every example masked) stay empty
-    return n, ma + delta * (nb / safe), sa + sb + delta * delta * (na * nb / safe)
-
-
 def _formed_sums(
     route: CoreRoute,
     form: Callable[[Array, Array, list[str], Array | int], list],
@@ -2166,7 +2222,7 @@ def _formed_sums(
     of which the first r are examples, what `_moments` gives. Padding examples have zero
     operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off."""
     n = route.graph.n_examples
-    names = [w for w in ("sum", "sq", "sign", "var", "norms") if w in wanted]
+    names = _of_kind([w for w in _INGREDIENT if w in wanted], "mean", "spread", "norm")
     a, b = _operands(route.core, env, dtype, tie=isinstance(route, DotCore))
     c, whole = (route.chunk(a.size + b.size, unit, accelerator) for accelerator in (False, True))
     if whole == n:  # no loop on an accelerator: the batch's gradients formed at once, untied
@@ -2193,9 +2249,9 @@ def _sums_of(out: list, names: Sequence[str], n: int) -> dict[str, Array]:
     `_formed_sums` returns it."""
     means = [w for w in names if w in _PHI]
     found = {w: t * (1.0 / n) for w, t in zip(means, out[: len(means)], strict=True)}
-    if "var" in names:
-        found["var"] = out[len(means) + 1] * (1.0 / (n - 1))  # M2 / (N − 1)
-    return found | ({"norms": out[-1]} if "norms" in names else {})
+    for w in _of_kind(names, "spread"):
+        found[w] = out[len(means) + 1] * (1.0 / (n - 1))  # M2 / (N − 1)
+    return found | {w: out[-1] for w in _of_kind(names, "norm")}
 
 
 def _chunked_sums(
@@ -2208,7 +2264,7 @@ def _chunked_sums(
     one = jnp.ones((), dtype)
     shapes = jax.eval_shape(lambda x, y: form(x, y, names, one), a[:c], b[:c])
     k = sum(w in _PHI for w in names)
-    var = "var" in names
+    var = bool(_of_kind(names, "spread"))
 
     def chunk(carry: tuple, xs: tuple[Array, Array, Array]) -> tuple[tuple, list]:
         sums, moments = carry
@@ -2235,13 +2291,13 @@ def _moments(g: Array, names: Sequence[str], r: Array | int) -> list[Array]:
     Σ φ(g) per mean in `names`; the mean and M2 over the r examples for "var" (the padding
     left out, not subtracted); the norms per row for "norms"."""
     out = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
-    if "var" in names:
+    if _of_kind(names, "spread"):
         mean = _sum0(g) / r
         centred = g - mean  # with padding rows (r traced), those rows left out
         if not isinstance(r, int):  # (a `where` XLA:GPU would materialize g for)
             centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, centred)
         out += [mean, _sum0(centred * centred)]
-    return out + ([jnp.sum(g * g, axis=tuple(range(1, g.ndim)))] if "norms" in names else [])
+    return out + [jnp.sum(g * g, axis=tuple(range(1, g.ndim))) for _ in _of_kind(names, "norm")]
 
 
 class _Formed(CoreRoute):
@@ -2269,7 +2325,7 @@ class _Formed(CoreRoute):
         """`post` replayed on sums in the core's coordinates (here or after a scan: InScan)."""
         sq = lambda w, g: g[:, None] * _scale_sq(self.post, env, self.dtype)  # noqa: E731
         replay = lambda w, g: self.replay(g, env, _REPLAY[w])  # noqa: E731
-        return {w: (sq if w == "norms" else replay)(w, g) for w, g in core.items()}
+        return {w: (sq if _kind(w) == "norm" else replay)(w, g) for w, g in core.items()}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -2337,7 +2393,7 @@ class Empty(_Each, _Factorized):
         return []
 
     def compute(self, env: Env, what: str) -> Array:
-        if what == "norms":
+        if _kind(what) == "norm":
             return jnp.zeros((self.graph.n_examples, self.graph.per_example), self.dtype)
         return jnp.zeros(self.leaf.shape, self.dtype)
 
@@ -2383,9 +2439,9 @@ class Constant(_Each, _Factorized, _Simple):
 
     def compute(self, env: Env, what: str) -> Array:
         g = self._g(env)
-        if what == "norms":
+        if _kind(what) == "norm":
             return jnp.full((self.graph.n_examples, self.graph.per_example), jnp.sum(g * g))
-        return jnp.zeros_like(g) if what == "var" else _PHI[what](g)
+        return jnp.zeros_like(g) if _kind(what) == "spread" else _PHI[what](g)
 
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._g(env) * (jnp.sum(weights) / self.graph.n_units).astype(self.dtype)
@@ -2449,18 +2505,18 @@ class OuterProduct(DotCore, _Simple):
         return cls(graph, leaf, reason, core=core, post=post, units=((lc[k],), (rc[k],)))
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
-        return (*_PHI, "var")
+        return _of_kind(list(_INGREDIENT), "mean", "spread")
 
     def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        var = {"var": self.compute(env, "var")} if "var" in wanted else {}
-        return {w: self.core_sum(env, dtype, w) for w in wanted if w != "var"} | var
+        spread = {w: self.compute(env, w) for w in _of_kind(wanted, "spread")}
+        return {w: self.core_sum(env, dtype, w) for w in wanted if w in _PHI} | spread
 
     def factored_cost(self, what: str) -> Cost:
         n, p = self.graph.n_units, self.leaf.size
         factors = self.graph.n_examples * sum(math.prod(_shape(v)) for v in self.core.invars)
-        if what == "norms":
+        if _kind(what) == "norm":
             return Cost(2.0 * factors, 4.0 * factors)
-        matmuls = 2 if what == "var" else 1
+        matmuls = 2 if _kind(what) == "spread" else 1
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
     def compute(self, env: Env, what: str) -> Array:  # norms; the variance for core_sums
@@ -2469,7 +2525,7 @@ class OuterProduct(DotCore, _Simple):
         a, b = _operands(self.core, env, dtype, tie=False)
         ua, ub = self.units
         A, B = _units_layout(a, lb, ua), _units_layout(b, rb, ub)  # [B, U, nb, f]
-        if what == "norms":
+        if _kind(what) == "norm":
             norms = jnp.sum(jnp.sum(A * A, -1) * jnp.sum(B * B, -1), -1)  # [B, U]
             return norms * _scale_sq(self.post, env, dtype)
         A, B = _gauge(_merge01(A), _merge01(B))  # [N, nb, f], the variance in core coordinates
@@ -2521,7 +2577,7 @@ class Contraction(DotCore):
     §3); after a non-scalar scaling, in the chunk loop."""
 
     name = "contraction"
-    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var", "norms")  # formed in the head
+    FORMED: ClassVar[tuple[str, ...]] = _NONLINEAR  # formed per example in the head
 
     @classmethod
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "Contraction | Refusal":
@@ -2551,7 +2607,7 @@ class Contraction(DotCore):
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
         terms, _, free_a, free_b = self._sizes()
-        alone = not any(w in ingredients for w in ("sum", "sq", "sign", "var"))
+        alone = not _of_kind(list(ingredients), "mean", "spread")
         return alone and 2 * terms * terms < free_a * free_b
 
     def factored_cost(self, what: str) -> Cost:
@@ -2562,9 +2618,10 @@ class Contraction(DotCore):
             grams = n * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
         dots = 2.0 * n * terms * size
-        if what in ("sq", "sign", "norms"):  # one dot per example, chunks as large as the operands
+        linear, kind = _INGREDIENT[what].linear, _kind(what)
+        if not linear and kind in ("mean", "norm"):  # a dot per example, chunks like operands
             return Cost(dots + n * size, 4.0 * (2 * factors + size))
-        if what == "var":  # the same dots; each chunk centred, squared and merged
+        if kind == "spread":  # the same dots; each chunk centred, squared and merged
             return Cost(dots + 4.0 * n * size, 4.0 * (2 * factors + 3 * size))
         return Cost(dots, 4.0 * (factors + size))
 
@@ -2574,8 +2631,8 @@ class Contraction(DotCore):
     def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
         """sq, sign, var and norms from per-example gradients formed a bounded chunk at a time
         (`_formed_sums`), which give the sum too; norms alone by the Gram identity."""
-        if "norms" in wanted and self.gram(wanted):
-            return {"norms": self.compute(env, "norms")}
+        if _of_kind(wanted, "norm") and self.gram(wanted):
+            return {w: self.compute(env, w) for w in wanted}
         if not any(w in self.FORMED for w in wanted):
             return {w: self.core_sum(env, dtype, w) for w in wanted}
         lc, rc, lb, rb = _dot_dims(self.core)
@@ -2587,21 +2644,22 @@ class Contraction(DotCore):
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
-        return (*_PHI, "var", "norms")
+        return _of_kind(list(_INGREDIENT), "mean", "spread", "norm")
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
         return math.prod(_shape(self.core.outvars[0]))
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
-        if methods.get("norms") == "factorized" and self.gram(methods):
-            rest = {w: how for w, how in methods.items() if w != "norms"}
+        norms = [w for w in _of_kind(list(methods), "norm") if methods[w] == "factorized"]
+        if norms and self.gram(methods):
+            rest = {w: how for w, how in methods.items() if w not in norms}
             return self.priced(rest) + self.factored_cost("gram")
         total = self.priced(methods)
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
         # The sum, and the variance or norms beside another, come from the gradients formed once:
         shared = (methods.get("sum") == "factorized") + sum(
-            w in formed and len(formed) > 1 for w in ("var", "norms")
+            w in formed and len(formed) > 1 for w in _of_kind(formed, "spread", "norm")
         )
         if formed and shared:  # their dots, and their reads of the operands, counted once
             one = self.factored_cost("sum")
@@ -2609,7 +2667,7 @@ class Contraction(DotCore):
         return total
 
     def compute(self, env: Env, what: str) -> Array:
-        assert what == "norms"  # for core_sums: by the Gram identity, [B] before `post`
+        assert _kind(what) == "norm"  # for core_sums: by the Gram identity, [B] before `post`
         lc, rc, lb, rb = _dot_dims(self.core)
         a, b = _operands(self.core, env, self.dtype, tie=True)
         ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
@@ -2702,7 +2760,7 @@ class Convolution(_Formed):
     has the operands (`_conv_offsets`: a dot_general per offset), and reduced before the next
     offset is formed — the variance two-pass within a chunk, chunks merged by Chan's update."""
 
-    FORMED: ClassVar[tuple[str, ...]] = ("sq", "sign", "var", "norms")  # formed in the head
+    FORMED: ClassVar[tuple[str, ...]] = _NONLINEAR  # formed per example in the head
 
     name = "convolution"
     cores = frozenset({"conv_general_dilated"})
@@ -2786,7 +2844,7 @@ class Convolution(_Formed):
         def form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
             # one offset's [E, n, o] at a time, E − r of it padding
             out = _conv_offsets(a, b, params, dtype, lambda y: _moments(y, names, r))
-            k = len(out) - ("norms" in names)
+            k = len(out) - len(_of_kind(names, "norm"))
             placed = [_conv_layout(y, params, self.positions) for y in out[:k]]
             return placed + [jnp.sum(y, axis=0) for y in out[k:]]
 
@@ -2836,7 +2894,7 @@ class UnitSum(CoreRoute, _Each):
         ingredient then reads them."""
         z = self.graph.n_examples * math.prod(_shape(self.core.invars[0]))
         g = self.graph.n_units * self.leaf.size
-        formed = any(w != "sum" for w in methods)
+        formed = any(w != "sum" for w in methods)  # anything but the plain sum
         return Cost(z + 2.0 * g * len(methods), 4.0 * (z + g * formed))
 
     def factored_cost(self, what: str) -> Cost:
@@ -2855,10 +2913,10 @@ class UnitSum(CoreRoute, _Each):
     def compute(self, env: Env, what: str) -> Array:
         dtype, n = self.dtype, self.graph.n_units
         g = self._units(_read(env, self.core.invars[0]).astype(dtype))
-        if what == "norms":
+        if _kind(what) == "norm":
             return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(self.post, env, dtype)
         g = _merge01(g)
-        if what == "var":
+        if _kind(what) == "spread":
             centered = g - _sum0(g) / g.shape[0]
             return self.replay(_sum0(centered * centered) / (n - 1), env, jnp.square)
         phi = _PHI[what]
@@ -3197,7 +3255,7 @@ class Terms(_Composite):
         return cls(graph, leaf, reason, parts=tuple(terms))
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        return {w: "factorized" if w in ("sum", "clipped") else "chunked" for w in need}
+        return {w: "factorized" if _INGREDIENT[w].linear else "chunked" for w in need}
 
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         return sum(parts[1:], parts[0])
@@ -3268,15 +3326,15 @@ class DisjointParts(_Composite):
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         factored = {w for w in need if all(p.methods((w,))[w] == "factorized" for p in self.parts)}
         if not all(s.scalar for s in self.post):
-            factored.discard("norms")
+            factored -= set(_of_kind(need, "norm"))
         return {w: "factorized" if w in factored else "chunked" for w in need}
 
     def _combine(self, parts: list[Array], what: str, env: Env) -> Array:
         """The parts put in place (with any leading unit axes), then the ops after the sum;
         norms add up."""
-        if what == "norms":
+        if _kind(what) == "norm":
             return sum(parts[1:], parts[0]) * _scale_sq(self.post, env, parts[0].dtype)
-        phi = jnp.square if what == "var" else _PHI[what]
+        phi = _REPLAY[what]
         first = self.places[0]
         lead = parts[0].shape[: parts[0].ndim - len(first.part_shape) + (first.stacked is not None)]
         shape = _shape(self.core.outvars[0])
@@ -3436,8 +3494,8 @@ class RoutedPart(_Each, _Priced):
         return cls(graph, leaf, reason, part=part, core=core, post=post, places=places)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        chunked = {"var"} | (set() if all(s.scalar for s in self.post) else {"norms"})
-        return {w: "chunked" if w in chunked else "factorized" for w in need}
+        kinds = {"spread"} | (set() if all(s.scalar for s in self.post) else {"norm"})
+        return {w: "chunked" if _kind(w) in kinds else "factorized" for w in need}
 
     def reads(self) -> list[Var]:
         starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
@@ -3447,7 +3505,7 @@ class RoutedPart(_Each, _Priced):
         return self.priced(methods)
 
     def factored_cost(self, what: str) -> Cost:
-        if what == "norms":
+        if _kind(what) == "norm":
             return self.part.factored_cost(what)
         graph, part = self.graph, math.prod(_shape(self.core.invars[1]))
         factors = graph.n_examples * sum(math.prod(_shape(v)) for v in self.part.core.invars)
@@ -3485,14 +3543,14 @@ class RoutedPart(_Each, _Priced):
     def _sums(self, env: Env, what: str, weights: Array | None = None) -> Array:
         at = self._at(env)
         weights = at if weights is None else at * weights.astype(self.dtype)
-        what = "sum" if what == "clipped" else what  # weighted by the clip factors
+        what = "sum" if _kind(what) == "weighted" else what  # weighted by the clip factors
         part, phi, n = self.part, _PHI[what], len(self.places)
         sums = [part.core_sum(env, self.dtype, what, weights[:, s, None]) for s in range(n)]
         return self._placed([part.replay(x, env, phi) for x in sums], env, phi)
 
     def compute(self, env: Env, what: str) -> Array:
-        if what == "norms":
-            return self.part.compute(env, "norms") * _scale_sq(self.post, env, self.dtype)
+        if _kind(what) == "norm":
+            return self.part.compute(env, what) * _scale_sq(self.post, env, self.dtype)
         return self._sums(env, what)
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -3557,9 +3615,9 @@ class HeadValue(_Each, _Factorized):
         n, g = self.graph.n_examples, self._g(env)
         if what in _PHI:  # a mean, not a dot with ones: here XLA then holds fewer buffers
             return jnp.mean(_PHI[what](g), axis=0).reshape(self.leaf.shape)
-        if what == "norms":
+        if _kind(what) == "norm":
             return jnp.sum(g * g, axis=1)
-        assert what == "var"
+        assert _kind(what) == "spread"
         ones = jnp.full((n,), 1.0 / n, self.dtype)
         centred = g - ones @ g
         return (ones @ (centred * centred) * (n / (n - 1))).reshape(self.leaf.shape)
@@ -3605,10 +3663,9 @@ class Fallback(_Each, _Priced):
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         # With a mask a masked example's inputs may be anything (NaN): no transposition.
         linear = self.linear and not self.graph.token and not self.graph.weighted
-        methods = {
-            w: "factorized" if linear and w in ("sum", "clipped") else "chunked" for w in need
-        }
-        if "sum" in methods and any(methods[w] == "chunked" for w in need if w != "clipped"):
+        methods = {w: "factorized" if linear and _INGREDIENT[w].linear else "chunked" for w in need}
+        looped = any(methods[w] == "chunked" for w in need if _kind(w) != "weighted")
+        if "sum" in methods and looped:
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
 
@@ -3697,9 +3754,6 @@ def _inputs(grad: Atom, tail: Sequence[Eqn]) -> list[Var]:
     )
 
 
-_NOT_SEARCHED = "the loss was not searched for a backward rule of the user's (_user_backward)"
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class MeanLoss(_Factorized):
     """The mean alone, every leaf at once, where `_plain_mean` and `_user_backward` allow it:
@@ -3758,7 +3812,7 @@ def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | Non
     """The proof that `m`'s means of φ, variance and norms can be formed inside a scan, or None."""
     if not isinstance(m, DotCore):
         return None
-    inside = () if graph.weighted and "norms" in methods else m.sums(tuple(methods))
+    inside = () if graph.weighted and _of_kind(list(methods), "norm") else m.sums(tuple(methods))
     if any(w not in inside or how != "factorized" for w, how in methods.items()):
         return None  # clipping waits for every norm; nonfinite="drop" knows its examples by them
     a, b = m.core.invars[:2]
@@ -3823,7 +3877,7 @@ class LeafPlan:
 
     @property
     def looped(self) -> bool:  # the chunk loop forms its per-unit gradients (clipping aside)
-        return any(how == "chunked" for w, how in self.methods.items() if w != "clipped")
+        return any(how == "chunked" for w, how in self.methods.items() if _kind(w) != "weighted")
 
     @property
     def reads(self) -> list[Var]:  # the head's values its route reads
@@ -3888,7 +3942,8 @@ class Plan(tuple):
         options: "Options",
     ) -> "Plan":
         """`explain`'s entry point into the engine: the graph and its plan, nothing run."""
-        graph = _graph(loss, params, batch, per_example, stats, options)
+        mean_loss = _mean_loss(loss, params, batch, stats, options)
+        graph = _graph(loss, params, batch, per_example, stats, options, mean_loss)
         plans = plan(graph, stats, choose=options[1])
         return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
 
@@ -3911,9 +3966,7 @@ def plan(
     choose="first" the first that matches in precedence order; the mean alone, where `_plain_mean`
     takes it and the loss has no backward rule of the user's, is every leaf's "mean-loss"."""
     need = _ingredients(stats)
-    granularity = "token" if graph.token else "example"
-    plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
-    if plain and graph.user_backward == "":
+    if graph.user_backward == "":  # the mean alone, proven plain grad's (`_mean_loss`)
         methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
         return tuple(
             LeafPlan(
@@ -3923,7 +3976,7 @@ def plan(
         )
     plans = []
     for leaf in graph.leaves:
-        refused = [(MeanLoss.name, graph.user_backward or _NOT_SEARCHED)] if plain else []
+        refused = [(MeanLoss.name, graph.user_backward)] if graph.user_backward else []
         other_kind: list[str] = []
         proven: list[tuple[Route, dict[str, str], Cost]] = []
         best: tuple[float, Route, dict[str, str], Cost] | None = None
@@ -3941,8 +3994,8 @@ def plan(
                 other_kind += [] if m.kind else [route.name]
                 continue
             methods = m.methods(need)
-            if graph.weighted and "var" in methods and not isinstance(m, Empty):
-                methods["var"] = "chunked"  # Chan merges of kept examples: no cancellation
+            if graph.weighted and not isinstance(m, Empty):  # Chan merges of kept examples
+                methods |= dict.fromkeys(_of_kind(list(methods), "spread"), "chunked")
             cost = m.cost(methods)
             proven.append((m, methods, cost))
             if best is None or (choose == "cheapest" and cost.seconds < best[0]):
@@ -3997,8 +4050,9 @@ def _execute(
     leaves = graph.leaves
     # With `drop`, which examples count is known once every norm is: the other ingredients
     # wait for it (the head's values they read are kept until then, as for clipping).
-    early = [w for w in need if w != "clipped" and (w == "norms" or not drop)]
-    late = [w for w in need if w != "clipped" and w not in early]
+    early = [w for w in need if _kind(w) == "norm" or (_kind(w) != "weighted" and not drop)]
+    late = [w for w in need if _kind(w) != "weighted" and w not in early]
+    weighted = _of_kind(need, "weighted")  # after every unit's norm, by the clip factors
 
     def factorized(
         ps: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
@@ -4039,9 +4093,9 @@ def _execute(
     found, loop_norms = loop(chunked_in(early), keep)
     results.update(found)
     sq_norms = None
-    if "norms" in need:
+    for w in _of_kind(need, "norm"):  # added over the leaves
         dtype = _widest([leaf.dtype for leaf in leaves])
-        parts = [results["norms", i] for i in range(len(leaves)) if ("norms", i) in results]
+        parts = [results[w, i] for i in range(len(leaves)) if (w, i) in results]
         if loop_norms is not None:
             parts.append(loop_norms)
         sq_norms = sum(
@@ -4058,15 +4112,17 @@ def _execute(
     env = _masked(graph, env, keep, list(batched))
     results.update(factorized(plans, late, env))
     results.update(loop(chunked_in(late), keep)[0])
-    if "clipped" in need:
+    if weighted:
         assert clip_norm is not None and sq_norms is not None
         factors = _clip_factors(sq_norms, clip_norm)
         factors = factors if units is None else _where_units(units, factors)
         weights = factors.reshape(graph.n_examples, graph.per_example)
-        results.update(factorized(plans, ["clipped"], env, weights))
-        results.update(loop(chunked_in(["clipped"]), keep, weights)[0])
+        results.update(factorized(plans, weighted, env, weights))
+        results.update(loop(chunked_in(weighted), keep, weights)[0])
     by_leaf = lambda w: [results[w, i] for i in range(len(leaves))]  # noqa: E731
-    means = {w: jax.tree.unflatten(graph.param_tree, by_leaf(w)) for w in need if w != "norms"}
+    means = {
+        w: jax.tree.unflatten(graph.param_tree, by_leaf(w)) for w in need if _kind(w) != "norm"
+    }
     n_units: int | Array = graph.n_units
     if keep is None:
         loss = losses.mean()
@@ -4075,9 +4131,8 @@ def _execute(
         loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
         n_units = kept * graph.per_example
         scale = graph.n_units / n_units
-        for w in ("sum", "sq", "sign", "clipped"):
-            if w in means:
-                means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
+        for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
+            means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
     loss = loss.astype(stat_dtype(losses.dtype))
     return loss, _publish(stats, means, sq_norms, n_units), aux
 
@@ -4279,13 +4334,15 @@ def _scan_with_sums(
                 totals = {**totals, i: totals[i] + found["sum"]}
             else:
                 for w in job.means:  # norms [B] per iteration, the rest one slice of the core
-                    sums[w, i, job.axis] = found[w] if w == "norms" else found[w].squeeze(job.axis)
+                    one = found[w] if _kind(w) == "norm" else found[w].squeeze(job.axis)
+                    sums[w, i, job.axis] = one
         return (outs[:ncar], totals), (outs[ncar:n_out], sums)
 
     (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
     found = {("sum", i): total for i, total in totals.items()}
     for (w, i, axis), per_iteration in sums.items():  # norms: summed over the iterations
-        found[w, i] = per_iteration.sum(0) if w == "norms" else jnp.moveaxis(per_iteration, 0, axis)
+        norm = _kind(w) == "norm"
+        found[w, i] = per_iteration.sum(0) if norm else jnp.moveaxis(per_iteration, 0, axis)
     ys = dict(zip(stacked, ys_read, strict=True))
     return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 
@@ -4326,7 +4383,7 @@ def _chunk_loop(
     n_units = graph.n_units
     routes = {i: plans[i].taken for i in chunked}
     keys = list(dict.fromkeys(v for r in routes.values() for v in r.reads() if v in batched))
-    with_norms = any("norms" in ws for ws in chunked.values())
+    with_norms = any(_of_kind(ws, "norm") for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     shape = (graph.n_examples, graph.per_example)
     w = jnp.ones(shape, dtype) if weights is None else weights
@@ -4340,7 +4397,7 @@ def _chunk_loop(
             grads = {i: r.per_unit(env, example, params) for i, r in routes.items()}
             if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
                 grads = {i: _where_units(kept, g) for i, g in grads.items()}
-            normed = [g for i, g in grads.items() if "norms" in chunked[i]]
+            normed = [g for i, g in grads.items() if _of_kind(chunked[i], "norm")]
             squares = (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in normed)
             return grads, sum(squares, jnp.zeros((graph.per_example,), dtype))
 
@@ -4351,28 +4408,29 @@ def _chunk_loop(
             for what in chunked[i]:
                 if what in _PHI:
                     out[what, i] = _sum0(_PHI[what](g)) * (1.0 / n_units)
-                elif what == "var" and keep is None:
+                elif _kind(what) == "spread" and keep is None:
                     mean = jnp.mean(g, 0)
                     count = jnp.asarray(g.shape[0], g.dtype)
                     out[what, i] = (count, mean, _sum0((g - mean) ** 2))
-                elif what == "var":  # over the kept units of the chunk (masked ones are 0)
+                elif _kind(what) == "spread":  # over the kept units of the chunk (masked: 0)
                     kept = _merge01(unit_k)
                     count = jnp.sum(kept).astype(g.dtype)
                     mean = _sum0(g) / jnp.maximum(count, 1.0)
                     out[what, i] = (count, mean, _sum0(_where_units(kept, g - mean) ** 2))
-                elif what == "clipped":
+                elif _kind(what) == "weighted":
                     out[what, i] = (
                         jnp.tensordot(_merge01(unit_w).astype(g.dtype), g, axes=1) / n_units
                     )
         return out, norms
 
     def combine(acc: dict, part: dict) -> dict:
-        return {k: _chan(acc[k], v) if k[0] == "var" else acc[k] + v for k, v in part.items()}
+        merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
+        return {k: merge(k, v) for k, v in part.items()}
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w, k)
     acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
-    out = {key: v[2] / (v[0] - 1) if key[0] == "var" else v for key, v in acc.items()}
+    out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
     return out, (norms if with_norms and weights is None else None)
 
 
@@ -4456,18 +4514,28 @@ def _graph(
     per_example: int,
     stats: Sequence[str],
     options: Options,
+    mean_loss: str | None,
     weighted: bool = False,
-    backward: str | None = None,
 ) -> Graph:
-    """The graph, with the caller's bounds and, for the mean alone, why plain grad of the mean
-    loss is not proven its value ("" where it is; `backward`: already found by the caller)."""
-    granularity, choose, chunk_size, memory_budget = options
-    inside = set(_ingredients(stats)) <= {*_PHI, *(() if weighted else ("var", "norms"))}
+    """The graph, with the caller's bounds and the mean-loss policy's answer (`_mean_loss`)."""
+    chunk_size, memory_budget = options[2:]
+    kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
+    inside = all(_kind(w) in kinds for w in _ingredients(stats))
     graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
-    plain = _plain_mean(stats, choose, granularity, [leaf.dtype for leaf in graph.leaves])
-    why = (backward or _user_backward(loss, params, batch)) if plain else None
     bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
-    return dataclasses.replace(graph, weighted=weighted, user_backward=why, **bounds)
+    return dataclasses.replace(graph, weighted=weighted, user_backward=mean_loss, **bounds)
+
+
+def _mean_loss(
+    loss: Callable, params: PyTree, batch: PyTree, stats: Sequence[str], options: Options
+) -> str | None:
+    """The mean-loss policy, decided once per call of an entry point: None where the statistics
+    are not the mean alone taken as plain backpropagation (`_plain_mean`); else why plain grad
+    of the mean loss is not proven their value, "" where it is (`_user_backward`)."""
+    dtypes = [x.dtype for x in jax.tree.leaves(params)]
+    if not _plain_mean(stats, options[1], options[0], dtypes):
+        return None
+    return _user_backward(loss, params, batch)
 
 
 def _factorized(
@@ -4483,17 +4551,14 @@ def _factorized(
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
     """impl="factorized" (an entry point): plain grad of the mean loss where proven, else
     the graph, its plan and the executor."""
-    granularity, choose = options[:2]
-    dtypes = [x.dtype for x in jax.tree.leaves(params)]
-    plain = not drop and _plain_mean(stats, choose, granularity, dtypes)
-    backward = _user_backward(loss, params, batch) if plain else None
-    if plain and not backward:
-        return _gradient_of_mean_loss(loss, params, batch, keep)
     wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
+    mean_loss = _mean_loss(loss, params, batch, wanted, options)
+    if mean_loss == "":
+        return _gradient_of_mean_loss(loss, params, batch, keep)
     weighted = keep is not None or drop  # a mask or dropped examples weigh them 0 or 1
-    graph = _graph(loss, params, batch, per_example, wanted, options, weighted, backward)
+    graph = _graph(loss, params, batch, per_example, wanted, options, mean_loss, weighted)
     return _execute(
-        graph, plan(graph, wanted, choose=choose), stats, clip_norm, params, batch, keep, drop
+        graph, plan(graph, wanted, choose=options[1]), stats, clip_norm, params, batch, keep, drop
     )
 
 

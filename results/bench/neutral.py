@@ -1,0 +1,150 @@
+"""Is a change to pegrad.py's engine neutral? A digest of what it does, to compare two commits.
+
+For every model of tests/zoo.py (float64) and every statistic set below, at B 5 (and B 2
+for the token granularity of the sequence models), with and without a mask, with
+nonfinite="drop", and with choose="first" (every route a leaf proves then runs):
+`pegrad.explain`'s text and the SHA-256 of the statistics' bytes (jit, impl="factorized").
+For bench.py's transformer families (float32, the README's cost table): each factorized
+program's route summary, its compiled XLA:CPU temporaries and the SHA-256 of its optimized
+HLO. Two commits are neutral when the two digests are equal (results/bench/neutral.md).
+
+    python results/bench/neutral.py --out before.json            # at the base commit
+    python results/bench/neutral.py --out after.json             # after the change
+    python results/bench/neutral.py --compare before.json after.json
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.join(HERE, "..", "..")
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+STAT_SETS = [
+    ("mean",),
+    ("sq_norms",),
+    ("mean", "sq_mean"),
+    ("mean", "var"),
+    ("mean", "sq_norms"),
+    ("clipped_mean", "sq_norms"),
+    ("sign_mean", "var"),
+    ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean"),
+]
+FAMILIES = ["transformer", "transformer-scan", "gqa-rope", "transformer-stacked", "flax-gpt",
+            "flax-gpt-scan", "named-axis"]  # fmt: skip
+
+
+def digest(tree: object) -> str:
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        a = np.asarray(x)
+        h.update(f"{jax.tree_util.keystr(path)}{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def zoo_rows() -> dict[str, str]:
+    import pegrad
+    from zoo import MODELS
+
+    rows = {}
+    for model in MODELS:
+        params, loss = model.build(jax.random.key(0))
+        for b, granularity in [(5, "example"), *([(2, "token")] if model.sequence else [])]:
+            batch = model.batch(jax.random.key(b), b)
+            mask = jnp.arange(b) != 1
+            for stats in STAT_SETS:
+                cases = [("plain", {}, None), ("first", {"choose": "first"}, None)]
+                if granularity == "example":
+                    cases += [("mask", {}, mask), ("drop", {"nonfinite": "drop"}, None)]
+                for label, options, m in cases:
+                    key = f"{model.name} B{b} {granularity} {'+'.join(stats)} {label}"
+                    options = {**options, "granularity": granularity}
+                    clip = {"clip_norm": 0.5} if "clipped_mean" in stats else {}
+                    planned = {k: v for k, v in options.items() if k != "nonfinite"}
+                    try:
+                        fn = pegrad.value_and_grad_stats(loss, stats, **options, **clip)
+                        out = digest(eqx.filter_jit(fn)(params, batch, m))
+                    except Exception as error:  # a refusal is part of the behaviour
+                        out = f"raised {type(error).__name__}: {error}"
+                    try:
+                        plan = pegrad.explain(loss, params, batch, stats, **planned, **clip)
+                    except Exception as error:
+                        plan = f"raised {type(error).__name__}: {error}"
+                    rows[key] = f"{out}\n{plan}"
+                print(key, rows[key].split("\n")[0], flush=True)
+    return rows
+
+
+def bench_rows() -> dict[str, str]:
+    import bench
+    import pegrad
+
+    jax.config.update("jax_enable_x64", False)
+    config = dataclasses.replace(
+        bench.Config(),
+        families=tuple(FAMILIES),
+        family_stat_sets=("mean+sq_mean", "mean+var", "mean+sq_norms", "clipped_mean+sq_norms"),
+        family_impls=("factorized",),
+    )
+    rows = {}
+    for make in bench.family_workloads(config):
+        workload = make()
+        for program in workload.programs:
+            if program.impl != "factorized":
+                continue
+            key = f"{workload.model} {program.stats}"
+            stats = tuple(program.stats.split("+"))
+            clip = {"clip_norm": 1.0} if "clipped_mean" in stats else {}
+            plan = pegrad.explain(workload.loss_fn, workload.params, workload.batch, stats, **clip)
+            compiled = (
+                jax.jit(program.build(workload.loss_fn, 1.0))
+                .lower(workload.params, workload.batch)
+                .compile()
+            )
+            memory = compiled.memory_analysis()
+            text = compiled.as_text() or ""
+            hlo = hashlib.sha256(text.encode()).hexdigest()[:16]
+            temp = getattr(memory, "temp_size_in_bytes", None)
+            rows[key] = f"temp {temp} hlo {hlo}\n{plan}"
+            print(key, rows[key].split("\n")[0], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", help="write the digest here (JSON)")
+    parser.add_argument("--only", choices=["zoo", "bench"], help="one half")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    args = parser.parse_args()
+    if args.compare:
+        before, after = (json.load(open(p)) for p in args.compare)
+        differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        for k in differ:
+            print(f"DIFFERS {k}\n  before: {before.get(k)}\n  after:  {after.get(k)}")
+        print(f"{len(before)} and {len(after)} cases; {len(differ)} differ")
+        raise SystemExit(1 if differ else 0)
+    rows = {}
+    if args.only != "bench":
+        rows |= zoo_rows()
+    if args.only != "zoo":
+        rows |= bench_rows()
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=0, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
