@@ -8,6 +8,7 @@ the loss of ONE example, every batch leaf has the leading axis B, and the batch 
     mean          (1/B) Σ_i g_i                  sq_norms      ‖g_i‖² over all parameters, [B]
     sq_mean       (1/B) Σ_i g_i²                 clipped_mean  (1/B) Σ_i g_i·min(1, C/‖g_i‖)
     sign_mean     (1/B) Σ_i sign(g_i)            var           1/(B−1) Σ_i (g_i − mean)²
+    dot           ⟨g_i, v⟩ for a tree v, [B]     gram          ⟨g_i, g_j⟩, [B, B]
 
 and "batch_size", the number N of units: B, or B·T with granularity="token", where position t
 of each example is a unit whose gradient is its contribution to the example's (δ_t ⊗ x_t for a
@@ -93,7 +94,8 @@ def value_and_grad_stats(
     has_aux: bool = False,
     nonfinite: NonFinite = "propagate",
 ) -> Callable[..., tuple[Any, Stats]]:  # Any: the loss, or (loss, aux) with has_aux
-    """Build `fn(params, batch, mask=None) -> (mean_loss, {name: statistic, ..., "batch_size": N})`.
+    """Build `fn(params, batch, mask=None, *, dot_with=None) -> (mean_loss, {name: statistic,
+    ..., "batch_size": N})`; `dot_with`, a tree shaped like the parameters, is the v of "dot".
 
     Args:
         loss_fn: `loss_fn(params, example) -> scalar`, the loss of ONE example
@@ -125,8 +127,11 @@ def value_and_grad_stats(
     "sq_norms" is 0 at masked units, "var" divides by N_eff − 1 (NaN below 2 kept units; an
     error for a concrete mask) and is formed, with the sums of leaves whose rewrite would
     transpose through a masked example, from per-example gradients in chunks (so with "drop").
-    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" is [N], unit
-    i·T + t at token granularity.
+    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" and "dot"
+    are [N], "gram" [N, N] (its diagonal is "sq_norms"), unit i·T + t at token granularity, 0
+    at masked units. What they are for (SPEC §2): "dot" with a held-out batch's gradient is
+    each example's first-order effect on that loss (data attribution, TracIn); with the mean,
+    its alignment to the step; "gram" is the examples' gradient diversity and conflict.
     """
     stats = _check_options(
         stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget, nonfinite
@@ -134,11 +139,16 @@ def value_and_grad_stats(
     drop = nonfinite == "drop"
 
     def fn(
-        params: PyTree, batch: PyTree, mask: ArrayLike | None = None
+        params: PyTree,
+        batch: PyTree,
+        mask: ArrayLike | None = None,
+        *,
+        dot_with: PyTree | None = None,
     ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
         floats, loss = _as_parameters(params, loss_fn, has_aux)
         per_example = _check_inputs(loss, floats, batch, stats, granularity)
         keep = _check_mask(mask, batch, stats, per_example)
+        v = _check_dot_with(stats, floats, dot_with)
         if drop:  # one batched forward pass: examples with a non-finite loss
             losses = jax.vmap(lambda example: loss(floats, example)[0])(batch)
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
@@ -149,11 +159,13 @@ def value_and_grad_stats(
             unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
             n = jax.tree.leaves(batch)[0].shape[0]
             chunk = _examples_per_chunk(n, unit, chunk_size, memory_budget, n)
-            out = _reference(loss, stats, chunk, clip_norm, floats, batch, per_example, keep, drop)
+            out = _reference(
+                loss, stats, chunk, clip_norm, floats, batch, per_example, keep, drop, v
+            )
         else:
             options = (granularity, choose, chunk_size, memory_budget)
             out = _factorized(
-                loss, floats, batch, per_example, stats, options, clip_norm, keep, drop
+                loss, floats, batch, per_example, stats, options, clip_norm, keep, drop, v
             )
         value, stats_out, aux = out
         return ((value, aux) if has_aux else value), stats_out
@@ -290,7 +302,9 @@ class Accumulator(NamedTuple):
             raise ValueError(f"Accumulator.update: the micro-batch statistics lack {missing}")
         n_k = jnp.asarray(stats["batch_size"]).astype(self.count.dtype)
 
-        def merge(m: Array, x: Array, s: Array = 0.0, s_k: Array = 0.0) -> tuple[Array, Array]:
+        def merge(
+            m: Array, x: ArrayLike, s: ArrayLike = 0.0, s_k: ArrayLike = 0.0
+        ) -> tuple[Array, Array]:
             """(mean, M2) of the union (`_chan`); a micro-batch of 0 units (which may hold
             NaN) changes nothing, one of 1 unit has M2_k = 0 (its var is NaN)."""
             dtype = m.dtype
@@ -344,12 +358,14 @@ class Ingredient:
         "spread"    Σ_u (g_u − ḡ)²/(N − 1), from centred values (two passes; groups of units
                     merged by Chan's update, `_chan`); a scaling m moves out as m²
         "norm"      ‖g_u‖² per unit ([B, U]), added over the leaves; m moves out as m²
+        "inner"     ⟨g_u, v⟩ per unit ([B, U]) for a given tree v, added over the leaves
+        "pairs"     ⟨g_u, g_u'⟩ per pair of units ([N, N]), added over the leaves; m → m²
         "weighted"  (1/N) Σ_u w_u g_u for weights [B, U] known once every unit's norm is
 
     `phi`: φ of a mean, and what a scaling after the core becomes (`_REPLAY`). `linear`: linear
     in g, so a sum over examples of it transposes through any linear tail (the fallback)."""
 
-    kind: Literal["mean", "spread", "norm", "weighted"]
+    kind: Literal["mean", "spread", "norm", "inner", "pairs", "weighted"]
     phi: Phi
     linear: bool = False
 
@@ -357,10 +373,10 @@ class Ingredient:
 @dataclasses.dataclass(frozen=True)
 class Statistic:
     """A statistic: the `ingredients` it needs, the one it publishes (`is_`), its shape — a tree
-    shaped like the parameters, or one entry per unit ("units": [N]) — and how the statistics
-    of two disjoint groups of units merge into their union's (`Accumulator`): "average",
-    count-weighted; "chan", Chan's merge of the sums of squared deviations (it needs "mean");
-    None, not accumulated (the reason is `per`'s)."""
+    shaped like the parameters, or per unit ("units": [N], [N, N] for pairs) — and how the
+    statistics of two disjoint groups of units merge into their union's (`Accumulator`):
+    "average", count-weighted; "chan", Chan's merge of the sums of squared deviations (it needs
+    "mean"); None, not accumulated (the reason is `per`'s)."""
 
     ingredients: tuple[str, ...]
     is_: str
@@ -374,6 +390,8 @@ _INGREDIENT = {
     "sign": Ingredient("mean", jnp.sign),  # (1/N) Σ_u sign(g_u)
     "var": Ingredient("spread", jnp.square),  # Σ_u (g_u − ḡ)²/(N − 1)
     "norms": Ingredient("norm", jnp.square),  # ‖g_u‖² per unit
+    "dot": Ingredient("inner", lambda x: x),  # ⟨g_u, v⟩ per unit
+    "gram": Ingredient("pairs", jnp.square),  # ⟨g_u, g_u'⟩ per pair of units
     "clipped": Ingredient("weighted", lambda x: x, linear=True),  # (1/N) Σ_u c_u g_u
 }
 _STATISTIC = {
@@ -383,7 +401,11 @@ _STATISTIC = {
     "var": Statistic(("var",), "var", merge="chan"),
     "sq_norms": Statistic(("norms",), "norms", per="units", merge=None),
     "clipped_mean": Statistic(("norms", "clipped"), "clipped"),
+    "dot": Statistic(("dot",), "dot", per="units", merge=None),
+    "gram": Statistic(("gram",), "gram", per="units", merge=None),
 }
+_PER_UNIT = ("norm", "inner", "pairs")  # the kinds with an entry per unit (or pair of units)
+_ALL_KINDS = frozenset(i.kind for i in _INGREDIENT.values())
 STATISTICS = tuple(_STATISTIC)
 _PHI: dict[str, Phi] = {w: i.phi for w, i in _INGREDIENT.items() if i.kind == "mean"}  # means
 _REPLAY: dict[str, Phi] = {w: i.phi for w, i in _INGREDIENT.items()}  # var(m·g) = m²·var(g)
@@ -407,7 +429,10 @@ def _kind(name: str) -> str:
     return _INGREDIENT[name].kind
 
 
-_NONLINEAR = tuple(w for w, i in _INGREDIENT.items() if not i.linear)  # formed per example
+# What a contraction or convolution forms per example (the sum comes with them; `CoreRoute`)
+_FORMED = tuple(
+    w for w, i in _INGREDIENT.items() if not i.linear and i.kind in ("mean", "spread", "norm")
+)
 
 
 def _of_kind(names: Sequence[str], *kinds: str) -> list[str]:
@@ -465,12 +490,13 @@ def _clip_factors(sq_norms: Array, clip_norm: float) -> Array:
 
 
 def _publish(
-    stats: tuple[str, ...], means: Mapping[str, PyTree], sq_norms: Array | None, n_units: Value
+    stats: tuple[str, ...], means: Mapping[str, PyTree], units: Mapping[str, Array], n_units: Value
 ) -> Stats:
-    """The statistics dict from the ingredients (already divided by N, or N − 1 for var)."""
+    """The statistics dict from the ingredients: `means` per leaf (already divided by N, or
+    N − 1 for var), `units` added over the leaves."""
     out: Stats = {}
     for s in stats:
-        out[s] = sq_norms if _STATISTIC[s].per == "units" else means[_STATISTIC[s].is_]
+        out[s] = (units if _STATISTIC[s].per == "units" else means)[_STATISTIC[s].is_]
     with jax.ensure_compile_time_eval():  # concrete under jit: consumers check B at trace time
         out["batch_size"] = jnp.asarray(n_units, jnp.int32)
     return out
@@ -807,6 +833,40 @@ def _check_mask(
     return jnp.asarray(mask)
 
 
+def _check_dot_with(
+    stats: tuple[str, ...], params: PyTree, dot_with: PyTree | None
+) -> list[Array] | None:
+    """The leaves of "dot"'s v, one per parameter leaf of the same shape, in the statistics'
+    dtype; None where "dot" is not asked (and then no v may be given)."""
+    inner = [s for s in stats if _of_kind(_STATISTIC[s].ingredients, "inner")]
+    if not inner:
+        if dot_with is not None:
+            raise ValueError("dot_with was given but 'dot' is not among the statistics")
+        return None
+    if dot_with is None:
+        raise ValueError(
+            f"{inner[0]!r} needs dot_with=v, a tree shaped like the parameters (e.g. the 'mean' "
+            "of a held-out batch): fn(params, batch, dot_with=v)"
+        )
+    want = jax.tree_util.tree_leaves_with_path(params)
+    got, tree = jax.tree.flatten(dot_with)
+    if tree != jax.tree.structure(params):
+        raise ValueError(
+            f"dot_with must have the parameters' structure {jax.tree.structure(params)}, got "
+            f"{tree} (for a model: eqx.filter(v, eqx.is_inexact_array), as the statistics are)"
+        )
+    leaves = []
+    for (path, p), x in zip(want, got, strict=True):
+        if jnp.shape(x) != jnp.shape(p) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise ValueError(
+                f"dot_with{jax.tree_util.keystr(path)} must be a floating array of the "
+                f"parameter's shape {tuple(jnp.shape(p))}, got "
+                f"{jnp.result_type(x)}{tuple(jnp.shape(x))}"
+            )
+        leaves.append(jnp.asarray(x).astype(stat_dtype(p.dtype)))
+    return leaves
+
+
 def _refuse_var(stats: tuple[str, ...], units: int, need: str) -> None:
     if "var" in stats and units < 2:
         raise ValueError(
@@ -896,11 +956,12 @@ def _reference(
     per_example: int,
     keep: Array | None = None,
     drop: bool = False,
+    dot_with: Sequence[Array] | None = None,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
     """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients.
     `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
     loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
-    multiplied by 0) and N counts the others."""
+    multiplied by 0) and N counts the others. "gram" by blocks of two chunks (`_pairs`)."""
     untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch) if per_example > 1 else None
 
     def unit_grads(example: PyTree) -> tuple[tuple[Array, PyTree], PyTree]:
@@ -936,15 +997,17 @@ def _reference(
         }
         sums["loss"] = losses.sum()
         sq_norms = _unit_sq_norms(grads)
+        dots = sq_norms if dot_with is None else _unit_dots(grads, dot_with)
         for w in _of_kind(need, "weighted"):  # the clip factors weigh the units
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
             sums[w] = jax.tree.map(
                 lambda g, c=factors: jnp.tensordot(c.astype(g.dtype), g, axes=1), grads
             )
-        return sums, (sq_norms, aux, kept)
+        return sums, (sq_norms, dots, aux, kept)
 
-    sums, (sq_norms, aux, rows_kept) = _chunked(first_pass, (batch, rows_kept), n_examples, chunk)
+    xs = (batch, rows_kept)
+    sums, (sq_norms, dots, aux, rows_kept) = _chunked(first_pass, xs, n_examples, chunk)
     loss_sum = sums.pop("loss")
     kept_examples = jnp.sum(rows_kept) if weighted else n_examples
     n_units = kept_examples * per_example
@@ -960,7 +1023,13 @@ def _reference(
 
         centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk)
         means[w] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
-    return loss, _publish(stats, means, sq_norms, n_units), aux
+    units = {w: sq_norms for w in _of_kind(need, "norm")} | {
+        w: dots for w in _of_kind(need, "inner")
+    }
+    for w in _of_kind(need, "pairs"):
+        grads_of = lambda xs: jax.tree.leaves(per_unit(*xs)[2])  # noqa: E731
+        units[w] = _pairs(grads_of, (batch, rows_kept), n_examples, chunk)
+    return loss, _publish(stats, means, units, n_units), aux
 
 
 def _unit_sq_norms(grads: PyTree) -> Array:
@@ -971,6 +1040,43 @@ def _unit_sq_norms(grads: PyTree) -> Array:
         (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in leaves),
         jnp.zeros(leaves[0].shape[:1], dtype),
     )
+
+
+def _unit_dots(grads: PyTree, v: Sequence[Array]) -> Array:
+    """⟨g_u, v⟩ over every leaf of [N, ...] per-unit gradients and v's leaves, in the widest
+    statistic dtype."""
+    leaves = jax.tree.leaves(grads)
+    dtype = _widest([g.dtype for g in leaves])
+    dot = lambda g, x: jnp.tensordot(g, x.astype(g.dtype), axes=x.ndim).astype(dtype)  # noqa: E731
+    return sum(
+        (dot(g, x) for g, x in zip(leaves, v, strict=True)), jnp.zeros(len(leaves[0]), dtype)
+    )
+
+
+def _pairs(
+    grads_of: Callable[[PyTree], list[Array]], xs: PyTree, n: int, chunk: int | None
+) -> Array:
+    """Σ_leaves J Jᵀ, the [N, N] inner products of every two units' gradients: `grads_of(rows)`
+    gives a chunk of examples' per-unit gradients, one [c·U, ...] per leaf. Block (r, s) from
+    chunk r's and chunk s's gradients, each formed again per block: no more than two chunks'
+    gradients exist at once (the chunk loop's bound), at the price of forming them N/c + 1
+    times."""
+
+    def flat(rows: PyTree) -> list[Array]:
+        return [g.reshape(g.shape[0], -1) for g in grads_of(rows)]
+
+    def row(rows: PyTree) -> tuple[None, Array]:
+        mine = flat(rows)
+        dtype = _widest([g.dtype for g in mine])
+
+        def column(cols: PyTree) -> tuple[None, Array]:
+            theirs = flat(cols)
+            block = (jnp.dot(b, a.T).astype(dtype) for a, b in zip(mine, theirs, strict=True))
+            return None, sum(block, jnp.zeros((len(theirs[0]), len(mine[0])), dtype))
+
+        return None, _chunked(column, xs, n, chunk)[1].T  # [c·U, N·U]
+
+    return _chunked(row, xs, n, chunk)[1]
 
 
 def _over(x: Array, n: int | Array) -> Array:
@@ -2023,7 +2129,8 @@ class Cost:
         return self.flops / 2e10 + self.bytes / 1e10
 
 
-Env = Mapping[Var, Any]  # graph variables -> values (batched ones with a leading axis B)
+Env = Mapping[Any, Any]  # graph variables -> values (batched ones with a leading axis B)
+_DOT_WITH = "dot_with"  # env[_DOT_WITH]: the leaves of "dot"'s v (`_check_dot_with`)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -2033,6 +2140,9 @@ class Route(abc.ABC):
     implemented once below (by a route or a mixin), or concrete and never overridden."""
 
     name: ClassVar[str]
+    # The kinds of ingredient (§2) the route computes from its factors; the others it gives the
+    # chunk loop, which forms per-unit gradients (`per_unit`).
+    KINDS: ClassVar[frozenset[str]] = frozenset({"mean", "spread", "norm", "weighted"})
     graph: Graph = dataclasses.field(repr=False)
     leaf: Leaf = dataclasses.field(repr=False)
     reason: str  # what was proven (explain prints it)
@@ -2115,6 +2225,8 @@ class _Each(Route):
 class _Factorized(Route):
     """A route that factorizes every ingredient."""
 
+    KINDS = _ALL_KINDS
+
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         return dict.fromkeys(need, "factorized")
 
@@ -2163,13 +2275,22 @@ class CoreRoute(_Priced):
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         scalar = self.scalar  # else a norm's scaling does not move out of the sum over entries
-        methods = {w: "factorized" if scalar or _kind(w) != "norm" else "chunked" for w in need}
-        if self.FORMED and "sum" in methods and "chunked" in methods.values():
+        factored = lambda k: k in self.KINDS and (scalar or k not in ("norm", "pairs"))  # noqa: E731
+        methods = {w: "factorized" if factored(_kind(w)) else "chunked" for w in need}
+        looped = any(how == "chunked" and _kind(w) != "pairs" for w, how in methods.items())
+        if self.FORMED and "sum" in methods and looped:  # (pairs: a loop of their own)
             methods["sum"] = "chunked"
         return methods
 
     def reads(self) -> list[Var]:
         return [v for v in (*self.core.invars, *_factor_vars(self.post)) if isinstance(v, Var)]
+
+    def pulled(self, env: Env) -> Array:
+        """The leaf's v of "dot" in the core's coordinates, postᵀ v: ⟨post(x), v⟩ = ⟨x, postᵀ v⟩
+        (post is linear: layout ops and batch-independent scalings)."""
+        v = env[_DOT_WITH][self.leaf.index]
+        core = jax.ShapeDtypeStruct(_shape(self.core.outvars[0]), self.dtype)
+        return jax.linear_transpose(lambda x: self.replay(x, env), core)(v)[0]
 
     def replay(self, x: Array, env: Env, phi: Phi = _PHI["sum"], units: bool = False) -> Array:
         """`post` applied to x in the core's coordinates (to each of its leading units)."""
@@ -2393,8 +2514,10 @@ class Empty(_Each, _Factorized):
         return []
 
     def compute(self, env: Env, what: str) -> Array:
-        if _kind(what) == "norm":
-            return jnp.zeros((self.graph.n_examples, self.graph.per_example), self.dtype)
+        graph = self.graph
+        if _kind(what) in _PER_UNIT:
+            shape = (graph.n_units,) * 2 if _kind(what) == "pairs" else (graph.n_units,)
+            return jnp.zeros(shape, self.dtype)
         return jnp.zeros(self.leaf.shape, self.dtype)
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -2438,9 +2561,11 @@ class Constant(_Each, _Factorized, _Simple):
         )
 
     def compute(self, env: Env, what: str) -> Array:
-        g = self._g(env)
-        if _kind(what) == "norm":
-            return jnp.full((self.graph.n_examples, self.graph.per_example), jnp.sum(g * g))
+        g, n = self._g(env), self.graph.n_units
+        if _kind(what) in ("norm", "pairs"):  # ⟨g, g⟩ for every unit and pair of units
+            return jnp.full((n,) * (1 + (_kind(what) == "pairs")), jnp.sum(g * g))
+        if _kind(what) == "inner":
+            return jnp.full((n,), jnp.sum(g * env[_DOT_WITH][self.leaf.index]))
         return jnp.zeros_like(g) if _kind(what) == "spread" else _PHI[what](g)
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -2479,6 +2604,7 @@ class OuterProduct(DotCore, _Simple):
     where the variance is (W x and c·x giving one gradient would else cancel O(1) terms)."""
 
     name = "outer-product"
+    KINDS = _ALL_KINDS
 
     @classmethod
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "OuterProduct | Refusal":
@@ -2516,6 +2642,8 @@ class OuterProduct(DotCore, _Simple):
         factors = self.graph.n_examples * sum(math.prod(_shape(v)) for v in self.core.invars)
         if _kind(what) == "norm":
             return Cost(2.0 * factors, 4.0 * factors)
+        if _kind(what) == "pairs":  # two Grams over units per batch-dim slice
+            return Cost(2.0 * n * factors, 4.0 * (factors + 2 * n * n))
         matmuls = 2 if _kind(what) == "spread" else 1
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
@@ -2528,6 +2656,13 @@ class OuterProduct(DotCore, _Simple):
         if _kind(what) == "norm":
             norms = jnp.sum(jnp.sum(A * A, -1) * jnp.sum(B * B, -1), -1)  # [B, U]
             return norms * _scale_sq(self.post, env, dtype)
+        if _kind(what) == "inner":  # a_uᵀ V b_u per batch-dim slice, V = postᵀ v
+            V = self.pulled(env).reshape(A.shape[2], A.shape[3], B.shape[3])
+            return jnp.einsum("bunf,nfg,bung->bu", A, V, B, preferred_element_type=dtype)
+        if _kind(what) == "pairs":  # ⟨a_u ⊗ b_u, a_w ⊗ b_w⟩ = ⟨a_u, a_w⟩⟨b_u, b_w⟩ per slice
+            gram = lambda x: jnp.einsum("unf,wnf->nuw", x, x)  # noqa: E731
+            pairs = jnp.sum(gram(_merge01(A)) * gram(_merge01(B)), 0)  # [N, N]
+            return pairs * _scale_sq(self.post, env, dtype)
         A, B = _gauge(_merge01(A), _merge01(B))  # [N, nb, f], the variance in core coordinates
         abar, bbar = jnp.mean(A, 0), jnp.mean(B, 0)
         Ac, Bc = A - abar, B - bbar
@@ -2577,7 +2712,8 @@ class Contraction(DotCore):
     §3); after a non-scalar scaling, in the chunk loop."""
 
     name = "contraction"
-    FORMED: ClassVar[tuple[str, ...]] = _NONLINEAR  # formed per example in the head
+    KINDS = frozenset({"mean", "spread", "norm", "inner", "weighted"})
+    FORMED: ClassVar[tuple[str, ...]] = _FORMED  # formed per example in the head
 
     @classmethod
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "Contraction | Refusal":
@@ -2607,7 +2743,7 @@ class Contraction(DotCore):
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
         terms, _, free_a, free_b = self._sizes()
-        alone = not _of_kind(list(ingredients), "mean", "spread")
+        alone = not _of_kind([w for w in _INGREDIENT if w in ingredients], "mean", "spread")
         return alone and 2 * terms * terms < free_a * free_b
 
     def factored_cost(self, what: str) -> Cost:
@@ -2667,11 +2803,16 @@ class Contraction(DotCore):
         return total
 
     def compute(self, env: Env, what: str) -> Array:
-        assert _kind(what) == "norm"  # for core_sums: by the Gram identity, [B] before `post`
+        """Norms for core_sums by the Gram identity, [B] before `post`; ⟨g_i, v⟩ = Σ_k a_kᵀ V b_k
+        (V = postᵀ v: one contraction, as the weight gradient's)."""
         lc, rc, lb, rb = _dot_dims(self.core)
         a, b = _operands(self.core, env, self.dtype, tie=True)
         ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
         gb = _units_layout(b, rb, rc)
+        if _kind(what) == "inner":
+            V = self.pulled(env).reshape(ga.shape[2], ga.shape[3], gb.shape[3])
+            return jnp.einsum("bknf,nfg,bkng->b", ga, V, gb, preferred_element_type=self.dtype)
+        assert _kind(what) == "norm"
         gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
         gram_b = jnp.einsum("bsnf,btnf->bnst", gb, gb)
         return jnp.sum(gram_a * gram_b, axis=(1, 2, 3))
@@ -2760,7 +2901,7 @@ class Convolution(_Formed):
     has the operands (`_conv_offsets`: a dot_general per offset), and reduced before the next
     offset is formed — the variance two-pass within a chunk, chunks merged by Chan's update."""
 
-    FORMED: ClassVar[tuple[str, ...]] = _NONLINEAR  # formed per example in the head
+    FORMED: ClassVar[tuple[str, ...]] = _FORMED  # formed per example in the head
 
     name = "convolution"
     cores = frozenset({"conv_general_dilated"})
@@ -2872,6 +3013,7 @@ class UnitSum(CoreRoute, _Each):
     it is the computation the gradient itself performs, batched."""
 
     name = "unit-sum"
+    KINDS = _ALL_KINDS
     cores = frozenset({"reduce_sum"})
     axis: int | None  # None at example granularity: one unit per example
 
@@ -2915,7 +3057,13 @@ class UnitSum(CoreRoute, _Each):
         g = self._units(_read(env, self.core.invars[0]).astype(dtype))
         if _kind(what) == "norm":
             return jnp.sum(g * g, axis=tuple(range(2, g.ndim))) * _scale_sq(self.post, env, dtype)
+        if _kind(what) == "inner":  # [B, U]
+            v = self.pulled(env)
+            return jnp.tensordot(g, v, axes=v.ndim)
         g = _merge01(g)
+        if _kind(what) == "pairs":
+            g = g.reshape(g.shape[0], -1)
+            return jnp.dot(g, g.T) * _scale_sq(self.post, env, dtype)
         if _kind(what) == "spread":
             centered = g - _sum0(g) / g.shape[0]
             return self.replay(_sum0(centered * centered) / (n - 1), env, jnp.square)
@@ -3324,7 +3472,12 @@ class DisjointParts(_Composite):
         return cls(graph, leaf, reason, parts=routes, core=core, post=post, places=places)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        factored = {w for w in need if all(p.methods((w,))[w] == "factorized" for p in self.parts)}
+        parts = self.parts  # its parts' routes read the whole leaf's v: inner products chunked
+        factored = {
+            w
+            for w in need
+            if _kind(w) in self.KINDS and all(p.methods((w,))[w] == "factorized" for p in parts)
+        }
         if not all(s.scalar for s in self.post):
             factored -= set(_of_kind(need, "norm"))
         return {w: "factorized" if w in factored else "chunked" for w in need}
@@ -3495,7 +3648,8 @@ class RoutedPart(_Each, _Priced):
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         kinds = {"spread"} | (set() if all(s.scalar for s in self.post) else {"norm"})
-        return {w: "chunked" if _kind(w) in kinds else "factorized" for w in need}
+        chunked = lambda k: k in kinds or k not in self.KINDS  # noqa: E731
+        return {w: "chunked" if chunked(_kind(w)) else "factorized" for w in need}
 
     def reads(self) -> list[Var]:
         starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
@@ -3617,6 +3771,10 @@ class HeadValue(_Each, _Factorized):
             return jnp.mean(_PHI[what](g), axis=0).reshape(self.leaf.shape)
         if _kind(what) == "norm":
             return jnp.sum(g * g, axis=1)
+        if _kind(what) == "inner":
+            return g @ env[_DOT_WITH][self.leaf.index].reshape(-1)
+        if _kind(what) == "pairs":
+            return jnp.dot(g, g.T)
         assert _kind(what) == "spread"
         ones = jnp.full((n,), 1.0 / n, self.dtype)
         centred = g - ones @ g
@@ -3664,7 +3822,7 @@ class Fallback(_Each, _Priced):
         # With a mask a masked example's inputs may be anything (NaN): no transposition.
         linear = self.linear and not self.graph.token and not self.graph.weighted
         methods = {w: "factorized" if linear and _INGREDIENT[w].linear else "chunked" for w in need}
-        looped = any(methods[w] == "chunked" for w in need if _kind(w) != "weighted")
+        looped = any(methods[w] == "chunked" for w in need if _kind(w) not in ("weighted", "pairs"))
         if "sum" in methods and looped:
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
@@ -4045,6 +4203,7 @@ def _execute(
     batch: PyTree,
     keep: Array | None = None,
     drop: bool = False,
+    dot_with: Sequence[Array] | None = None,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
     need = _ingredients((*stats, "sq_norms") if drop else stats)
     leaves = graph.leaves
@@ -4058,7 +4217,7 @@ def _execute(
         ps: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
     ) -> dict:
         """The ingredients `wanted` the leaves `ps` compute factorized ("clipped" by `weights`)."""
-        out = {}
+        env, out = {**env, _DOT_WITH: dot_with}, {}
         for p in ps:
             whats = [w for w in wanted if p.methods[w] == "factorized"]
             if weights is not None:
@@ -4089,29 +4248,42 @@ def _execute(
         return {i: ws for i, ws in found.items() if ws}
 
     chunk = _loop_chunk(graph, plans)
-    loop = functools.partial(_chunk_loop, graph, plans, batched, unbatched, batch, params, chunk)
-    found, loop_norms = loop(chunked_in(early), keep)
+    loop = functools.partial(
+        _chunk_loop, graph, plans, batched, unbatched, batch, params, chunk, dot_with=dot_with
+    )
+    found, looped = loop(chunked_in(early), keep)
     results.update(found)
-    sq_norms = None
-    for w in _of_kind(need, "norm"):  # added over the leaves
-        dtype = _widest([leaf.dtype for leaf in leaves])
+    dtype = _widest([leaf.dtype for leaf in leaves])
+
+    def added(w: str) -> Array:
+        """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
+        shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
         parts = [results[w, i] for i in range(len(leaves)) if (w, i) in results]
-        if loop_norms is not None:
-            parts.append(loop_norms)
-        sq_norms = sum(
-            (x.reshape(-1).astype(dtype) for x in parts), jnp.zeros((graph.n_units,), dtype)
-        )
+        parts += [looped[w]] if w in looped else []
+        return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
+
+    def masked(w: str, x: Array) -> Array:  # units not kept: 0 (NaN there included)
+        if units is None:
+            return x
+        if _kind(w) == "pairs":
+            return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
+        return _where_units(units, x)
+
+    per_unit = {w: added(w) for w in early if _kind(w) in _PER_UNIT}
+    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
     if drop:
         assert sq_norms is not None
         by_example = sq_norms.reshape(graph.n_examples, graph.per_example)
         finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
         keep = finite if keep is None else keep & finite
     units = None if keep is None else jnp.repeat(keep, graph.per_example)
-    if units is not None and sq_norms is not None:
-        sq_norms = _where_units(units, sq_norms)
+    per_unit = {w: masked(w, x) for w, x in per_unit.items()}
+    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
     env = _masked(graph, env, keep, list(batched))
     results.update(factorized(plans, late, env))
-    results.update(loop(chunked_in(late), keep)[0])
+    found, looped = loop(chunked_in(late), keep)
+    results.update(found)
+    per_unit |= {w: masked(w, added(w)) for w in late if _kind(w) in _PER_UNIT}
     if weighted:
         assert clip_norm is not None and sq_norms is not None
         factors = _clip_factors(sq_norms, clip_norm)
@@ -4121,7 +4293,9 @@ def _execute(
         results.update(loop(chunked_in(weighted), keep, weights)[0])
     by_leaf = lambda w: [results[w, i] for i in range(len(leaves))]  # noqa: E731
     means = {
-        w: jax.tree.unflatten(graph.param_tree, by_leaf(w)) for w in need if _kind(w) != "norm"
+        w: jax.tree.unflatten(graph.param_tree, by_leaf(w))
+        for w in need
+        if _kind(w) not in _PER_UNIT
     }
     n_units: int | Array = graph.n_units
     if keep is None:
@@ -4134,7 +4308,7 @@ def _execute(
         for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
             means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
     loss = loss.astype(stat_dtype(losses.dtype))
-    return loss, _publish(stats, means, sq_norms, n_units), aux
+    return loss, _publish(stats, means, per_unit, n_units), aux
 
 
 def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
@@ -4373,35 +4547,49 @@ def _chunk_loop(
     chunked: Mapping[int, Sequence[str]],
     keep: Array | None,
     weights: Array | None = None,
-) -> tuple[dict[tuple[str, int], Array], Array | None]:
+    dot_with: Sequence[Array] | None = None,
+) -> tuple[dict[tuple[str, int], Array], dict[str, Array]]:
     """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
-    ingredients each needs: means of φ, per-unit norms ([B, U], summed over these leaves),
-    the variance (chunk by chunk, merged with Chan's update: no cancellation), or — given
-    per-unit `weights` [B, U] — the clipped mean."""
+    ingredients each needs: means of φ, the variance (chunk by chunk, merged with Chan's
+    update: no cancellation), or — given per-unit `weights` [B, U] — the clipped mean; and,
+    summed over these leaves, the per-unit norms and inner products with v ([B, U]) and the
+    pairs ([N, N], `_pairs`: blocks of two chunks)."""
     if not chunked:
-        return {}, None
+        return {}, {}
     n_units = graph.n_units
     routes = {i: plans[i].taken for i in chunked}
     keys = list(dict.fromkeys(v for r in routes.values() for v in r.reads() if v in batched))
-    with_norms = any(_of_kind(ws, "norm") for ws in chunked.values())
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     shape = (graph.n_examples, graph.per_example)
     w = jnp.ones(shape, dtype) if weights is None else weights
     k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
+    per = {u: _kind(u) for ws in chunked.values() for u in _of_kind(ws, "norm", "inner")}
+    v = dot_with
 
-    def per_chunk(xs: tuple) -> tuple[dict, Array]:
+    def formed(which: Sequence[int], value: list, example: PyTree, kept: Array) -> dict:
+        env = {**unbatched, **dict(zip(keys, value, strict=True))}
+        grads = {i: routes[i].per_unit(env, example, params) for i in which}
+        if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
+            grads = {i: _where_units(kept, g) for i, g in grads.items()}
+        return grads
+
+    def one(value: list, example: PyTree, kept: Array) -> tuple[dict, dict]:
+        grads = formed(looped, value, example, kept)
+        out = {}
+        for u, kind in per.items():  # [U] each, added over the leaves
+            terms = (
+                jnp.sum(g * g, axis=tuple(range(1, g.ndim)))
+                if kind == "norm"
+                else jnp.tensordot(g, v[i].astype(g.dtype), axes=g.ndim - 1)  # pyright: ignore[reportOptionalSubscript]
+                for i, g in grads.items()
+                if u in chunked[i]
+            )
+            out[u] = sum((t.astype(dtype) for t in terms), jnp.zeros((graph.per_example,), dtype))
+        return grads, out
+
+    def per_chunk(xs: tuple) -> tuple[dict, dict]:
         values, examples, unit_w, unit_k = xs
-
-        def one(value: list, example: PyTree, kept: Array) -> tuple[dict, Array]:
-            env = {**unbatched, **dict(zip(keys, value, strict=True))}
-            grads = {i: r.per_unit(env, example, params) for i, r in routes.items()}
-            if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
-                grads = {i: _where_units(kept, g) for i, g in grads.items()}
-            normed = [g for i, g in grads.items() if _of_kind(chunked[i], "norm")]
-            squares = (jnp.sum(g * g, axis=tuple(range(1, g.ndim))).astype(dtype) for g in normed)
-            return grads, sum(squares, jnp.zeros((graph.per_example,), dtype))
-
-        grads, norms = jax.vmap(one)(values, examples, unit_k)
+        grads, units = jax.vmap(one)(values, examples, unit_k)
         out: dict = {}
         for i, g in grads.items():
             g = _merge01(g)  # [chunk·U, ...]
@@ -4421,7 +4609,7 @@ def _chunk_loop(
                     out[what, i] = (
                         jnp.tensordot(_merge01(unit_w).astype(g.dtype), g, axes=1) / n_units
                     )
-        return out, norms
+        return out, units
 
     def combine(acc: dict, part: dict) -> dict:
         merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
@@ -4429,9 +4617,20 @@ def _chunk_loop(
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w, k)
-    acc, norms = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
+    looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
+    acc, units = {}, {}
+    if looped:
+        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
     out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
-    return out, (norms if with_norms and weights is None else None)
+    units = {} if weights is not None else units
+    for u in {u for ws in chunked.values() for u in _of_kind(ws, "pairs")}:
+        paired = [i for i, ws in chunked.items() if u in ws]
+        grads_of = lambda xs, p=paired: [  # noqa: E731
+            _merge01(g)
+            for g in jax.vmap(functools.partial(formed, p))(xs[0], xs[1], xs[3]).values()
+        ]
+        units[u] = _pairs(grads_of, xs, graph.n_examples, chunk)
+    return out, units
 
 
 # ============================================================================================
@@ -4500,7 +4699,7 @@ def _gradient_of_mean_loss(
     if summed[0]:
         grads = jax.tree.map(lambda g: _over(g, n_units), grads)
     value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
-    stats = _publish(("mean",), {"sum": grads}, None, n_units)
+    stats = _publish(("mean",), {"sum": grads}, {}, n_units)
     return value.astype(stat_dtype(losses.dtype)), stats, aux
 
 
@@ -4548,6 +4747,7 @@ def _factorized(
     clip_norm: float | None,
     keep: Array | None,
     drop: bool,
+    dot_with: Sequence[Array] | None = None,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
     """impl="factorized" (an entry point): plain grad of the mean loss where proven, else
     the graph, its plan and the executor."""
@@ -4557,9 +4757,8 @@ def _factorized(
         return _gradient_of_mean_loss(loss, params, batch, keep)
     weighted = keep is not None or drop  # a mask or dropped examples weigh them 0 or 1
     graph = _graph(loss, params, batch, per_example, wanted, options, mean_loss, weighted)
-    return _execute(
-        graph, plan(graph, wanted, choose=options[1]), stats, clip_norm, params, batch, keep, drop
-    )
+    plans = plan(graph, wanted, choose=options[1])
+    return _execute(graph, plans, stats, clip_norm, params, batch, keep, drop, dot_with)
 
 
 # ============================================================================================

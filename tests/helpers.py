@@ -52,10 +52,27 @@ def naive_unit_grads(
     return np.asarray(losses), jax.tree.map(lambda *g: np.concatenate(g), *units)
 
 
+def probe_like(params: Any) -> Any:
+    """A fixed v for "dot", shaped like the parameters (no entry 0, no two alike); None at a
+    model's leaves that are not floating arrays, as in its statistics."""
+
+    def probe(p: Any) -> Any:
+        if not jnp.issubdtype(getattr(p, "dtype", np.dtype(object)), jnp.floating):
+            return None
+        return np.sin(np.arange(np.size(p)) + 1.0).reshape(np.shape(p))
+
+    return jax.tree.map(probe, params)
+
+
 def naive_stats(grads: Any, clip_norm: float) -> dict[str, Any]:
-    """The SPEC §2 definitions, in numpy, from materialized per-unit gradients."""
+    """The SPEC §2 definitions, in numpy, from materialized per-unit gradients ("dot" with
+    `probe_like` of the parameters)."""
     leaves = jax.tree.leaves(grads)
     n = leaves[0].shape[0]
+    flat = [g.reshape(n, -1) for g in leaves]
+    probe = [
+        x.reshape(-1) for x in jax.tree.leaves(probe_like(jax.tree.map(lambda g: g[0], grads)))
+    ]
     sq_norms = sum(np.sum(g.reshape(n, -1) ** 2, axis=1) for g in leaves)
     with np.errstate(divide="ignore"):
         factors = np.minimum(1.0, clip_norm / np.sqrt(sq_norms))
@@ -64,6 +81,8 @@ def naive_stats(grads: Any, clip_norm: float) -> dict[str, Any]:
         "sq_mean": jax.tree.map(lambda g: (g**2).mean(0), grads),
         "sign_mean": jax.tree.map(lambda g: np.sign(g).mean(0), grads),
         "sq_norms": sq_norms,
+        "gram": sum(g @ g.T for g in flat),
+        "dot": sum(g @ v for g, v in zip(flat, probe, strict=True)),
         "clipped_mean": jax.tree.map(lambda g: np.tensordot(factors, g, axes=1) / n, grads),
     }
     if n > 1:
@@ -117,7 +136,7 @@ def check_every_implementation(
             choose=cast(pegrad.Choose, choice),
             **options,
         )
-        loss_value, got = jax.jit(fn)(params, batch)
+        loss_value, got = jax.jit(fn)(params, batch, dot_with=probe_like(params))
         where = f"{what}/{granularity}/{impl}/chunk={chunk}/{choice}/{options}"
         np.testing.assert_allclose(loss_value, losses.mean(), rtol=1e-12, err_msg=where)
         assert int(got["batch_size"]) == n_units, where
@@ -190,7 +209,7 @@ def check_token_statistics(
             clip_norm=clip_norm,
             choose=cast(pegrad.Choose, choice),
         )
-        return jax.jit(fn)(params, batch)
+        return jax.jit(fn)(params, batch, dot_with=probe_like(params))
 
     reference_loss, reference = run("vmap", None, "cheapest")
     for impl, chunk, choice in _distinct(IMPLS, loss, params, batch, "token", stats):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import IMPLS, assert_tree_close, naive_stats, naive_unit_grads
+from helpers import IMPLS, assert_tree_close, naive_stats, naive_unit_grads, probe_like
 from pieces import PIECES, Piece, piece_unit_grads
 
 import pegrad
@@ -37,7 +37,8 @@ def _run(loss, params, batch, stats, impl, chunk, choice, **options) -> Any:
         **{k: v for k, v in options.items() if k != "mask"},
     )
     # a model holds functions: jit what is an array
-    return eqx.filter_jit(fn)(params, batch, mask=options.get("mask"))
+    v = probe_like(params) if "dot" in stats else None
+    return eqx.filter_jit(fn)(params, batch, mask=options.get("mask"), dot_with=v)
 
 
 def _with_nan_rows(batch: Any, rows: np.ndarray) -> Any:
@@ -114,14 +115,19 @@ MASK = np.array([True, False, True, True, False])
 
 
 def _expected_over(piece: Piece, params, batch, keep: np.ndarray, granularity: str):
-    """The naive loop over the kept examples; sq_norms 0 at the masked units."""
+    """The naive loop over the kept examples; sq_norms and dot 0 at the masked units, gram 0 in
+    their rows and columns."""
     kept_batch = jax.tree.map(lambda x: x[keep], batch)
     losses, grads = piece_unit_grads(piece, params, kept_batch, granularity)
     want = naive_stats(grads, CLIP)
     units = jax.tree.leaves(grads)[0].shape[0] // int(keep.sum())
-    norms = np.zeros((len(keep), units))
-    norms[keep] = want["sq_norms"].reshape(-1, units)
-    want["sq_norms"] = norms.reshape(-1)
+    kept = np.repeat(keep, units)
+    for s in ("sq_norms", "dot"):
+        want[s] = np.zeros(len(kept))
+        want[s][kept] = naive_stats(grads, CLIP)[s]
+    gram = np.zeros((len(kept), len(kept)))
+    gram[np.ix_(kept, kept)] = want["gram"]
+    want["gram"] = gram
     return losses.mean(), want, int(keep.sum()) * units
 
 

@@ -18,6 +18,7 @@ from helpers import (
     compiled_temp_bytes,
     naive_stats,
     naive_unit_grads,
+    probe_like,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -890,13 +891,27 @@ def test_statistics_obey_their_invariants(piece: Piece, batch_size: int, chunk: 
     stats = pegrad.STATISTICS
     loss = lambda p, ex: piece.loss(p, ex, False)  # noqa: E731
 
+    v = probe_like(params)
+
     def run(chunk_size):
         fn = pegrad.value_and_grad_stats(loss, stats, chunk_size=chunk_size, clip_norm=CLIP)
-        return jax.jit(fn)(params, batch)[1]
+        return jax.jit(fn)(params, batch, dot_with=v)[1]
 
     whole, chunked = run(None), run(chunk)
     for name in stats:  # results do not depend on chunk_size
         assert_tree_close(chunked[name], whole[name], f"chunk {chunk} {name}", rtol=1e-12)
+    # gram: symmetric, positive semi-definite, its diagonal sq_norms, its mean ‖ḡ‖²; dot's
+    # mean ⟨ḡ, v⟩ (both linear in g)
+    gram, n = np.asarray(whole["gram"]), int(whole["batch_size"])
+    scale = float(np.max(np.abs(gram)))
+    np.testing.assert_allclose(gram, gram.T, rtol=0, atol=1e-12 * scale)
+    assert float(np.min(np.linalg.eigvalsh(gram))) >= -1e-12 * scale * n
+    np.testing.assert_allclose(np.diag(gram), whole["sq_norms"], rtol=1e-10)
+    mean_sq = sum(float(jnp.sum(m * m)) for m in jax.tree.leaves(whole["mean"]))
+    np.testing.assert_allclose(gram.sum() / n**2, mean_sq, rtol=1e-9, atol=1e-12 * scale)
+    means, probes = jax.tree.leaves(whole["mean"]), jax.tree.leaves(v)
+    along = sum(float(jnp.sum(m * x)) for m, x in zip(means, probes, strict=True))
+    np.testing.assert_allclose(float(jnp.mean(whole["dot"])), along, rtol=1e-9, atol=1e-12)
     assert all(bool(jnp.all(v >= 0)) for v in jax.tree.leaves(whole["var"]))
     assert all(bool(jnp.all(jnp.abs(s) <= 1)) for s in jax.tree.leaves(whole["sign_mean"]))
     clipped_norm = np.sqrt(

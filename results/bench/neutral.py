@@ -8,9 +8,13 @@ For bench.py's transformer families (float32, the README's cost table): each fac
 program's route summary, its compiled XLA:CPU temporaries and the SHA-256 of its optimized
 HLO. Two commits are neutral when the two digests are equal (results/bench/neutral.md).
 
-    python results/bench/neutral.py --out before.json            # at the base commit
-    python results/bench/neutral.py --out after.json             # after the change
-    python results/bench/neutral.py --compare before.json after.json
+    python results/bench/neutral.py --only zoo --out zoo-before.json     # at the base commit
+    python results/bench/neutral.py --only bench --out bench-before.json
+    ... the same after the change, then
+    python results/bench/neutral.py --compare zoo-before.json zoo-after.json
+
+(--only zoo compiles with the tests' XLA flags, which only speed compilation up: both sides
+alike.)
 """
 
 import argparse
@@ -19,8 +23,15 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-import jax
+if "--only" in sys.argv and "zoo" in sys.argv:  # the tests' flags: compiles in a fraction
+    os.environ.setdefault(
+        "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    )
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -56,24 +67,29 @@ def digest(tree: object) -> str:
     return h.hexdigest()[:16]
 
 
-def zoo_rows() -> dict[str, str]:
-    import pegrad
+def zoo_rows(rows: dict[str, str], save: Callable[[], None]) -> dict[str, str]:
     from zoo import MODELS
 
-    rows = {}
+    import pegrad
+
     for model in MODELS:
+        jax.clear_caches()  # hundreds of programs: their executables would pile up
+        save()
         params, loss = model.build(jax.random.key(0))
         for b, granularity in [(5, "example"), *([(2, "token")] if model.sequence else [])]:
             batch = model.batch(jax.random.key(b), b)
             mask = jnp.arange(b) != 1
             for stats in STAT_SETS:
-                cases = [("plain", {}, None), ("first", {"choose": "first"}, None)]
+                cases: list[tuple[str, dict[str, Any], Any]] = [("plain", {}, None)]
+                cases += [("first", {"choose": "first"}, None)]
                 if granularity == "example":
                     cases += [("mask", {}, mask), ("drop", {"nonfinite": "drop"}, None)]
                 for label, options, m in cases:
                     key = f"{model.name} B{b} {granularity} {'+'.join(stats)} {label}"
+                    if key in rows:  # from the run this one resumes
+                        continue
                     options = {**options, "granularity": granularity}
-                    clip = {"clip_norm": 0.5} if "clipped_mean" in stats else {}
+                    clip: dict[str, Any] = {"clip_norm": 0.5} if "clipped_mean" in stats else {}
                     planned = {k: v for k, v in options.items() if k != "nonfinite"}
                     try:
                         fn = pegrad.value_and_grad_stats(loss, stats, **options, **clip)
@@ -108,7 +124,7 @@ def bench_rows() -> dict[str, str]:
                 continue
             key = f"{workload.model} {program.stats}"
             stats = tuple(program.stats.split("+"))
-            clip = {"clip_norm": 1.0} if "clipped_mean" in stats else {}
+            clip: dict[str, Any] = {"clip_norm": 1.0} if "clipped_mean" in stats else {}
             plan = pegrad.explain(workload.loss_fn, workload.params, workload.batch, stats, **clip)
             compiled = (
                 jax.jit(program.build(workload.loss_fn, 1.0))
@@ -131,19 +147,26 @@ def main() -> None:
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     if args.compare:
-        before, after = (json.load(open(p)) for p in args.compare)
+        before, after = (json.loads(open(p).read()) for p in args.compare)  # noqa: SIM115
         differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         for k in differ:
             print(f"DIFFERS {k}\n  before: {before.get(k)}\n  after:  {after.get(k)}")
         print(f"{len(before)} and {len(after)} cases; {len(differ)} differ")
         raise SystemExit(1 if differ else 0)
     rows = {}
+    if os.path.exists(args.out):  # a run to resume
+        with open(args.out) as f:
+            rows = json.load(f)
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=0, sort_keys=True)
+
     if args.only != "bench":
-        rows |= zoo_rows()
+        zoo_rows(rows, save)
     if args.only != "zoo":
         rows |= bench_rows()
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=0, sort_keys=True)
+    save()
 
 
 if __name__ == "__main__":
