@@ -429,9 +429,11 @@ def _kind(name: str) -> str:
     return _INGREDIENT[name].kind
 
 
-# What a contraction or convolution forms per example (the sum comes with them; `CoreRoute`)
+# What a contraction forms per example (the sum comes with them; `CoreRoute`)
 _FORMED = tuple(
-    w for w, i in _INGREDIENT.items() if not i.linear and i.kind in ("mean", "spread", "norm")
+    w
+    for w, i in _INGREDIENT.items()
+    if not i.linear and i.kind in ("mean", "spread", "norm", "inner")
 )
 
 
@@ -1064,6 +1066,11 @@ def _pairs(
 
     def flat(rows: PyTree) -> list[Array]:
         return [g.reshape(g.shape[0], -1) for g in grads_of(rows)]
+
+    if chunk is None or chunk >= n:  # one chunk: its gradients formed once
+        grads = flat(xs)
+        dtype = _widest([g.dtype for g in grads])
+        return sum((jnp.dot(g, g.T).astype(dtype) for g in grads), jnp.zeros((), dtype))
 
     def row(rows: PyTree) -> tuple[None, Array]:
         mine = flat(rows)
@@ -2200,6 +2207,12 @@ class _Priced(Route):
         factored = [self.factored_cost(w) for w, how in methods.items() if how == "factorized"]
         total = sum(factored, Cost())
         chunked = sum(1 for how in methods.values() if how == "chunked")
+        pairs = [w for w in _of_kind(list(methods), "pairs") if methods[w] == "chunked"]
+        if pairs:  # `_pairs`: the gradients formed again per block of two chunks, and J Jᵀ
+            n, p, b = graph.n_units, self.leaf.size, graph.n_examples
+            c = _examples_per_chunk(b, 1, graph.chunk_size, graph.memory_budget, b)
+            again = 0 if c >= b else -(-b // c)
+            total = total + Cost(again * b * self.unit_flops() + 2.0 * n * n * p, 0.0)
         if chunked:
             n, p = graph.n_units, self.leaf.size
             unit = graph.n_examples * self.unit_flops()
@@ -2343,7 +2356,7 @@ def _formed_sums(
     of which the first r are examples, what `_moments` gives. Padding examples have zero
     operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off."""
     n = route.graph.n_examples
-    names = _of_kind([w for w in _INGREDIENT if w in wanted], "mean", "spread", "norm")
+    names = _of_kind([w for w in _INGREDIENT if w in wanted], "mean", "spread", "norm", "inner")
     a, b = _operands(route.core, env, dtype, tie=isinstance(route, DotCore))
     c, whole = (route.chunk(a.size + b.size, unit, accelerator) for accelerator in (False, True))
     if whole == n:  # no loop on an accelerator: the batch's gradients formed at once, untied
@@ -2372,7 +2385,8 @@ def _sums_of(out: list, names: Sequence[str], n: int) -> dict[str, Array]:
     found = {w: t * (1.0 / n) for w, t in zip(means, out[: len(means)], strict=True)}
     for w in _of_kind(names, "spread"):
         found[w] = out[len(means) + 1] * (1.0 / (n - 1))  # M2 / (N − 1)
-    return found | {w: out[-1] for w in _of_kind(names, "norm")}
+    rows = _of_kind(names, "norm", "inner")  # per example, last
+    return found | dict(zip(rows, out[len(out) - len(rows) :], strict=True))
 
 
 def _chunked_sums(
@@ -2403,14 +2417,14 @@ def _chunked_sums(
     if var:
         moments = (jnp.zeros((), dtype), zero(shapes[k]), zero(shapes[k + 1]))
     (sums, moments), norms = jax.lax.scan(chunk, (sums, moments), (split(a), split(b), counts))
-    norms = [norms[0].reshape(-1)[:n]] if norms else []  # padding cut off
+    norms = [x.reshape(-1)[:n] for x in norms]  # padding cut off
     return _sums_of([*sums, *list(moments)[1:], *norms], names, n)  # (count,) mean, M2
 
 
-def _moments(g: Array, names: Sequence[str], r: Array | int) -> list[Array]:
+def _moments(g: Array, names: Sequence[str], r: Array | int, v: Array | None = None) -> list[Array]:
     """For per-example values g [c, ...] whose first r rows are examples (the rest padding):
     Σ φ(g) per mean in `names`; the mean and M2 over the r examples for "var" (the padding
-    left out, not subtracted); the norms per row for "norms"."""
+    left out, not subtracted); per row, the norms for "norms" and ⟨g, v⟩ for "dot"."""
     out = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
     if _of_kind(names, "spread"):
         mean = _sum0(g) / r
@@ -2418,7 +2432,10 @@ def _moments(g: Array, names: Sequence[str], r: Array | int) -> list[Array]:
         if not isinstance(r, int):  # (a `where` XLA:GPU would materialize g for)
             centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, centred)
         out += [mean, _sum0(centred * centred)]
-    return out + [jnp.sum(g * g, axis=tuple(range(1, g.ndim))) for _ in _of_kind(names, "norm")]
+    for w in _of_kind(names, "norm", "inner"):
+        x = g if _kind(w) == "norm" else v
+        out.append(jnp.sum(g * x, axis=tuple(range(1, g.ndim))))
+    return out
 
 
 class _Formed(CoreRoute):
@@ -2446,7 +2463,8 @@ class _Formed(CoreRoute):
         """`post` replayed on sums in the core's coordinates (here or after a scan: InScan)."""
         sq = lambda w, g: g[:, None] * _scale_sq(self.post, env, self.dtype)  # noqa: E731
         replay = lambda w, g: self.replay(g, env, _REPLAY[w])  # noqa: E731
-        return {w: (sq if _kind(w) == "norm" else replay)(w, g) for w, g in core.items()}
+        posted = {"norm": sq, "inner": lambda w, g: g}  # ⟨g, postᵀv⟩: post is in v
+        return {w: posted.get(_kind(w), replay)(w, g) for w, g in core.items()}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -2712,7 +2730,7 @@ class Contraction(DotCore):
     §3); after a non-scalar scaling, in the chunk loop."""
 
     name = "contraction"
-    KINDS = frozenset({"mean", "spread", "norm", "inner", "weighted"})
+    KINDS = _ALL_KINDS
     FORMED: ClassVar[tuple[str, ...]] = _FORMED  # formed per example in the head
 
     @classmethod
@@ -2743,19 +2761,33 @@ class Contraction(DotCore):
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
         terms, _, free_a, free_b = self._sizes()
-        alone = not _of_kind([w for w in _INGREDIENT if w in ingredients], "mean", "spread")
-        return alone and 2 * terms * terms < free_a * free_b
+        beside = _of_kind([w for w in _INGREDIENT if w in ingredients], "mean", "spread", "inner")
+        return not beside and 2 * terms * terms < free_a * free_b
+
+    def forms(self, ingredients: Container[str]) -> bool:
+        """Whether core_sums forms per-example gradients for these ingredients: for a non-linear
+        φ, the variance or norms (not by Grams), or ⟨g_i, v⟩ beside the sum (one formation
+        against two contractions; ⟨g_i, v⟩ alone is one contraction, `compute`)."""
+        formed = [w for w in self.FORMED if w in ingredients]
+        if not formed or self.gram(ingredients):
+            return False
+        return "sum" in ingredients or any(_kind(w) != "inner" for w in formed)
 
     def factored_cost(self, what: str) -> Cost:
         terms, slices, _, _ = self._sizes()
         n, size = self.graph.n_examples, self.leaf.size
         factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
-        if what == "gram":  # norms by two Grams and their inner product
+        if what == "norms-by-grams":  # two Grams and their inner product
             grams = n * slices * terms * terms
             return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
         dots = 2.0 * n * terms * size
         linear, kind = _INGREDIENT[what].linear, _kind(what)
-        if not linear and kind in ("mean", "norm"):  # a dot per example, chunks like operands
+        if kind == "pairs":  # the gradients formed in blocks of two chunks, and J Jᵀ
+            c = self.chunk(factors, self.formed_unit(), accelerator=True)
+            blocks = -(-n // c)
+            formed = (1 if blocks == 1 else blocks + 1) * dots
+            return Cost(formed + 2.0 * n * n * size, 4.0 * (2 * factors + 2 * c * size))
+        if not linear and kind in ("mean", "norm", "inner"):  # a dot per example, chunked
             return Cost(dots + n * size, 4.0 * (2 * factors + size))
         if kind == "spread":  # the same dots; each chunk centred, squared and merged
             return Cost(dots + 4.0 * n * size, 4.0 * (2 * factors + 3 * size))
@@ -2765,22 +2797,25 @@ class Contraction(DotCore):
         return 2.0 * self.leaf.size * self._sizes()[0]
 
     def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        """sq, sign, var and norms from per-example gradients formed a bounded chunk at a time
-        (`_formed_sums`), which give the sum too; norms alone by the Gram identity."""
+        """sq, sign, var, norms and ⟨g_i, v⟩ from per-example gradients formed a bounded chunk
+        at a time (`_formed_sums`), which give the sum too (`forms`); norms alone by the Gram
+        identity, ⟨g_i, v⟩ alone by one contraction."""
         if _of_kind(wanted, "norm") and self.gram(wanted):
             return {w: self.compute(env, w) for w in wanted}
-        if not any(w in self.FORMED for w in wanted):
-            return {w: self.core_sum(env, dtype, w) for w in wanted}
+        if not self.forms(wanted):
+            sums = {w: self.core_sum(env, dtype, w) for w in wanted if w in _PHI}
+            return sums | {w: self.compute(env, w) for w in _of_kind(wanted, "inner")}
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
+        v = self.pulled(env) if _of_kind(wanted, "inner") else None
 
         def form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
-            return _moments(jax.vmap(dot)(a, b), names, r)
+            return _moments(jax.vmap(dot)(a, b), names, r, v)
 
         return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
-        return _of_kind(list(_INGREDIENT), "mean", "spread", "norm")
+        return _of_kind(list(_INGREDIENT), "mean", "spread", "norm", "inner")
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
@@ -2790,9 +2825,11 @@ class Contraction(DotCore):
         norms = [w for w in _of_kind(list(methods), "norm") if methods[w] == "factorized"]
         if norms and self.gram(methods):
             rest = {w: how for w, how in methods.items() if w not in norms}
-            return self.priced(rest) + self.factored_cost("gram")
+            return self.priced(rest) + self.factored_cost("norms-by-grams")
         total = self.priced(methods)
         formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
+        if not self.forms(formed + (["sum"] if methods.get("sum") == "factorized" else [])):
+            return total
         # The sum, and the variance or norms beside another, come from the gradients formed once:
         shared = (methods.get("sum") == "factorized") + sum(
             w in formed and len(formed) > 1 for w in _of_kind(formed, "spread", "norm")
@@ -2812,6 +2849,13 @@ class Contraction(DotCore):
         if _kind(what) == "inner":
             V = self.pulled(env).reshape(ga.shape[2], ga.shape[3], gb.shape[3])
             return jnp.einsum("bknf,nfg,bkng->b", ga, V, gb, preferred_element_type=self.dtype)
+        if _kind(what) == "pairs":  # J Jᵀ from per-example gradients, blocks of two chunks
+            dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
+            a, b = _operands(self.core, env, self.dtype, tie=False)
+            c = self.chunk(a.size + b.size, self.formed_unit(), accelerator=True)
+            grads_of = lambda xs: [jax.vmap(dot)(*xs)]  # noqa: E731
+            pairs = _pairs(grads_of, (a, b), self.graph.n_examples, c)
+            return pairs * _scale_sq(self.post, env, self.dtype)
         assert _kind(what) == "norm"
         gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
         gram_b = jnp.einsum("bsnf,btnf->bnst", gb, gb)
@@ -2901,7 +2945,7 @@ class Convolution(_Formed):
     has the operands (`_conv_offsets`: a dot_general per offset), and reduced before the next
     offset is formed — the variance two-pass within a chunk, chunks merged by Chan's update."""
 
-    FORMED: ClassVar[tuple[str, ...]] = _FORMED  # formed per example in the head
+    FORMED: ClassVar[tuple[str, ...]] = _of_kind(_FORMED, "mean", "spread", "norm")
 
     name = "convolution"
     cores = frozenset({"conv_general_dilated"})
@@ -3085,6 +3129,7 @@ class _Rows(CoreRoute, _Each, _Simple):
     statistics from rows (`_units`) such that each entry of a unit's gradient is one row's
     update or 0."""
 
+    KINDS = _ALL_KINDS
     cores = frozenset({"scatter-add"})
     segments: ClassVar[bool]  # the rows are summed per index first (segment-rows)
 
@@ -3110,6 +3155,9 @@ class _Rows(CoreRoute, _Each, _Simple):
 
     def factored_cost(self, what: str) -> Cost:
         rows = self.graph.n_examples * math.prod(_shape(self.core.invars[2]))
+        if _kind(what) == "pairs":  # every two rows' updates, [B·R, B·R]
+            count = self.graph.n_examples * math.prod(_shape(self.core.invars[1])[:-1])
+            return Cost(2.0 * rows * count, 4.0 * (rows + count * count))
         if what == "sum" or not self.segments:
             return Cost(3.0 * rows, 4.0 * (rows + self.leaf.size))
         sort = self.graph.n_examples * math.prod(_shape(self.core.invars[1])) * 20.0
@@ -3165,12 +3213,20 @@ class _Rows(CoreRoute, _Each, _Simple):
             phi = _PHI[what]
             rows = jnp.where(written, phi(upd), 0.0) * (1.0 / n)
             return self.replay(self._scatter(idx, rows), env, phi)
-        if what == "norms":
-            rows = jnp.sum(upd * upd, axis=tuple(range(1, upd.ndim))) * ok.astype(dtype)
-            rows = rows.reshape(self.graph.n_examples, -1)
-            if not self.graph.token:
-                rows = jnp.sum(rows, 1, keepdims=True)
-            return rows * _scale_sq(self.post, env, dtype)
+        per_row = lambda x: jnp.sum(x, axis=tuple(range(1, x.ndim))) * ok.astype(dtype)  # noqa: E731
+        b, units = self.graph.n_examples, self.graph.n_units // self.graph.n_examples
+        by_unit = lambda x: jnp.sum(x.reshape(b, units, -1), -1)  # rows [B·R] -> [B, U]  # noqa: E731
+        if _kind(what) == "norm":
+            return by_unit(per_row(upd * upd)) * _scale_sq(self.post, env, dtype)
+        if _kind(what) == "inner":  # Σ over a unit's rows of ⟨update, v's row⟩, v = postᵀ v
+            return by_unit(per_row(upd * self._gather(self.pulled(env), idx)))
+        if _kind(what) == "pairs":  # rows at one index add, others are disjoint entries
+            flat = jnp.where(written, upd, 0.0).reshape(len(upd), -1)
+            same = jnp.all(idx[:, None, :] == idx[None, :, :], -1)
+            k = len(upd) // (b * units)  # rows per unit
+            rows = jnp.where(same, flat @ flat.T, 0.0).reshape(b, units, k, b, units, k)
+            pairs = jnp.sum(rows, (2, 5)).reshape(b * units, b * units)
+            return pairs * _scale_sq(self.post, env, dtype)
         # Σ_u (g_u − ḡ)²: units writing an entry contribute (upd − ḡ)², the others ḡ².
         mean = self._scatter(idx, jnp.where(written, upd, 0.0)) / n
         spread = self._scatter(idx, jnp.where(written, (upd - self._gather(mean, idx)), 0.0) ** 2)
@@ -3968,7 +4024,7 @@ class InScan:
 
 def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | None:
     """The proof that `m`'s means of φ, variance and norms can be formed inside a scan, or None."""
-    if not isinstance(m, DotCore):
+    if not isinstance(m, DotCore) or _of_kind(list(methods), "inner", "pairs"):
         return None
     inside = () if graph.weighted and _of_kind(list(methods), "norm") else m.sums(tuple(methods))
     if any(w not in inside or how != "factorized" for w, how in methods.items()):
@@ -4177,9 +4233,10 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
         size = loop_chunk * graph.per_example * leaf.size * leaf.stat_dtype.itemsize
         formed.append(("chunk loop", loop_chunk, size))
     m = p.taken
-    in_head = isinstance(m, (Contraction, Convolution))
-    gram = isinstance(m, Contraction) and m.gram(p.methods)  # norms from Grams: none formed
-    if in_head and any(p.methods.get(w) == "factorized" and not gram for w in m.FORMED):
+    factorized = [w for w, how in p.methods.items() if how == "factorized"]
+    in_head = isinstance(m, Convolution) and any(w in m.FORMED for w in factorized)
+    if isinstance(m, Contraction) and m.forms(factorized) or in_head:  # (norms by Grams: none)
+        assert isinstance(m, (Contraction, Convolution))
         one = m.formed_unit()
         operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
         if p.in_scan is not None and p.in_scan.axis is not None:  # one iteration at a time
@@ -4187,6 +4244,10 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
             one, operands = one // length, operands // length
         c = m.chunk(operands, one)
         formed.append(("head", c, c * one * leaf.stat_dtype.itemsize))
+    if isinstance(m, Contraction) and _of_kind(factorized, "pairs"):  # two chunks at a time
+        operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
+        c = m.chunk(operands, m.formed_unit(), accelerator=True)
+        formed.append(("head", c, 2 * c * m.formed_unit() * leaf.stat_dtype.itemsize))
     return dataclasses.replace(p, formed=tuple(formed))
 
 

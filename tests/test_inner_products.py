@@ -78,14 +78,18 @@ def test_a_dense_weight_gives_gram_and_dot_by_its_identities():
 
 def test_gram_of_a_contraction_is_formed_in_blocks_of_two_chunks():
     """A weight at every position (a contraction) has no factorized Gram: its per-example
-    gradients are formed two chunks at a time, whatever the chunk size, equal to the loop."""
+    gradients are formed in the head, the whole batch at once where they hold no more than the
+    step's batched values, else two chunks at a time (`_pairs`), equal to the loop for any
+    chunk size."""
     piece = next(p for p in PIECES if p.name == "dense_over_sequence")
     params, batch = piece.init(jax.random.key(0)), piece.example(jax.random.key(1), 5)
     loss = lambda p, ex: piece.loss(p, ex, False)  # noqa: E731
-    plans = pegrad.explain(loss, params, batch, "gram", chunk_size=2)
-    assert any(p.route == "contraction" and p.methods["gram"] == "chunked" for p in plans), plans
     _, grads = naive_unit_grads(loss, params, batch)
     want = naive_stats(grads, 1.0)["gram"]
-    for chunk in (1, 2, None):
-        fn = pegrad.value_and_grad_stats(loss, "gram", chunk_size=chunk)
+    for chunk, formed in ((1, 1), (2, 2), (None, 5)):
+        plans = pegrad.explain(loss, params, batch, "gram", chunk_size=chunk, choose="first")
+        (weight,) = [p for p in plans if p.route == "contraction"]
+        assert weight.methods == {"gram": "factorized"}, plans
+        assert [c for where, c, _ in weight.formed if where == "head"] == [formed], plans
+        fn = pegrad.value_and_grad_stats(loss, "gram", chunk_size=chunk, choose="first")
         np.testing.assert_allclose(jax.jit(fn)(params, batch)[1]["gram"], want, rtol=1e-10)
