@@ -284,7 +284,7 @@ class Program:
             return optax_micro_grad(loss_fn, names, self.microbatch, clip_norm)
         if self.impl == "jax-privacy":
             return jax_privacy_clipped_grad(loss_fn, names, self.microbatch, clip_norm)
-        return pegrad.value_and_grad_stats(
+        fn = pegrad.value_and_grad_stats(
             loss_fn,
             names,
             impl="vmap" if self.impl.startswith("vmap") else "factorized",
@@ -292,6 +292,9 @@ class Program:
             granularity="token" if self.granularity == "token" else "example",
             clip_norm=clip_norm if "clipped_mean" in names else None,
         )
+        if "dot" not in names:
+            return fn
+        return lambda params, batch: fn(params, batch, dot_with=params)  # v: a tree like them
 
 
 def plain_value_and_grad(

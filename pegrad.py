@@ -3995,7 +3995,23 @@ class MeanLoss(_Factorized):
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
 _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution, UnitSum)
-# Precedence order: the planner takes the cheapest matching route, the earliest on a tie.
+# The routes, in precedence order (the planner takes the cheapest that matches, the earliest on
+# a tie): what `match` proves on the jaxpr -> how the ingredients' kinds (§2) are computed.
+#   empty           no entries -> empty arrays
+#   constant        g independent of the example -> φ(g), var 0, ‖g‖², ⟨g, v⟩ per unit
+#   outer-product   dot(a, b) contracting only unit axes (dense weight once) -> φ(A)ᵀφ(B),
+#                   ‖a‖²‖b‖², centred factors for var, aᵀVb, (AAᵀ)∘(BBᵀ) for pairs
+#   contraction     the same dot over K places -> AᵀB for linear; per-example gradients formed
+#                   in the head (chunks) for φ, var, norms (or Grams), inner; pairs by blocks
+#   convolution     conv(x, δ) -> one convolution over the batch; per kernel offset the rest
+#   unit-sum        reduce_sum of a batched value (bias, scale) -> every unit's gradient formed
+#   row-scatter     rows into a zero table at static disjoint windows -> φ, norms, inner, pairs
+#   segment-rows    the same at batched indices -> rows with one index summed first, then as above
+#   terms           per-position contributions added (token granularity) -> linear term by term
+#   disjoint-parts  a stacked weight read at static disjoint slices -> each part routed, placed
+#   routed-part     a dense weight's outer product placed at a batched index -> per place
+#   head-value      g is a value of the backward pass -> read there
+#   fallback        anything -> the leaf's gradient tail per example in chunks (exact, slowest)
 ROUTES: tuple[type[Route], ...] = (Empty, Constant, OuterProduct, Contraction, Convolution)
 ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, HeadValue, Fallback)
 
