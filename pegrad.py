@@ -315,14 +315,13 @@ class Accumulator(NamedTuple):
             _, mean, m2 = _chan(a, b)
             return jnp.where(n_k > 0, mean, m), jnp.where(n_k > 0, m2, s)
 
-        first = lambda f: lambda *xs: f(*xs)[0]  # noqa: E731
+        mean = lambda m, x: merge(m, x)[0]  # noqa: E731
+        means = {s: jax.tree.map(mean, m, stats[s]) for s, m in self.means.items()}
         m2 = self.m2
-        if m2 is not None:
-            second = lambda m, x, s, s_k: merge(m, x, s, s_k)[1]  # noqa: E731
-            m2 = jax.tree.map(second, self.means["mean"], stats["mean"], m2, stats[spread])
-        means = {s: jax.tree.map(first(merge), m, stats[s]) for s, m in self.means.items()}
-        total = self.count + n_k
-        return Accumulator(total, merge(self.loss, loss)[0], means, m2)
+        if m2 is not None:  # read with the means before this micro-batch
+            m2_of = lambda m, x, s, s_k: merge(m, x, s, s_k)[1]  # noqa: E731
+            m2 = jax.tree.map(m2_of, self.means["mean"], stats["mean"], m2, stats[spread])
+        return Accumulator(self.count + n_k, mean(self.loss, loss), means, m2)
 
     def finalize(self) -> tuple[Array, Stats]:
         """(mean loss, statistics) of all units added, with "batch_size" N. "var" needs N ≥ 2:
