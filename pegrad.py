@@ -447,7 +447,9 @@ def stat_dtype(dtype: DTypeLike) -> jnp.dtype:
     return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
-def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
+def gradient_noise_scale(
+    stats: dict[str, PyTree], preconditioner: PyTree | None = None
+) -> dict[str, PyTree]:
     """The simple gradient noise scale B_simple = tr Σ / |G|² (McCandlish et al. 2018, arXiv
     1812.06162: about the batch size past which a bigger batch stops buying proportionally fewer
     steps) from one batch's `stats`: N = stats["batch_size"] units (tokens, kept units), per
@@ -459,7 +461,14 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     For independent units both are unbiased (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N); their
     ratio is not, and on one batch |G|² can be ≤ 0: smooth both over steps and divide after, as
     McCandlish et al. do (train.py logs both). Returns {"trace_cov", "grad_sq", "b_simple"}
-    (scalars) and "per_leaf": the same three per leaf, which sum to them. N = 1 gives NaN."""
+    (scalars) and "per_leaf": the same three per leaf, which sum to them. N = 1 gives NaN.
+
+    With a diagonal `preconditioner` P ≥ 0 (a tree like the parameters, each leaf broadcastable
+    to its parameter's shape; e.g. Adam's 1/(√v̂ + ε)), the same argument run on the
+    preconditioned gradient, whose step is −ηPḡ: tr(PΣ) = Σ P σ̂², |G|²_P = Σ P ḡ² − tr(PΣ)/N,
+    B_P = tr(PΣ) / |G|²_P, returned beside as "trace_cov_p", "grad_sq_p", "b_p" (and per leaf).
+    Both parts stay unbiased where P does not depend on the batch (the optimizer's state
+    before this step's update); P = 1 gives B_simple's numbers."""
     need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
     if missing := [k for k in need if k not in stats]:
         raise ValueError(
@@ -470,14 +479,54 @@ def gradient_noise_scale(stats: dict[str, PyTree]) -> dict[str, PyTree]:
     over = lambda x: n.astype(x.dtype)  # noqa: E731  # N in the dtype of x
     sigma2 = lambda g, q: over(g) / (over(g) - 1) * (q - g * g)  # noqa: E731
     var = stats["var"] if "var" in stats else jax.tree.map(sigma2, mean, stats["sq_mean"])
-    trace = jax.tree.map(jnp.sum, var)
-    grad_sq = jax.tree.map(lambda t, g: jnp.sum(g * g) - t / over(g), trace, mean)
-    wide = _widest([x.dtype for x in jax.tree.leaves(trace)] or [jnp.float32])
+    wide = _widest([x.dtype for x in jax.tree.leaves(mean)] or [jnp.float32])
     total = lambda tree: sum((x.astype(wide) for x in jax.tree.leaves(tree)), jnp.zeros((), wide))
-    trace_all, grad_all = total(trace), total(grad_sq)
-    ratio = jax.tree.map(lambda t, g: t / g, trace, grad_sq)
-    out = {"trace_cov": trace_all, "grad_sq": grad_all, "b_simple": trace_all / grad_all}
-    return {**out, "per_leaf": {"trace_cov": trace, "grad_sq": grad_sq, "b_simple": ratio}}
+
+    def parts(weights: PyTree, suffix: str, name: str) -> dict[str, PyTree]:
+        trace = jax.tree.map(lambda v, p: jnp.sum(p * v), var, weights)
+        grad_sq = jax.tree.map(
+            lambda t, g, p: jnp.sum(p * g * g) - t / over(g), trace, mean, weights
+        )
+        ratio = jax.tree.map(lambda t, g: t / g, trace, grad_sq)
+        keys = (f"trace_cov{suffix}", f"grad_sq{suffix}", name)
+        t, g = total(trace), total(grad_sq)
+        per_leaf = dict(zip(keys, (trace, grad_sq, ratio), strict=True))
+        return dict(zip(keys, (t, g, t / g), strict=True)) | {"per_leaf": per_leaf}
+
+    out = parts(jax.tree.map(lambda g: jnp.ones((), g.dtype), mean), "", "b_simple")
+    if preconditioner is None:
+        return out
+    found = parts(_check_preconditioner(mean, preconditioner), "_p", "b_p")
+    return out | found | {"per_leaf": out["per_leaf"] | found["per_leaf"]}
+
+
+def _check_preconditioner(mean: PyTree, preconditioner: PyTree) -> PyTree:
+    """P as a tree of the statistics' structure, each leaf broadcastable to ḡ's and in its
+    dtype; a leaf that is not, or (where concrete) negative or NaN, named in an error."""
+    want = jax.tree_util.tree_leaves_with_path(mean)
+    got, tree = jax.tree.flatten(preconditioner)
+    if tree != jax.tree.structure(mean):
+        raise ValueError(
+            f"gradient_noise_scale: the preconditioner must have the statistics' structure "
+            f"{jax.tree.structure(mean)}, got {tree}"
+        )
+    leaves = []
+    for (path, g), p in zip(want, got, strict=True):
+        where = f"gradient_noise_scale: preconditioner{jax.tree_util.keystr(path)}"
+        try:
+            fits = jnp.broadcast_shapes(jnp.shape(p), jnp.shape(g)) == jnp.shape(g)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{where} of shape {jnp.shape(p)} does not broadcast to {g.shape}")
+        try:
+            bad = not bool(np.all(np.asarray(p) >= 0))  # NaN fails too
+        except jax.errors.TracerArrayConversionError:
+            bad = False  # under jit: the caller's contract
+        if bad:
+            raise ValueError(f"{where} has negative or NaN entries: P is a diagonal P ≥ 0")
+        leaves.append(jnp.asarray(p).astype(g.dtype))
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _widest(dtypes: Sequence[DTypeLike]) -> jnp.dtype:

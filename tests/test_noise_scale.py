@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import naive_unit_grads
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pegrad
 import plots
@@ -165,3 +167,89 @@ def test_plots_smooths_numerator_and_denominator_before_dividing(tmp_path: Path)
     np.testing.assert_array_equal(losses["loss"], [2.0, 1.9, 1.8])
     np.testing.assert_array_equal(losses["eval_step"], [0])
     np.testing.assert_array_equal(losses["eval_loss"], [3.0])
+
+
+# -- the preconditioned noise scale B_P = tr(PΣ) / |G|²_P --------------------------------------
+
+
+def _precondition(params: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A diagonal P > 0 of the parameters' shapes, fixed (independent of any batch)."""
+    keys = jax.random.split(jax.random.key(seed), len(params))
+    return {
+        k: jnp.exp(jax.random.normal(kk, v.shape))
+        for kk, (k, v) in zip(keys, params.items(), strict=True)
+    }
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("n", [2, 5])
+def test_preconditioned_parts_equal_their_definition_on_the_naive_loop(model: str, n: int):
+    """tr(PΣ) = Σ P σ̂² and |G|²_P = Σ P ḡ² − tr(PΣ)/N on the loop's per-example gradients."""
+    loss, params, make_batch = MODELS[model]()
+    batch = make_batch(jax.random.key(n), n)
+    _, grads = naive_unit_grads(loss, params, batch)
+    p = _precondition(params, n)
+    g = {k: np.asarray(v) for k, v in grads.items()}
+    trace = {k: float(np.sum(p[k] * g[k].var(0, ddof=1))) for k in g}
+    grad_sq = {k: float(np.sum(p[k] * g[k].mean(0) ** 2)) - trace[k] / n for k in g}
+    scale = sum(float(np.sum(p[k] * (g[k] ** 2).mean(0))) for k in g)
+    _, stats = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "var")))(params, batch)
+    noise = pegrad.gradient_noise_scale(stats, p)
+    for k in g:
+        close(noise["per_leaf"]["trace_cov_p"][k], trace[k], scale, f"tr(PΣ) {k}")
+        close(noise["per_leaf"]["grad_sq_p"][k], grad_sq[k], scale, f"|G|²_P {k}")
+    close(noise["trace_cov_p"], sum(trace.values()), scale, "tr(PΣ)")
+    close(noise["grad_sq_p"], sum(grad_sq.values()), scale, "|G|²_P")
+    assert noise["b_p"] == noise["trace_cov_p"] / noise["grad_sq_p"]
+
+
+@settings(deadline=None, max_examples=20)
+@given(c=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16))
+def test_b_p_is_b_simple_at_p_one_and_blind_to_the_scale_of_p(c: float, seed: int):
+    loss, params, make_batch = mlp()
+    _, stats = pegrad.value_and_grad_stats(loss, ("mean", "sq_mean"))(
+        params, make_batch(jax.random.key(seed), 4)
+    )
+    ones = jax.tree.map(jnp.ones_like, params)
+    at_one = pegrad.gradient_noise_scale(stats, ones)
+    for a, b in (("trace_cov", "trace_cov_p"), ("grad_sq", "grad_sq_p"), ("b_simple", "b_p")):
+        assert at_one[a] == at_one[b]  # multiplied by exact ones
+    p = _precondition(params, seed)
+    base = pegrad.gradient_noise_scale(stats, p)
+    scaled = pegrad.gradient_noise_scale(stats, jax.tree.map(lambda x: c * x, p))
+    np.testing.assert_allclose(scaled["b_p"], base["b_p"], rtol=1e-10)
+    np.testing.assert_allclose(scaled["trace_cov_p"], c * base["trace_cov_p"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_preconditioned_parts_are_unbiased_exactly(n: int):
+    """Over all 3^n ordered batches from a population of 3 examples: the averages of tr(PΣ) and
+    |G|²_P are the population's Σ P·Var and Σ P·G², for a P fixed before the batch."""
+    loss, params, make_batch = mlp()
+    _, pop = naive_unit_grads(loss, params, make_batch(jax.random.key(0), 3))
+    g = {k: np.asarray(v) for k, v in pop.items()}
+    p = {k: np.asarray(v) for k, v in _precondition(params, 7).items()}
+    draws = np.array(list(itertools.product(range(3), repeat=n)))
+    stats = {
+        "mean": {k: v[draws].mean(1) for k, v in g.items()},
+        "var": {k: v[draws].var(1, ddof=1) for k, v in g.items()},
+        "batch_size": jnp.full(len(draws), n),
+    }
+    fn = jax.jit(jax.vmap(pegrad.gradient_noise_scale, in_axes=(0, None)))
+    noise = fn(jax.tree.map(jnp.asarray, stats), p)
+    true_trace = sum(float(np.sum(p[k] * v.var(0))) for k, v in g.items())
+    true_g2 = sum(float(np.sum(p[k] * v.mean(0) ** 2)) for k, v in g.items())
+    np.testing.assert_allclose(np.mean(noise["trace_cov_p"]), true_trace, rtol=1e-10)
+    np.testing.assert_allclose(np.mean(noise["grad_sq_p"]), true_g2, rtol=1e-10)
+
+
+def test_a_preconditioner_not_like_the_statistics_is_refused_by_leaf():
+    stats = {"mean": {"w": jnp.ones((2, 3))}, "var": {"w": jnp.ones((2, 3))}, "batch_size": 4}
+    with pytest.raises(ValueError, match=r"preconditioner\['w'\] of shape \(2,\) does not"):
+        pegrad.gradient_noise_scale(stats, {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"preconditioner\['w'\] has negative or NaN"):
+        pegrad.gradient_noise_scale(stats, {"w": -jnp.ones(3)})
+    with pytest.raises(ValueError, match="the preconditioner must have the statistics'"):
+        pegrad.gradient_noise_scale(stats, [jnp.ones(3)])
+    found = pegrad.gradient_noise_scale(stats, {"w": jnp.full((3,), 2.0)})  # broadcasts
+    assert float(found["trace_cov_p"]) == 2.0 * float(found["trace_cov"])
