@@ -28,7 +28,9 @@ scale B_simple = tr Σ / |G|² (`pegrad.gradient_noise_scale`): noise_scale, the
 is the ratio of trace_cov_ema and grad_sq_ema, moving averages over the logged steps of the
 step's batch's trace_cov = tr Σ and grad_sq = |G|² (each unbiased; `NoiseScale`; null while
 the averaged |G|² is ≤ 0), and noise_scale_batch is one batch's ratio (biased, noisy, can be
-negative), and eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable
+negative); for the Adam family the same for B_P = tr(PΣ) / |G|²_P, P = 1/(√v̂ + ε) of the state
+before the step: trace_cov_p, grad_sq_p, their _ema and noise_scale_p (null at step 0); and
+eval_loss when evaluated), checkpoint.npz (no pickle) with a human-readable
 checkpoint.json. "step" counts the optimizer updates applied to the parameters a loss was
 measured on, everywhere: the console's `step N/STEPS  loss L  noise scale S` is metrics.jsonl's
 {"step": N, "loss": L, "noise_scale": S}, printed (off a terminal) on the steps metrics.jsonl
@@ -889,7 +891,9 @@ def make_optimizer(
         raise ConfigError(str(err)) from None
 
 
-def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
+def diagnostics(
+    stats: dict[str, Any], precondition: PyTree | None = None
+) -> dict[str, Float[Array, ""]]:
     """SPEC §4 diagnostics from ḡ ("mean"), q ("sq_mean") and the number of units B, where
     μ̂² > σ̂²/B  ⇔  (B·ḡ² − q)/(B−1) > (q − ḡ²)/(B−1)  ⇔  (B+1)·ḡ² > 2q; and the gradient
     noise scale from the same three, the global numbers of `pegrad.gradient_noise_scale`:
@@ -897,7 +901,10 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
     noise_scale_batch = their ratio on this one batch (which is not; `NoiseScale` smooths each
     part before dividing, the "noise_scale" a run logs). Formed here from the flat vectors the
     other diagnostics use, in float32 like them: two sums that fuse with theirs (no measurable
-    cost; pegrad's per-leaf form cost ~5 % of the default LM's step in small reductions)."""
+    cost; pegrad's per-leaf form cost ~5 % of the default LM's step in small reductions).
+    With a diagonal `precondition` P (`adam_preconditioner`), the preconditioned noise scale's
+    parts as well, tr(PΣ) and |G|²_P (`pegrad.gradient_noise_scale(stats, P)`): trace_cov_p,
+    grad_sq_p, noise_scale_p_batch."""
     flat = lambda tree: jnp.concatenate(
         [x.astype(jnp.float32).ravel() for x in jax.tree.leaves(tree)]
     )
@@ -905,7 +912,14 @@ def diagnostics(stats: dict[str, Any]) -> dict[str, Float[Array, ""]]:
     b = stats["batch_size"].astype(jnp.float32)
     trace_cov = b / (b - 1.0) * jnp.sum(q - g2)
     grad_sq = jnp.sum(g2) - trace_cov / b
-    return {
+    extra = {}
+    if precondition is not None:
+        p = flat(precondition)
+        trace_p = b / (b - 1.0) * jnp.sum(p * (q - g2))
+        grad_sq_p = jnp.sum(p * g2) - trace_p / b
+        extra = {"trace_cov_p": trace_p, "grad_sq_p": grad_sq_p}
+        extra["noise_scale_p_batch"] = trace_p / grad_sq_p
+    return extra | {
         "grad_norm": jnp.sqrt(jnp.sum(g2)),
         "frac_snr_gt_1_over_B": jnp.mean((b + 1.0) * g2 > 2.0 * q, dtype=jnp.float32),
         # ḡ² ≤ q always (Jensen); coordinates with q = 0 (no gradient at all) are left out.
@@ -929,15 +943,21 @@ class NoiseScale:
     so far). A resumed run replays the records it keeps, so it logs what an uninterrupted one
     does; `python plots.py OUT` draws the same average."""
 
-    def __init__(self, decay: float = NOISE_EMA):
-        self.decay, self.trace, self.grad = decay, 0.0, 0.0
+    def __init__(self, decay: float = NOISE_EMA, suffix: str = ""):
+        self.decay, self.trace, self.grad, self.suffix = decay, 0.0, 0.0, suffix
 
     def add(self, record: Mapping[str, Any]) -> dict[str, float | None]:
-        """Fold one logged record's trace_cov and grad_sq in; the averages and their ratio."""
-        a = self.decay
-        self.trace = a * self.trace + (1 - a) * float(record["trace_cov"])
-        self.grad = a * self.grad + (1 - a) * float(record["grad_sq"])
-        return {"trace_cov_ema": self.trace, "grad_sq_ema": self.grad, "noise_scale": self.ratio()}
+        """Fold one logged record's trace_cov and grad_sq in; the averages and their ratio.
+        With `suffix` "_p", the preconditioned parts (trace_cov_p, ...: B_P); a record without
+        finite ones (Adam's first step, v̂ not yet defined) leaves the averages as they are."""
+        a, x = self.decay, self.suffix
+        trace, grad = record.get(f"trace_cov{x}"), record.get(f"grad_sq{x}")
+        if trace is None or grad is None or not math.isfinite(trace + grad):
+            return {}
+        self.trace = a * self.trace + (1 - a) * float(trace)
+        self.grad = a * self.grad + (1 - a) * float(grad)
+        out = {f"trace_cov{x}_ema": self.trace, f"grad_sq{x}_ema": self.grad}
+        return out | {f"noise_scale{x}": self.ratio()}
 
     def ratio(self) -> float | None:
         return self.trace / self.grad if self.grad > 0 else None
@@ -956,12 +976,31 @@ def make_step(
     )  # fmt: skip
 
     def step(params: PyTree, state: Any, batch: Any) -> tuple[PyTree, Any, Array, dict]:
+        precondition = adam_preconditioner(cfg, params, state)  # before the update: fixed
         params, state, loss, st = core(params, state, batch)
         # An update can overflow while the loss it came from is finite: flag it at its step.
         finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
-        return params, state, loss, {**diagnostics(st), "params_finite": finite}
+        return params, state, loss, {**diagnostics(st, precondition), "params_finite": finite}
 
     return step
+
+
+def adam_preconditioner(cfg: Config, params: PyTree, state: Any) -> PyTree | None:
+    """P = 1/(√(v̂ + ε_root) + ε), the diagonal an Adam-family rule divides by, from the
+    optimizer state before a step's update (so P does not depend on that step's batch, and
+    B_P's parts stay unbiased): v̂ = ν/(1 − β₂^t) of the one `optax.ScaleByAdamState` whose ν
+    is shaped like the parameters; NaN before the first update (v̂ undefined). None for a rule
+    without one (SignSGD), or with several (a partition): nothing is logged then."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    found = [x for x in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(x)]
+    if len(found) != 1 or jax.tree.structure(found[0].nu) != jax.tree.structure(params):
+        return None
+    (adam,) = found
+    t = jnp.asarray(adam.count).astype(jnp.float32)
+    done = 1.0 - jnp.asarray(cfg.b2, jnp.float32) ** t  # 0 before the first update: NaN
+    root = cfg.eps_root or 0.0
+    p = lambda v: 1.0 / (jnp.sqrt(v.astype(jnp.float32) / done + root) + cfg.eps)  # noqa: E731
+    return jax.tree.map(p, adam.nu)
 
 
 class Run(NamedTuple):
@@ -1317,9 +1356,11 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
     old = metrics_path.read_text().splitlines() if start > 0 and metrics_path.exists() else []
     earlier = "".join(line + "\n" for line in old if json.loads(line)["step"] < start)
     noise = NoiseScale()  # the noise scale's averages, as the records kept left them
+    noise_p = NoiseScale(suffix="_p")  # B_P's, for the Adam family
     for line in earlier.splitlines():
         if "trace_cov" in (kept := json.loads(line)):
             noise.add(kept)
+            noise_p.add(kept)
     progress = Progress(cfg, start, cfg.batch_size * task.units_per_example, task.unit)
     result: dict[str, Any] = {"out": str(out), "steps": cfg.steps, "steps_run": cfg.steps - start}
     for line in earlier.splitlines():  # the run's first evaluation, before a resume
@@ -1379,7 +1420,10 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
             if logs(cfg, step):
                 record |= {"loss": loss, "lr": lr(step)}
                 record |= {k: float(v) for k, v in diag.items()}
-                record |= noise.add(record)
+                if not math.isfinite(record.get("trace_cov_p", 0.0)):  # Adam's v̂ at step 0
+                    record = {k: v for k, v in record.items() if not k.endswith("_p_batch")}
+                    record |= {"trace_cov_p": None, "grad_sq_p": None}
+                record |= noise.add(record) | noise_p.add(record)
                 record["seconds"] = round(time.perf_counter() - t_start, 3)
                 write(record)
             if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.steps:

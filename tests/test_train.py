@@ -183,6 +183,39 @@ def test_diagnostics_hold_the_gradient_noise_scale():
         np.testing.assert_allclose(diag[ours], want[theirs], rtol=1e-5, err_msg=ours)
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "micro_adam", "micro_sign_sgd"])
+def test_the_adam_family_logs_the_noise_scale_of_its_own_preconditioner(
+    optimizer: str, tmp_path: Path
+):
+    """B_P's parts are pegrad.gradient_noise_scale(stats, P) for P = 1/(√v̂ + ε) of the rule's
+    state BEFORE the step (v̂ = ν/(1 − β₂^t)): NaN at the first step (no v̂ yet), then finite
+    and unlike B_simple's; a rule without a second moment has none."""
+    import pegrad
+
+    cfg = tiny(tmp_path, optimizer=optimizer, eps=1e-3)
+    run = train.build(cfg)
+    params, state = run.task.params, run.opt.init(run.task.params)
+    step = jax.jit(run.step)
+    fn = pegrad.value_and_grad_stats(run.task.loss_fn, ("mean", "sq_mean"))
+    for t in range(3):
+        batch = run.task.sample(run.task.train_data, key=jax.random.fold_in(run.train_key, t))
+        p = train.adam_preconditioner(cfg, params, state)
+        _, stats = fn(params, batch)
+        new_params, state, _, diag = step(params, state, batch)
+        if optimizer == "micro_sign_sgd":
+            assert p is None and "trace_cov_p" not in diag
+            return
+        assert p is not None
+        if t == 0:
+            assert np.isnan(float(diag["trace_cov_p"]))
+        else:
+            want = pegrad.gradient_noise_scale(stats, p)
+            np.testing.assert_allclose(diag["trace_cov_p"], want["trace_cov_p"], rtol=1e-5)
+            np.testing.assert_allclose(diag["grad_sq_p"], want["grad_sq_p"], rtol=1e-4)
+            assert abs(float(diag["trace_cov_p"]) - float(diag["trace_cov"])) > 1e-3
+        params = new_params
+
+
 def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     steps = dict(model="mlp", steps=6, schedule="cosine")
     train.main(tiny(tmp_path / "full", **steps))
