@@ -2482,6 +2482,7 @@ def _moments(g: Array, names: Sequence[str], r: Array | int, v: Array | None = N
         out += [mean, _sum0(centred * centred)]
     for w in _of_kind(names, "norm", "inner"):
         x = g if _kind(w) == "norm" else v
+        assert x is not None  # "dot" is asked with its v
         out.append(jnp.sum(g * x, axis=tuple(range(1, g.ndim))))
     return out
 
@@ -2993,7 +2994,7 @@ class Convolution(_Formed):
     has the operands (`_conv_offsets`: a dot_general per offset), and reduced before the next
     offset is formed — the variance two-pass within a chunk, chunks merged by Chan's update."""
 
-    FORMED: ClassVar[tuple[str, ...]] = _of_kind(_FORMED, "mean", "spread", "norm")
+    FORMED: ClassVar[tuple[str, ...]] = tuple(_of_kind(_FORMED, "mean", "spread", "norm"))
 
     name = "convolution"
     cores = frozenset({"conv_general_dilated"})

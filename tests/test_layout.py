@@ -16,8 +16,8 @@ ENTRY_POINTS = frozenset({"_factorized", "Plan"})
 # naming the Accumulator, a tuple without has_aux, a list of examples) and `__all__` added 14
 # lines net of a trim in Part I; issue 48's accelerator path 57 in Part II: DESIGN.md,
 # "Budgets". Growth fails.
-PART_I_LINES = 1500
-TOTAL_LINES = 4870
+PART_I_LINES = 1550
+TOTAL_LINES = 4920
 
 
 def _parts() -> tuple[list[ast.stmt], list[ast.stmt], int, int]:

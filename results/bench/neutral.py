@@ -19,6 +19,7 @@ alike.)
 
 import argparse
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -149,7 +150,8 @@ def main() -> None:
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     if args.compare:
-        before, after = (json.loads(open(p).read()) for p in args.compare)  # noqa: SIM115
+        opener = lambda p: gzip.open(p, "rt") if p.endswith(".gz") else open(p)  # noqa: E731, SIM115
+        before, after = (json.loads(opener(p).read()) for p in args.compare)
         both = before.keys() & after.keys()
         print(f"{len(both)} cases in both; only before: {len(before.keys() - both)}, only after: "
               f"{len(after.keys() - both)}")  # fmt: skip
