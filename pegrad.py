@@ -3238,15 +3238,23 @@ class _Rows(CoreRoute, _Each, _Simple):
         clip = jax.lax.GatherScatterMode.CLIP
         return jax.lax.gather(table, idx, gather_dn, _window_sizes(self.core), mode=clip)
 
+    def _limit(self, idx: Array) -> Array:
+        """[k]: the largest start of each indexed dimension whose window fits the table."""
+        dims = self.core.params["dimension_numbers"].scatter_dims_to_operand_dims
+        sizes, table = _window_sizes(self.core), _shape(self.core.outvars[0])
+        return jnp.asarray([table[d] - sizes[d] for d in dims], idx.dtype)
+
     def _in_bounds(self, idx: Array) -> Array:
         """[rows] bool: the row's window is written (always, after clamping, in CLIP mode)."""
         if str(self.core.params["mode"]).endswith("CLIP"):
             return jnp.ones(idx.shape[:1], bool)
-        dims = self.core.params["dimension_numbers"].scatter_dims_to_operand_dims
-        sizes = _window_sizes(self.core)
-        table = _shape(self.core.outvars[0])
-        limit = jnp.asarray([table[d] - sizes[d] for d in dims], idx.dtype)
-        return jnp.all((idx >= 0) & (idx <= limit), axis=-1)
+        return jnp.all((idx >= 0) & (idx <= self._limit(idx)), axis=-1)
+
+    def _landed(self, idx: Array) -> Array:
+        """The starts the rows are written at: clamped into the table in CLIP mode."""
+        if str(self.core.params["mode"]).endswith("CLIP"):
+            return jnp.clip(idx, 0, self._limit(idx))
+        return idx
 
     @abc.abstractmethod
     def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:
@@ -3271,7 +3279,8 @@ class _Rows(CoreRoute, _Each, _Simple):
             return by_unit(per_row(upd * self._gather(self.pulled(env), idx)))
         if _kind(what) == "pairs":  # rows at one index add, others are disjoint entries
             flat = jnp.where(written, upd, 0.0).reshape(len(upd), -1)
-            same = jnp.all(idx[:, None, :] == idx[None, :, :], -1)
+            at = self._landed(idx)  # two rows add where they land at one start
+            same = jnp.all(at[:, None, :] == at[None, :, :], -1)
             k = len(upd) // (b * units)  # rows per unit
             rows = jnp.where(same, flat @ flat.T, 0.0).reshape(b, units, k, b, units, k)
             pairs = jnp.sum(rows, (2, 5)).reshape(b * units, b * units)

@@ -82,7 +82,8 @@ def test_build_takes_its_step_from_optimizers(monkeypatch: pytest.MonkeyPatch):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
     assert set(diag) == {"grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro",
-                         "trace_cov", "grad_sq", "noise_scale_batch", "params_finite"}  # fmt: skip
+                         "trace_cov", "grad_sq", "noise_scale_batch", "params_finite",
+                         "trace_cov_p", "grad_sq_p", "noise_scale_p_batch"}  # fmt: skip
     norm = np.sqrt(sum(np.sum(np.asarray(g) ** 2) for g in jax.tree.leaves(stats["mean"])))
     np.testing.assert_allclose(diag["grad_norm"], norm, rtol=1e-6)  # diagnostics: float32
 
