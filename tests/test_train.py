@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +218,7 @@ def test_the_adam_family_logs_the_noise_scale_of_its_own_preconditioner(
     knobs = dict(eps=1e-3, weight_decay=0.0, warmup=0, lr=2.0**-7, schedule="constant")
     cfg = tiny(tmp_path, **(knobs | rule))  # lr exact in float32, constant: the update is −lr·d
     run = train.build(cfg)
-    params, state = run.task.params, run.opt.init(run.task.params)
+    params, state = run.task.params, cast(Any, run.opt.init(run.task.params))
     step = jax.jit(run.step)
     fn = pegrad.value_and_grad_stats(run.task.loss_fn, ("mean", "sq_mean"))
     for t in range(3):
