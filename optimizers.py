@@ -99,7 +99,7 @@ __all__ = [  # the public API (`from pegrad.optimizers import *`)
     "scale_by_sign_ema", "multi_steps", "MultiStepsState", "make_train_step", "required_stats",
     "trainable", "InconsistentUpdates", "MissingStatistics", "ULPS", "Step", "Stats",
     "LearningRate", "Mask", "Block", "Hyper", "Transformation", "AnyTransformation",
-    "SecondMoment",
+    "SecondMoment", "adam_preconditioner",
 ]  # fmt: skip
 Stats = dict[str, Any]
 LearningRate = optax.ScalarOrSchedule  # a float, or a function of the step count
@@ -465,6 +465,70 @@ def _block_mean(v: Array, block: Block) -> Array:
     return v  # no blocks, or a scalar leaf: its own block
 
 
+def _debias(moments: PyTree, beta: Any, count: Any) -> PyTree:
+    """moments/(1 − β^count). optax's helper on the whole tree, as optax.scale_by_adam calls it:
+    XLA compiles it per leaf differently (x·(1/c) for x/c), a last-bit difference. Array
+    arguments: the helper's Python float ** int32 count fails strict promotion."""
+    widest = _widest(jax.tree.leaves(moments))
+    beta = jnp.asarray(beta).astype(widest)
+    return optax.tree.bias_correction(moments, beta, jnp.asarray(count).astype(widest))
+
+
+def _divisor(v_hat: Array, eps: Any, eps_root: Any, block: Block, relu: bool) -> Array:
+    """√(⟨v̂⟩ + ε_root) + ε, what an Adam-family rule divides m̂ by (v̂ block averaged, then
+    ReLU'd with `relu`). optax.scale_by_adam's order: ε_root under the root, ε outside it. A
+    literal 0 adds nothing: the program (and its rounding) is the one without ε_root."""
+    v_hat = _block_mean(v_hat, block)
+    if relu:
+        v_hat = jnp.maximum(v_hat, 0.0)
+    if not (isinstance(eps_root, int | float) and eps_root == 0):
+        v_hat = v_hat + _hyper(eps_root, v_hat.dtype)
+    return jnp.sqrt(v_hat) + _hyper(eps, v_hat.dtype)
+
+
+def adam_preconditioner(
+    state: optax.ScaleByAdamState,
+    *,
+    b2: Hyper,
+    eps: Hyper,
+    eps_root: Hyper = 0.0,
+    block: Block = None,
+    relu: bool = False,
+) -> PyTree:
+    """P = 1/(√(⟨v̂⟩ + ε_root) + ε), the diagonal an Adam-family rule with these
+    hyperparameters divides its momentum by when its second moment is `state`'s: v̂ =
+    ν/(1 − β₂^t) at the state's count t, block averaged and ReLU'd as the rule does
+    (micro_adam_msq: relu=True and its block). The same `_divisor` as the rule's direction, so
+    m̂·P is the rule's direction to one rounding. Taken from the state BEFORE a step's update
+    it does not depend on that step's batch (what `pegrad.gradient_noise_scale`'s B_P needs to
+    be unbiased); at t = 0 (no update yet, v̂ = 0/0) every entry is NaN.
+
+    Args:
+        state: the rule's `optax.ScaleByAdamState` (count t, ν).
+        b2: second-moment decay β2 of the rule.
+        eps: ε, added outside the square root.
+        eps_root: ε_root, added inside it; 0: none.
+        block: micro_adam_msq's block (None, "tensor" or "row"); None for the others.
+        relu: True for micro_adam_msq (ReLU(⟨v̂⟩)), False for the others.
+
+    Returns:
+        P, a tree like ν: each leaf shaped like its ν (a block's value repeated over the
+        block), in its dtype.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from pegrad import optimizers
+        >>> nu = {"w": jnp.array([0.01, 4.0])}
+        >>> state = optax.ScaleByAdamState(jnp.array(1), {"w": jnp.zeros(2)}, nu)
+        >>> p = optimizers.adam_preconditioner(state, b2=0.5, eps=0.0)  # v̂ = ν/(1 − 0.5)
+        >>> print(p["w"].round(4))
+        [7.0711 0.3536]
+    """
+    v_hat = _debias(state.nu, b2, state.count)
+    p = lambda v: jnp.broadcast_to(1.0 / _divisor(v, eps, eps_root, block, relu), v.shape)  # noqa: E731
+    return jax.tree.map(p, v_hat)
+
+
 def _scale_by_adam_family(
     rule: str,
     reads: tuple[str, ...],
@@ -528,26 +592,12 @@ def _scale_by_adam_family(
 
         mu = jax.tree.map(lambda x, m: ema(x, m, b1), g, state.mu)
         nu = jax.tree.map(lambda x, v: ema(x, v, b2), nu_in, state.nu)
-        widest = _widest(jax.tree.leaves(mu))
-
-        def debias(moments: PyTree, beta: Any) -> PyTree:
-            # optax's helper on the whole tree, as optax.scale_by_adam calls it: XLA compiles
-            # it per leaf differently (x·(1/c) for x/c), a last-bit difference. Array
-            # arguments: the helper's Python float ** int32 count fails strict promotion.
-            beta = jnp.asarray(beta).astype(widest)
-            return optax.tree.bias_correction(moments, beta, jnp.asarray(count).astype(widest))
 
         def direction(m_hat: Array, v_hat: Array) -> Array:
-            v_hat = _block_mean(v_hat, block)
-            if relu_preconditioner:
-                v_hat = jnp.maximum(v_hat, 0.0)
-            # optax.scale_by_adam's order: ε_root under the root, ε outside it. A literal 0
-            # adds nothing: the program (and its rounding) is the one without ε_root.
-            if not (isinstance(eps_root, int | float) and eps_root == 0):
-                v_hat = v_hat + _hyper(eps_root, v_hat.dtype)
-            return m_hat / (jnp.sqrt(v_hat) + _hyper(eps, m_hat.dtype))
+            return m_hat / _divisor(v_hat, eps, eps_root, block, relu_preconditioner)
 
-        updates = _cast(jax.tree.map(direction, debias(mu, b1), debias(nu, b2)), params)
+        m_hat, v_hat = _debias(mu, b1, count), _debias(nu, b2, count)
+        updates = _cast(jax.tree.map(direction, m_hat, v_hat), params)
         return updates, optax.ScaleByAdamState(count, mu, nu)
 
     # optax types a state as any pytree; ours is the NamedTuple it is.

@@ -463,12 +463,14 @@ def gradient_noise_scale(
     McCandlish et al. do (train.py logs both). Returns {"trace_cov", "grad_sq", "b_simple"}
     (scalars) and "per_leaf": the same three per leaf, which sum to them. N = 1 gives NaN.
 
-    With a diagonal `preconditioner` P ≥ 0 (a tree like the parameters, each leaf broadcastable
-    to its parameter's shape; e.g. Adam's 1/(√v̂ + ε)), the same argument run on the
-    preconditioned gradient, whose step is −ηPḡ: tr(PΣ) = Σ P σ̂², |G|²_P = Σ P ḡ² − tr(PΣ)/N,
-    B_P = tr(PΣ) / |G|²_P, returned beside as "trace_cov_p", "grad_sq_p", "b_p" (and per leaf).
-    Both parts stay unbiased where P does not depend on the batch (the optimizer's state
-    before this step's update); P = 1 gives B_simple's numbers."""
+    With a diagonal `preconditioner` P (a tree like the parameters, each leaf broadcastable to
+    its parameter's shape; e.g. Adam's 1/(√v̂ + ε)), the same argument run on the preconditioned
+    step −ηPg: tr(PΣ) = Σ P σ̂², |G|²_P = Σ P ḡ² − tr(PΣ)/N, B_P = tr(PΣ) / |G|²_P, returned
+    beside as "trace_cov_p", "grad_sq_p", "b_p" (and per leaf). For P fixed before the batch
+    (an optimizer's state before this step's update) E[Σ P σ̂²] = Σ P Σ_jj = tr(PΣ) and
+    E[Σ P ḡ²] = GᵀPG + tr(PΣ)/N, so both parts are unbiased; a P formed from the batch itself
+    is not (E[P σ̂²] ≠ P·E[σ̂²]). P = 1 gives B_simple's numbers (x·1 = x). P must be finite
+    and ≥ 0 (a PSD diagonal): checked where concrete, under jit the caller's contract."""
     need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
     if missing := [k for k in need if k not in stats]:
         raise ValueError(
@@ -501,17 +503,18 @@ def gradient_noise_scale(
 
 
 def _check_preconditioner(mean: PyTree, preconditioner: PyTree) -> PyTree:
-    """P as a tree of the statistics' structure, each leaf broadcastable to ḡ's and in its
-    dtype; a leaf that is not, or (where concrete) negative or NaN, named in an error."""
-    want = jax.tree_util.tree_leaves_with_path(mean)
+    """P leaf by leaf: shaped to broadcast to ḡ, finite and ≥ 0 (named if not), in ḡ's dtype."""
+    paths = jax.tree_util.tree_leaves_with_path
     got, tree = jax.tree.flatten(preconditioner)
     if tree != jax.tree.structure(mean):
+        mine, its = ({jax.tree_util.keystr(k) for k, _ in paths(t)} for t in (mean, preconditioner))
         raise ValueError(
-            f"gradient_noise_scale: the preconditioner must have the statistics' structure "
+            f"gradient_noise_scale: the preconditioner has no leaf at {sorted(mine - its)} and "
+            f"extra leaves at {sorted(its - mine)}: it must have the statistics' structure "
             f"{jax.tree.structure(mean)}, got {tree}"
         )
     leaves = []
-    for (path, g), p in zip(want, got, strict=True):
+    for (path, g), p in zip(paths(mean), got, strict=True):
         where = f"gradient_noise_scale: preconditioner{jax.tree_util.keystr(path)}"
         try:
             fits = jnp.broadcast_shapes(jnp.shape(p), jnp.shape(g)) == jnp.shape(g)
@@ -520,11 +523,11 @@ def _check_preconditioner(mean: PyTree, preconditioner: PyTree) -> PyTree:
         if not fits:
             raise ValueError(f"{where} of shape {jnp.shape(p)} does not broadcast to {g.shape}")
         try:
-            bad = not bool(np.all(np.asarray(p) >= 0))  # NaN fails too
+            bad = np.asarray(p)[~((np.asarray(p) >= 0) & np.isfinite(p))]  # NaN fails too
         except jax.errors.TracerArrayConversionError:
-            bad = False  # under jit: the caller's contract
-        if bad:
-            raise ValueError(f"{where} has negative or NaN entries: P is a diagonal P ≥ 0")
+            bad = []  # under jit: the caller's contract
+        if len(bad):
+            raise ValueError(f"{where} holds {bad[0]}: P must be a finite diagonal ≥ 0")
         leaves.append(jnp.asarray(p).astype(g.dtype))
     return jax.tree.unflatten(tree, leaves)
 

@@ -193,7 +193,7 @@ def run_group(configs: Sequence[train.Config], *, log: Log | None = None) -> lis
     ) -> tuple[PyTree, PyTree, Array, Array, dict[str, Array], Array]:
         """One run through the steps `steps`: its optimizer built from its own (traced)
         hyperparameters, its divergence masked."""
-        step = train.make_step(cfg0, task, train.make_optimizer(cfg0, hyper))
+        step = train.make_step(cfg0, task, train.make_optimizer(cfg0, hyper), hyper)
 
         def body(carry: tuple, s: Array) -> tuple[tuple, tuple]:
             params, state, alive = carry

@@ -948,14 +948,16 @@ class NoiseScale:
 
     def add(self, record: Mapping[str, Any]) -> dict[str, float | None]:
         """Fold one logged record's trace_cov and grad_sq in; the averages and their ratio.
-        With `suffix` "_p", the preconditioned parts (trace_cov_p, ...: B_P); a record without
-        finite ones (Adam's first step, v̂ not yet defined) leaves the averages as they are."""
+        With `suffix` "_p", the preconditioned parts (trace_cov_p, ...: B_P): {} for a record
+        without them (a rule with no preconditioner); null parts (the first step, before the
+        rule has a v̂) leave the averages as they are."""
         a, x = self.decay, self.suffix
-        trace, grad = record.get(f"trace_cov{x}"), record.get(f"grad_sq{x}")
-        if trace is None or grad is None or not math.isfinite(trace + grad):
+        if f"trace_cov{x}" not in record:
             return {}
-        self.trace = a * self.trace + (1 - a) * float(trace)
-        self.grad = a * self.grad + (1 - a) * float(grad)
+        trace, grad = record[f"trace_cov{x}"], record[f"grad_sq{x}"]
+        if trace is not None and grad is not None:
+            self.trace = a * self.trace + (1 - a) * float(trace)
+            self.grad = a * self.grad + (1 - a) * float(grad)
         out = {f"trace_cov{x}_ema": self.trace, f"grad_sq{x}_ema": self.grad}
         return out | {f"noise_scale{x}": self.ratio()}
 
@@ -964,19 +966,24 @@ class NoiseScale:
 
 
 def make_step(
-    cfg: Config, task: Task, opt: optax.GradientTransformationExtraArgs
+    cfg: Config,
+    task: Task,
+    opt: optax.GradientTransformationExtraArgs,
+    hyper: Mapping[str, Any] | None = None,
 ) -> Callable[[PyTree, Any, Any], tuple[PyTree, Any, Array, dict]]:
     """The pure training step `step(params, opt_state, batch) -> (params, opt_state, loss,
     diagnostics)`: `optimizers.make_train_step`'s step (the one step of this repository), asked
-    also for "sq_mean", which the diagnostics read, and followed by them and a "params_finite"
-    flag. Not jitted: main jits it with shardings (`jit_step`), sweeps vmap it first."""
+    also for "sq_mean", which the diagnostics read, and followed by them (with B_P's parts for
+    the Adam family, P from the state the step starts from) and a "params_finite" flag. `hyper`:
+    the values `opt` was made with (`make_optimizer`), which P reads. Not jitted: main jits it
+    with shardings (`jit_step`), sweeps vmap it first."""
     core = optimizers.make_train_step(
         task.loss_fn, opt, impl=cfg.impl, chunk_size=cfg.chunk_size, extra_stats=("sq_mean",),
         jit=False, granularity=cfg.granularity,
     )  # fmt: skip
 
     def step(params: PyTree, state: Any, batch: Any) -> tuple[PyTree, Any, Array, dict]:
-        precondition = adam_preconditioner(cfg, params, state)  # before the update: fixed
+        precondition = adam_preconditioner(cfg, state, hyper)  # before the update
         params, state, loss, st = core(params, state, batch)
         # An update can overflow while the loss it came from is finite: flag it at its step.
         finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
@@ -985,22 +992,25 @@ def make_step(
     return step
 
 
-def adam_preconditioner(cfg: Config, params: PyTree, state: Any) -> PyTree | None:
-    """P = 1/(√(v̂ + ε_root) + ε), the diagonal an Adam-family rule divides by, from the
-    optimizer state before a step's update (so P does not depend on that step's batch, and
-    B_P's parts stay unbiased): v̂ = ν/(1 − β₂^t) of the one `optax.ScaleByAdamState` whose ν
-    is shaped like the parameters; NaN before the first update (v̂ undefined). None for a rule
-    without one (SignSGD), or with several (a partition): nothing is logged then."""
-    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
-    found = [x for x in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(x)]
-    if len(found) != 1 or jax.tree.structure(found[0].nu) != jax.tree.structure(params):
+def adam_preconditioner(
+    cfg: Config, state: Any, hyper: Mapping[str, Any] | None = None
+) -> PyTree | None:
+    """P = 1/(√(⟨v̂⟩ + ε_root) + ε), the diagonal the run's Adam-family rule divides by
+    (`optimizers.adam_preconditioner` with the rule's b2, eps, eps_root and, for
+    micro_adam_msq, its ReLU and block; `hyper` as in `make_optimizer`), from the optimizer
+    state before a step's update, so P does not depend on that step's batch and B_P's parts
+    stay unbiased: v̂ = ν/(1 − β₂^t) of the one `optax.ScaleByAdamState`. NaN before the first
+    update (v̂ undefined). None for a rule without a second moment (the sign family)."""
+    if cfg.optimizer not in get_args(AdamFamily):
         return None
-    (adam,) = found
-    t = jnp.asarray(adam.count).astype(jnp.float32)
-    done = 1.0 - jnp.asarray(cfg.b2, jnp.float32) ** t  # 0 before the first update: NaN
-    root = cfg.eps_root or 0.0
-    p = lambda v: 1.0 / (jnp.sqrt(v.astype(jnp.float32) / done + root) + cfg.eps)  # noqa: E731
-    return jax.tree.map(p, adam.nu)
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    (adam,) = [x for x in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(x)]
+    h = {name: getattr(cfg, name) for name in HYPERPARAMETERS} | dict(hyper or {})
+    msq = cfg.optimizer == "micro_adam_msq"
+    return optimizers.adam_preconditioner(
+        adam, b2=h["b2"], eps=h["eps"], eps_root=0.0 if h["eps_root"] is None else h["eps_root"],
+        block=None if cfg.msq_block == "none" else cfg.msq_block, relu=msq,
+    )  # fmt: skip
 
 
 class Run(NamedTuple):
@@ -1420,9 +1430,8 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
             if logs(cfg, step):
                 record |= {"loss": loss, "lr": lr(step)}
                 record |= {k: float(v) for k, v in diag.items()}
-                if not math.isfinite(record.get("trace_cov_p", 0.0)):  # Adam's v̂ at step 0
-                    record = {k: v for k, v in record.items() if not k.endswith("_p_batch")}
-                    record |= {"trace_cov_p": None, "grad_sq_p": None}
+                if step == 0 and "trace_cov_p" in record:  # no v̂ before the first update
+                    record |= dict.fromkeys(("trace_cov_p", "grad_sq_p", "noise_scale_p_batch"))
                 record |= noise.add(record) | noise_p.add(record)
                 record["seconds"] = round(time.perf_counter() - t_start, 3)
                 write(record)

@@ -22,6 +22,7 @@ import pytest
 from helpers import naive_unit_grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pieces import PIECES
 
 import pegrad
 import plots
@@ -181,26 +182,48 @@ def _precondition(params: dict[str, Any], seed: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+def dense_seq() -> tuple[Callable, dict[str, Any], Callable[[Any, int], Any], Callable]:
+    """A dense layer at every position of a sequence, per token (tests/pieces.py): N = B·T."""
+    (piece,) = [p for p in PIECES if p.name == "dense_over_sequence"]
+    tokenwise = lambda copies, example: piece.loss(copies, example, True)  # noqa: E731
+    loss = lambda p, example: piece.loss(p, example, False)  # noqa: E731
+    return loss, piece.init(jax.random.key(3)), piece.example, tokenwise
+
+
+@pytest.mark.parametrize("model", [*sorted(MODELS), "dense_seq per token"])
 @pytest.mark.parametrize("n", [2, 5])
 def test_preconditioned_parts_equal_their_definition_on_the_naive_loop(model: str, n: int):
-    """tr(PΣ) = Σ P σ̂² and |G|²_P = Σ P ḡ² − tr(PΣ)/N on the loop's per-example gradients."""
-    loss, params, make_batch = MODELS[model]()
+    """tr(PΣ) = Σ P σ̂² and |G|²_P = Σ P ḡ² − tr(PΣ)/N on the loop's per-unit gradients, from
+    "var" and from "sq_mean", per example and per token, with a mask at n = 5 (the second
+    example counts nowhere); one leaf's P is a scalar, broadcast over it."""
+    tokenwise = None
+    if model == "dense_seq per token":
+        loss, params, make_batch, tokenwise = dense_seq()
+    else:
+        loss, params, make_batch = MODELS[model]()
     batch = make_batch(jax.random.key(n), n)
-    _, grads = naive_unit_grads(loss, params, batch)
+    mask = None if n == 2 else np.arange(n) != 1
+    kept = batch if mask is None else jax.tree.map(lambda x: x[mask], batch)
+    _, grads = naive_unit_grads(loss, params, kept, tokenwise)
     p = _precondition(params, n)
+    p[min(p)] = jnp.asarray(2.5)  # a scalar for the whole leaf
     g = {k: np.asarray(v) for k, v in grads.items()}
+    units = next(iter(g.values())).shape[0]
     trace = {k: float(np.sum(p[k] * g[k].var(0, ddof=1))) for k in g}
-    grad_sq = {k: float(np.sum(p[k] * g[k].mean(0) ** 2)) - trace[k] / n for k in g}
+    grad_sq = {k: float(np.sum(p[k] * g[k].mean(0) ** 2)) - trace[k] / units for k in g}
     scale = sum(float(np.sum(p[k] * (g[k] ** 2).mean(0))) for k in g)
-    _, stats = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "var")))(params, batch)
-    noise = pegrad.gradient_noise_scale(stats, p)
-    for k in g:
-        close(noise["per_leaf"]["trace_cov_p"][k], trace[k], scale, f"tr(PΣ) {k}")
-        close(noise["per_leaf"]["grad_sq_p"][k], grad_sq[k], scale, f"|G|²_P {k}")
-    close(noise["trace_cov_p"], sum(trace.values()), scale, "tr(PΣ)")
-    close(noise["grad_sq_p"], sum(grad_sq.values()), scale, "|G|²_P")
-    assert noise["b_p"] == noise["trace_cov_p"] / noise["grad_sq_p"]
+    granularity = "example" if tokenwise is None else "token"
+    fn = pegrad.value_and_grad_stats(loss, ("mean", "sq_mean", "var"), granularity=granularity)
+    _, both = jax.jit(fn)(params, batch, mask=mask)
+    assert int(both["batch_size"]) == units
+    for stats in (("mean", "sq_mean"), ("mean", "var")):  # σ̂² from q − ḡ², and pegrad's own
+        noise = pegrad.gradient_noise_scale({k: both[k] for k in (*stats, "batch_size")}, p)
+        for k in g:
+            close(noise["per_leaf"]["trace_cov_p"][k], trace[k], scale, f"tr(PΣ) {k} {stats}")
+            close(noise["per_leaf"]["grad_sq_p"][k], grad_sq[k], scale, f"|G|²_P {k} {stats}")
+        close(noise["trace_cov_p"], sum(trace.values()), scale, f"tr(PΣ) {stats}")
+        close(noise["grad_sq_p"], sum(grad_sq.values()), scale, f"|G|²_P {stats}")
+        assert noise["b_p"] == noise["trace_cov_p"] / noise["grad_sq_p"]
 
 
 @settings(deadline=None, max_examples=20)
@@ -213,7 +236,10 @@ def test_b_p_is_b_simple_at_p_one_and_blind_to_the_scale_of_p(c: float, seed: in
     ones = jax.tree.map(jnp.ones_like, params)
     at_one = pegrad.gradient_noise_scale(stats, ones)
     for a, b in (("trace_cov", "trace_cov_p"), ("grad_sq", "grad_sq_p"), ("b_simple", "b_p")):
-        assert at_one[a] == at_one[b]  # multiplied by exact ones
+        assert at_one[a] == at_one[b]  # multiplied by exact ones, op by op: bitwise
+    # under jit XLA may fuse the weighting into a differently ordered sum: to the last bits
+    jitted = jax.jit(pegrad.gradient_noise_scale)(stats, ones)
+    np.testing.assert_allclose(jitted["b_p"], at_one["b_simple"], rtol=1e-15)
     p = _precondition(params, seed)
     base = pegrad.gradient_noise_scale(stats, p)
     scaled = pegrad.gradient_noise_scale(stats, jax.tree.map(lambda x: c * x, p))
@@ -247,9 +273,14 @@ def test_a_preconditioner_not_like_the_statistics_is_refused_by_leaf():
     stats = {"mean": {"w": jnp.ones((2, 3))}, "var": {"w": jnp.ones((2, 3))}, "batch_size": 4}
     with pytest.raises(ValueError, match=r"preconditioner\['w'\] of shape \(2,\) does not"):
         pegrad.gradient_noise_scale(stats, {"w": jnp.ones(2)})
-    with pytest.raises(ValueError, match=r"preconditioner\['w'\] has negative or NaN"):
-        pegrad.gradient_noise_scale(stats, {"w": -jnp.ones(3)})
-    with pytest.raises(ValueError, match="the preconditioner must have the statistics'"):
+    for bad in (-1.0, np.nan, np.inf):  # a PSD diagonal: finite, ≥ 0
+        with pytest.raises(ValueError, match=rf"preconditioner\['w'\] holds {bad}: P must be"):
+            pegrad.gradient_noise_scale(stats, {"w": jnp.array([1.0, bad, 1.0])})
+    with pytest.raises(
+        ValueError, match=r"no leaf at \[\"\['w'\]\"\] and extra leaves at \['\[0\]'\]"
+    ):
         pegrad.gradient_noise_scale(stats, [jnp.ones(3)])
+    with pytest.raises(ValueError, match=r"no leaf at \[\] and extra leaves at \[\"\['v'\]\"\]"):
+        pegrad.gradient_noise_scale(stats, {"w": jnp.ones(3), "v": jnp.ones(3)})
     found = pegrad.gradient_noise_scale(stats, {"w": jnp.full((3,), 2.0)})  # broadcasts
     assert float(found["trace_cov_p"]) == 2.0 * float(found["trace_cov"])

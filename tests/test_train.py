@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -183,37 +183,69 @@ def test_diagnostics_hold_the_gradient_noise_scale():
         np.testing.assert_allclose(diag[ours], want[theirs], rtol=1e-5, err_msg=ours)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "micro_adam", "micro_sign_sgd"])
+def _rule_divisor_inverse(nu: np.ndarray, t: int, cfg: train.Config) -> np.ndarray:
+    """1/(√(⟨v̂⟩ + ε_root) + ε), v̂ = ν/(1 − β₂^t): SPEC §4's preconditioner of each Adam-family
+    rule, in numpy (micro_adam_msq: v̂ averaged over its block, then ReLU'd)."""
+    with np.errstate(invalid="ignore"):  # t = 0: 0/0, no v̂ yet
+        v = nu / (1.0 - cfg.b2**t)
+    if cfg.msq_block == "row" and v.ndim >= 1:
+        v = np.broadcast_to(v.mean(-1, keepdims=True), v.shape)
+    if cfg.optimizer == "micro_adam_msq":
+        v = np.maximum(v, 0.0)
+    return 1.0 / (np.sqrt(v + (cfg.eps_root or 0.0)) + cfg.eps)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        dict(optimizer="adam"),  # micro_adam: adam's P of another ν (the metrics test below)
+        dict(optimizer="micro_adam_var", eps_root=1e-6),
+        dict(optimizer="micro_adam_msq", eps=0.0, eps_root=1e-6, msq_block="row"),
+        dict(optimizer="micro_sign_sgd"),
+    ],
+    ids=lambda r: r["optimizer"],
+)
 def test_the_adam_family_logs_the_noise_scale_of_its_own_preconditioner(
-    optimizer: str, tmp_path: Path
+    rule: dict[str, Any], tmp_path: Path
 ):
-    """B_P's parts are pegrad.gradient_noise_scale(stats, P) for P = 1/(√v̂ + ε) of the rule's
-    state BEFORE the step (v̂ = ν/(1 − β₂^t)): NaN at the first step (no v̂ yet), then finite
-    and unlike B_simple's; a rule without a second moment has none."""
+    """B_P's parts are pegrad.gradient_noise_scale(stats, P) for the P the rule divides by, from
+    its state BEFORE the step (built here from ν and t by the formula, not by train.py): NaN at
+    the first step (no v̂ yet), then finite and unlike B_simple's (P left out would fail); the
+    P it names is the rule's own: m̂·P after the update is the rule's direction. A rule without
+    a second moment has none."""
     import pegrad
 
-    cfg = tiny(tmp_path, optimizer=optimizer, eps=1e-3)
+    knobs = dict(eps=1e-3, weight_decay=0.0, warmup=0, lr=2.0**-7, schedule="constant")
+    cfg = tiny(tmp_path, **(knobs | rule))  # lr exact in float32, constant: the update is −lr·d
     run = train.build(cfg)
-    params, state = run.task.params, run.opt.init(run.task.params)
+    params, state = run.task.params, cast(Any, run.opt.init(run.task.params))
     step = jax.jit(run.step)
     fn = pegrad.value_and_grad_stats(run.task.loss_fn, ("mean", "sq_mean"))
     for t in range(3):
         batch = run.task.sample(run.task.train_data, key=jax.random.fold_in(run.train_key, t))
-        p = train.adam_preconditioner(cfg, params, state)
         _, stats = fn(params, batch)
-        new_params, state, _, diag = step(params, state, batch)
-        if optimizer == "micro_sign_sgd":
-            assert p is None and "trace_cov_p" not in diag
+        new_params, new_state, _, diag = step(params, state, batch)
+        if cfg.optimizer == "micro_sign_sgd":
+            assert train.adam_preconditioner(cfg, state) is None
+            assert not [k for k in diag if k.endswith(("_p", "_p_batch"))]
             return
-        assert p is not None
+        adam, new_adam = state[0], new_state[0]  # chain(rule, decay, lr): the rule's state
+        p = jax.tree.map(lambda nu, t=t: _rule_divisor_inverse(np.asarray(nu), t, cfg), adam.nu)
         if t == 0:
-            assert np.isnan(float(diag["trace_cov_p"]))
+            assert all(np.isnan(float(diag[k])) for k in ("trace_cov_p", "grad_sq_p"))
         else:
             want = pegrad.gradient_noise_scale(stats, p)
-            np.testing.assert_allclose(diag["trace_cov_p"], want["trace_cov_p"], rtol=1e-5)
-            np.testing.assert_allclose(diag["grad_sq_p"], want["grad_sq_p"], rtol=1e-4)
-            assert abs(float(diag["trace_cov_p"]) - float(diag["trace_cov"])) > 1e-3
-        params = new_params
+            for k in ("trace_cov_p", "grad_sq_p"):  # train's are float32 sums of the flat vector
+                np.testing.assert_allclose(diag[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(diag["noise_scale_p_batch"], want["b_p"], rtol=1e-4)
+            assert abs(float(want["trace_cov_p"]) - float(want["trace_cov"])) > 1e-3
+        # the rule's own divisor: its update is −lr·m̂·P(state after the update)
+        p_new = train.adam_preconditioner(cfg, new_state)
+        m_hat = jax.tree.map(lambda m, t=t: m / (1.0 - cfg.b1 ** (t + 1)), new_adam.mu)
+        moved = jax.tree.map(lambda a, b: (b - a) / -cfg.lr, params, new_params)
+        for got, m, q in zip(*map(jax.tree.leaves, (moved, m_hat, p_new)), strict=True):
+            np.testing.assert_allclose(got, m * q, rtol=1e-9, atol=1e-12)
+        params, state = new_params, new_state
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -816,10 +848,18 @@ def test_metrics_log_the_smoothed_noise_scale_and_the_console_shows_it(
 
     train.main(tiny(tmp_path, model="mlp", steps=8, log_interval=1, eval_interval=4))
     logged = [m for m in metrics(tmp_path) if "trace_cov" in m]
-    noise = train.NoiseScale()
+    noise, noise_p = train.NoiseScale(), train.NoiseScale(suffix="_p")  # B_simple, B_P
     for m in logged:
         np.testing.assert_allclose(m["noise_scale_batch"], m["trace_cov"] / m["grad_sq"], 1e-6)
         assert {k: m[k] for k in ("trace_cov_ema", "grad_sq_ema", "noise_scale")} == noise.add(m)
+        p_keys = ("trace_cov_p_ema", "grad_sq_p_ema", "noise_scale_p")
+        assert {k: m[k] for k in p_keys} == noise_p.add(m)  # micro_adam: B_P beside B_simple
+        if m["step"] == 0:  # no v̂ before the first update: B_P's parts null, averages 0
+            assert [m[k] for k in ("trace_cov_p", "grad_sq_p", "noise_scale_p_batch")] == [None] * 3
+            assert (m["trace_cov_p_ema"], m["noise_scale_p"]) == (0.0, None)
+        else:
+            assert m["trace_cov_p"] > 0 and m["trace_cov_p_ema"] > 0
+            assert m["noise_scale_p_batch"] == pytest.approx(m["trace_cov_p"] / m["grad_sq_p"])
     drawn = plots.noise_scale_series(tmp_path)["smoothed"]
     logged_ratio = np.array(
         [np.nan if m["noise_scale"] is None else m["noise_scale"] for m in logged]
