@@ -28,6 +28,7 @@ tests/test_hlo_cost.py checks the reader on a hand-written module and on XLA:CPU
 programs whose flops and loop trip counts are known exactly.
 
     python hlo_cost.py PROGRAM.hlo ...       # one line per file: kernels, flops, bytes, estimate
+    python hlo_cost.py --diff A.hlo B.hlo    # the estimate's terms, and the kernels that differ
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ import json
 import math
 import re
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -93,6 +95,7 @@ class Kernel:
     dot_flops: float  # per launch
     other_flops: float  # per launch
     bytes: float  # per launch: read + written
+    shape: str = ""  # the result's first array, e.g. "f32[32,64,256]"
 
     def roofline_s(self, card: Card) -> float:
         compute = self.dot_flops / card.matmul_flops + self.other_flops / card.vector_flops
@@ -386,7 +389,8 @@ class _Reader:
             kind = "copy"
         else:
             other = float(_elements(op.shape))
-        return Kernel(op.name, kind, times, dot, other, float(sum(read) + written))
+        shape = _first_array(op.shape)
+        return Kernel(op.name, kind, times, dot, other, float(sum(read) + written), shape)
 
 
 def read_hlo(text: str) -> Program:
@@ -441,7 +445,42 @@ def calibrate(programs: Sequence[Program], measured_s: Sequence[float], card: Ca
     return Fit(fitted, tuple(float(r) for r in relative), tuple(loo))
 
 
-def main(paths: Iterable[str]) -> None:
+def kernel_groups(program: Program) -> Counter[tuple[str, str, str]]:
+    """Launches per group of alike kernels: (kind, name less its ".N", result's first array)."""
+    groups: Counter[tuple[str, str, str]] = Counter()
+    for k in program.kernels:
+        groups[(k.kind, re.sub(r"\.\d+$", "", k.name), k.shape)] += k.launches
+    return groups
+
+
+def diff(a: Program, b: Program) -> list[tuple[tuple[str, str, str], int, int]]:
+    """The groups of `kernel_groups` whose launches differ between two programs: (group,
+    launches in a, launches in b), the largest difference first, then by group."""
+    ga, gb = kernel_groups(a), kernel_groups(b)
+    rows = [(g, ga[g], gb[g]) for g in set(ga) | set(gb) if ga[g] != gb[g]]
+    return sorted(rows, key=lambda r: (-abs(r[2] - r[1]), r[0]))
+
+
+def main(paths: Sequence[str]) -> None:
+    if paths and paths[0] == "--diff":
+        if len(paths) != 3:
+            raise SystemExit("usage: python hlo_cost.py --diff A.hlo B.hlo")
+        programs = []
+        for path in paths[1:]:
+            with open(path) as f:
+                programs.append(read_hlo(f.read()))
+        a, b = programs
+        for path, p in zip(paths[1:], programs, strict=True):
+            terms = " + ".join(
+                f"{c * t * 1e3:.3f}" for c, t in zip(_costs(H200), p.terms(H200), strict=True)
+            )
+            print(f"{path}: {p.launches} kernels, est {p.time_s(H200) * 1e3:.3f} ms = {terms}"
+                  " (step + launches + loop iterations + dots + other kernels)")  # fmt: skip
+        print("| kind | kernel | result | launches A | launches B | B - A |")
+        print("|---|---|---|---|---|---|")
+        for (kind, name, shape), na, nb in diff(a, b):
+            print(f"| {kind} | {name} | {shape} | {na} | {nb} | {nb - na:+d} |")
+        return
     print("| file | launches | gemms | copies | loop its | GFLOP | MB | roofline ms | est ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in paths:

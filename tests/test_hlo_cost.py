@@ -92,6 +92,19 @@ def test_dot_flops_are_exact_and_bytes_are_what_a_kernel_reads_and_writes():
     assert kernels["g0"].bytes == 4 * (8 * 32 + 32 * 16 + 8 * 16)
 
 
+def test_diff_names_the_kernel_groups_whose_launches_differ_and_nothing_else():
+    three = hlo_cost.read_hlo(MODULE)
+    assert hlo_cost.diff(three, three) == []
+    five = hlo_cost.read_hlo(MODULE.replace('{"n":"3"}', '{"n":"5"}'))
+    # the body's two kernels run twice more, the condition's compare too; the entry's do not
+    assert hlo_cost.diff(three, five) == [
+        (("copy", "upd", "f32[8,16]"), 3, 5),
+        (("gemm", "gemm", "f32[8,16]"), 3, 5),
+        (("other", "lt", "pred[]"), 4, 6),
+    ]
+    assert sum(hlo_cost.kernel_groups(five).values()) == five.launches
+
+
 def test_a_loop_without_a_known_trip_count_is_counted_once_and_said():
     program = hlo_cost.read_hlo(
         MODULE.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")

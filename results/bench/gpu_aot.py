@@ -29,8 +29,10 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import statistics
 import sys
+import time
 from typing import Any
 
 import jax
@@ -65,7 +67,32 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=["transformer", "mlp"])
     parser.add_argument("--stat-sets", nargs="+", default=STAT_SETS)
     parser.add_argument("--impls", nargs="+", default=["vmap", "factorized"])
-    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small's largest batch")
+    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small (tied head, T 1024)")
+    parser.add_argument(
+        "--tpu",
+        default="",
+        metavar="TOPOLOGY",
+        help="compile for one chip of a TPU topology instead (e.g. v5e:2x2): memory and kernels, "
+        "no time estimate (hlo_cost's card is the H200's)",
+    )
+    parser.add_argument("--gpt2-batch", type=int, default=8, help="GPT-2's batch size")
+    parser.add_argument(
+        "--gpt2-fit", action="store_true", help="GPT-2: the footprint at B 4 and 8, largest B"
+    )
+    parser.add_argument(
+        "--chunk-sizes",
+        nargs="+",
+        type=int,
+        default=[],
+        help="also compile each factorized program with the caller's chunk_size, each of these",
+    )
+    parser.add_argument(
+        "--memory-budgets",
+        nargs="+",
+        type=float,
+        default=[],
+        help="also compile each factorized program with memory_budget, each of these (MiB)",
+    )
     parser.add_argument("--code", default=REPO, help="the checkout whose bench/pegrad compile")
     parser.add_argument("--calibrate", metavar="JSON", help="measured rows (bench.py --json)")
     parser.add_argument("--hlo-dir", default="", help="also write each program's HLO here")
@@ -73,10 +100,19 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, os.path.abspath(args.code))  # before REPO: the measured commit's files
     bench = importlib.import_module("bench")
-    topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET, topology="1x1x1")
+    pegrad = importlib.import_module("pegrad")
+    print(f"compiling {pegrad.__file__} and {bench.__file__}", flush=True)
+    if args.tpu:  # needs libtpu (pip install "jax[tpu]"); one chip of the topology
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=args.tpu)
+    else:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=TARGET, topology="1x1x1"
+        )
     sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    if args.gpt2 and args.gpt2_fit:
+        return gpt2_fit(bench, args, sharding)
     if args.gpt2:
-        return gpt2(bench, args, sharding)
+        return gpt2(bench, pegrad, args, sharding)
     measured = []
     if args.calibrate:
         with open(args.calibrate) as f:
@@ -88,9 +124,8 @@ def main() -> None:
         family_stat_sets=tuple(args.stat_sets),
         family_impls=tuple(args.impls),
     )
-    rows = []
-    print("| model | stats | impl | temp MiB | temp / plain | launches | copies | loop its "
-          "| GFLOP | est ms | est / plain |\n" + "|---" * 11 + "|")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    print(HEADER, flush=True)
     for make in bench.family_workloads(config):
         workload = make()
         abstract = jax.tree.map(
@@ -99,35 +134,115 @@ def main() -> None:
         )
         plain: dict[str, Any] = {}
         for program in workload.programs:
-            compiled = jax.jit(program.build(workload.loss_fn, 1.0)).lower(*abstract).compile()
-            memory = compiled.memory_analysis()
-            assert memory is not None, "this JAX gives no compiled memory analysis"
-            text = compiled.as_text() or ""
-            if args.hlo_dir:
-                name = f"{workload.model.split()[0]}-{program.stats}-{program.impl}.hlo"
-                os.makedirs(args.hlo_dir, exist_ok=True)
-                with open(os.path.join(args.hlo_dir, name), "w") as f:
-                    f.write(text)
-            read = hlo_cost.read_hlo(text)
-            row = dict(model=workload.model, stats=program.stats, impl=program.impl)
-            row |= dict(temp_bytes=memory.temp_size_in_bytes, program=read)
-            row |= read.summary(hlo_cost.H200)
-            plain = plain or row
-            rows.append(row)
-            cells = (workload.model, program.stats, program.impl)
-            cells += (
-                f"{row['temp_bytes'] / 2**20:.1f}",
-                f"{row['temp_bytes'] / plain['temp_bytes']:.2f}",
-            )
-            cells += (str(row["launches"]), str(row["copies"]), str(row["loop_iterations"]))
-            cells += (f"{row['gflop']:.1f}", f"{row['estimate_ms']:.2f}")
-            cells += (f"{row['estimate_ms'] / plain['estimate_ms']:.2f}",)
-            print("| " + " | ".join(cells) + " |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "program"} for r in rows], f, indent=1)
+            for variant in variants(program, args):
+                fn = build(pegrad, program, workload.loss_fn, *variant)
+                row = compile_row(fn, abstract, workload.model, program, variant, args)
+                plain = plain or row
+                rows.append(row)
+                print(table_row(row, plain), flush=True)
+                save(rows, args.json)
     if measured:
         calibrate(rows, measured)
+
+
+HEADER = (
+    "| model | stats | impl | temp MiB | temp / plain | footprint GiB | launches | copies "
+    "| loop its | GFLOP | roofline ms | est ms | est / plain | est / plain, bandwidth at "
+    "roofline |\n" + "|---" * 14 + "|"
+)
+
+
+def variants(program: Any, args: argparse.Namespace) -> list[tuple[int | None, int | None]]:
+    """(chunk_size, memory_budget in bytes) to compile `program` with: its own, then for a
+    factorized program each of --chunk-sizes and --memory-budgets."""
+    out: list[tuple[int | None, int | None]] = [(program.chunk_size, None)]
+    if program.impl == "factorized":
+        out += [(c, None) for c in args.chunk_sizes]
+        out += [(None, int(m * 2**20)) for m in args.memory_budgets]
+    return out
+
+
+def build(pegrad: Any, program: Any, loss_fn: Any, chunk: int | None, budget: int | None) -> Any:
+    """The program, or pegrad's with the caller's chunk_size / memory_budget."""
+    if budget is None and chunk == program.chunk_size:
+        return program.build(loss_fn, 1.0)
+    names = tuple(program.stats.split("+"))
+    return pegrad.value_and_grad_stats(
+        loss_fn,
+        names,
+        impl="factorized",
+        chunk_size=chunk,
+        memory_budget=budget,
+        clip_norm=1.0 if "clipped_mean" in names else None,
+    )
+
+
+def compile_row(
+    fn: Any,
+    abstract: Any,
+    model: str,
+    program: Any,
+    variant: tuple[int | None, int | None],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Compile `fn` for the target; its memory, kernels and estimated time (hlo_cost.H200)."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*abstract).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    assert memory is not None, "this JAX gives no compiled memory analysis"
+    text = compiled.as_text() or ""
+    chunk, budget = variant
+    impl = program.impl + (f" chunk {chunk}" if chunk else "")
+    impl += f" budget {budget / 2**20:g} MiB" if budget else ""
+    if args.hlo_dir:
+        slug = re.sub(r"[^A-Za-z0-9.+]+", "_", model.split(" (")[0]).strip("_")
+        name = f"{slug}-{program.stats}-{impl.replace(' ', '_')}.hlo"
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        with open(os.path.join(args.hlo_dir, name), "w") as f:
+            f.write(text)
+    read = hlo_cost.read_hlo(text)
+    footprint = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    row = dict(model=model, stats=program.stats, impl=impl, chunk_size=chunk)
+    row |= dict(memory_budget=budget, temp_bytes=memory.temp_size_in_bytes)
+    row |= dict(footprint_bytes=footprint, compile_s=seconds, program=read)
+    # At GPT-2's size kernels are not launch-bound: the fitted card prices bandwidth-bound
+    # kernels at their launch alone (other_factor 0); this prices them at their roofline too.
+    bandwidth = dataclasses.replace(hlo_cost.H200, other_factor=1.0)
+    row |= dict(estimate_bw_ms=read.time_s(bandwidth) * 1e3)
+    row |= read.summary(hlo_cost.H200)
+    if args.tpu:  # kernels and flops only: the H200's fitted costs say nothing of a TPU
+        # (nor its flops: XLA:TPU writes dots as convolutions the reader does not count right)
+        row |= dict(target=f"TPU {args.tpu}", roofline_ms=None, estimate_ms=None)
+        row |= dict(estimate_bw_ms=None, gflop=None, mbytes=None)
+    return row
+
+
+def table_row(row: dict[str, Any], plain: dict[str, Any]) -> str:
+    cells = (row["model"].split(" (")[0], row["stats"], row["impl"])
+    ratio = row["temp_bytes"] / plain["temp_bytes"] if plain["temp_bytes"] else float("nan")
+    cells += (f"{row['temp_bytes'] / 2**20:.1f}", f"{ratio:.2f}")
+    cells += (f"{row['footprint_bytes'] / 2**30:.2f}",)
+    cells += (str(row["launches"]), str(row["copies"]), str(row["loop_iterations"]))
+    if row["estimate_ms"] is None:
+        cells += ("—",) * 5
+    else:
+        cells += (f"{row['gflop']:.1f}", f"{row['roofline_ms']:.2f}", f"{row['estimate_ms']:.2f}")
+        cells += (f"{row['estimate_ms'] / plain['estimate_ms']:.2f}",)
+        cells += (f"{row['estimate_bw_ms'] / plain['estimate_bw_ms']:.2f}",)
+    return "| " + " | ".join(cells) + " |"
+
+
+def save(rows: list[dict[str, Any]], path: str) -> None:
+    """Every row so far (a killed run keeps them)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "program"} for r in rows], f, indent=1)
 
 
 def calibrate(rows: list[dict[str, Any]], measured: list[dict[str, Any]]) -> None:
@@ -188,7 +303,42 @@ def calibrate(rows: list[dict[str, Any]], measured: list[dict[str, Any]]) -> Non
     print(f"vmap against factorized, the faster one as on the card: {same_winner} of {len(groups)}")
 
 
-def gpt2(bench: Any, args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
+def gpt2(bench: Any, pegrad: Any, args: argparse.Namespace, sharding: Any) -> None:
+    """GPT-2 small at one batch (--gpt2-batch): plain, then each impl × stat set, as main's
+    rows; then each factorized leaf's route (pegrad.explain)."""
+    model = bench.scale_model(bench.Config(), "gpt2")
+    put = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+    )
+    abstract = (put(model.params), put(model.batch(args.gpt2_batch)))
+    label = f"{model.name} B{args.gpt2_batch}"
+    programs = [bench.Program("mean", "plain")]
+    programs += [bench.Program(s, i) for i in args.impls if i != "plain" for s in args.stat_sets]
+    rows: list[dict[str, Any]] = []
+    plain: dict[str, Any] = {}
+    target = f"XLA:TPU ({args.tpu}, one chip)" if args.tpu else "XLA:GPU (H200 target)"
+    print(f"{label}, {target}\n\n{HEADER}", flush=True)
+    for program in programs:
+        for variant in variants(program, args):
+            fn = build(pegrad, program, model.loss_fn, *variant)
+            row = compile_row(fn, abstract, label, program, variant, args)
+            plain = plain or row
+            rows.append(row)
+            print(table_row(row, plain) + f"  (compiled in {row['compile_s']:.0f} s)", flush=True)
+            save(rows, args.json)
+    if "factorized" in args.impls:
+        for stats in args.stat_sets:
+            names = tuple(stats.split("+"))
+            clip = 1.0 if "clipped_mean" in names else None
+            plan = pegrad.explain(model.loss_fn, *abstract, names, clip_norm=clip)
+            # The summary, one contraction (12 × 6 alike) and every leaf not fully factorized.
+            shown = [p for p in plan if p.status != "factorized" or p.route == "row-scatter"]
+            shown += [p for p in plan if p.route == "contraction"][:1]
+            print(f"\nexplain, {stats}: {plan.summary}", flush=True)
+            print("\n".join(map(str, shown)), flush=True)
+
+
+def gpt2_fit(bench: Any, args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
     model = bench.scale_model(bench.Config(), "gpt2")
     put = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
