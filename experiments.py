@@ -3108,7 +3108,9 @@ def crit_select(
     )
 
 
-def crit_committed(proto: Protocol, cb: CritBatch, task: str, labels: Mapping[int, str]):
+def crit_committed(
+    proto: Protocol, cb: CritBatch, task: str, labels: Mapping[int, str]
+) -> CritChoice:
     """The fixed protocol's choice: each B's lr and the target loss from one committed
     critical-batch summary.json (`--lrs-from`) of this task at these settings (a target means
     nothing at another window, margin or budget); each lr's edge as that summary marked it."""

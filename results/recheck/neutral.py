@@ -3,6 +3,9 @@
     python results/recheck/neutral.py DIR              # runs every study below into DIR/runs,
                                                        #   writes DIR/digest.json
     python results/recheck/neutral.py --compare A B    # two digests: identical, or what differs
+    python results/recheck/neutral.py --compare results/recheck/neutral-digest.json DIR
+                                                       # against the committed one (jax 0.10.2,
+                                                       #   XLA:CPU)
 
 Each study runs through experiments.py's command line, in its own fresh cache (nothing trained
 before is reused), the protocols each exercised once: held-out (the default), fixed
@@ -145,7 +148,10 @@ def run_all(dest: Path) -> None:
 
 
 def compare(a: Path, b: Path) -> int:
-    da, db = (json.loads((p / "digest.json").read_text()) for p in (a, b))
+    """Two digests (each a run's DIR, or a digest's .json such as neutral-digest.json)."""
+    da, db = (
+        json.loads((p if p.suffix == ".json" else p / "digest.json").read_text()) for p in (a, b)
+    )
     fa, fb = da["files"], db["files"]
     print(f"{a}: commit {da['commit']}; {b}: commit {db['commit']}")
     differ = sorted(k for k in fa.keys() & fb.keys() if fa[k] != fb[k])
