@@ -33,6 +33,7 @@ SLOW = (
     "tests/test_bench.py::test_bench_records",
     "tests/test_bench.py::test_the_accelerator_script_writes_measured_time_beside_the_estimate",
     "tests/test_experiments.py::test_batch_scaling_arms_and_its_cache",
+    "tests/test_experiments.py::test_critical_batch_rechecks_committed_lrs_and_target_on_unseen_seeds",
     "tests/test_experiments.py::test_precond_measures_the_mean_to_noise_ratio_per_regime",
     "tests/test_experiments.py::test_sign_and_its_recheck_on_unseen_seeds",
     "tests/test_experiments.py::test_msq_sweeps_eps_and_clipping_has_an_adam_control",

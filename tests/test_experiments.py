@@ -5,8 +5,10 @@ marks its verdicts; choosing on the evaluation seeds themselves gives another ve
 held-out choice where the data say so. Every study runs end to end at --scale smoke and writes
 its summary files with its provenance; a committed summary's command parses with today's CLI,
 its commit is in this branch's history and its rows use the seeds it records. A vectorized
-sweep equals the same runs trained one by one by train.main (float64, to ~1e-12)."""
+sweep equals the same runs trained one by one by train.main (float64, to ~1e-12). No function
+of experiments.py is longer than FUNCTION_LINES (issue 51: a study is read in pieces)."""
 
+import ast
 import csv
 import dataclasses
 import importlib.util
@@ -76,7 +78,7 @@ def fake_sweep(
 
 
 def variant(label: str, optimizer: str, lrs: Sequence[float]) -> experiments.Variant:
-    cfg = dataclasses.replace(experiments.SCALES["smoke"].mlp, optimizer=optimizer)
+    cfg = dataclasses.replace(experiments.SCALES["smoke"]["shared"].mlp, optimizer=optimizer)
     return experiments.Variant(label, cfg, tuple(lrs))
 
 
@@ -206,7 +208,7 @@ def test_a_family_chooses_its_member_on_the_selection_seeds(
         return bowl(3e-3, floor)(c.lr, c.seed)
 
     fake_sweep(monkeypatch, table)
-    base = experiments.SCALES["smoke"].mlp
+    base = experiments.SCALES["smoke"]["shared"].mlp
     msq = [
         experiments.Variant(
             f"e{e:g}",
@@ -251,7 +253,7 @@ def test_parse_seeds_refuses(text: str, match: str):
 
 
 def test_protocols(tmp_path: Path):
-    scale = experiments.SCALES["smoke"]
+    scale = experiments.SCALES["smoke"]["shared"]
     default = experiments.make_protocol(None, None, None, scale)
     assert (default.name, default.select, default.evaluate) == ("held-out", SELECT, EVALUATE)
     assert experiments.make_protocol((4, 5, 6), None, None, scale).name == "leave-one-seed-out"
@@ -323,10 +325,10 @@ def test_sign_and_its_recheck_on_unseen_seeds(tmp_path: Path):
 
 
 def test_precond_measures_the_mean_to_noise_ratio_per_regime(tmp_path: Path):
-    scale = experiments.SCALES["smoke"]
+    precond = experiments.SCALES["smoke"]["precond"]
     smoke("precond", tmp_path / "p")
     rows, data = check_files(tmp_path / "p", "precond")
-    regimes = {r for r, _, _ in scale.precond_regimes}
+    regimes = {r for r, _, _ in precond.regimes}
     assert {r["regime"] for r in rows} == regimes
     assert {r["regime"] for r in data["mu2_over_sigma2"]} == regimes
     for r in data["mu2_over_sigma2"]:
@@ -336,7 +338,7 @@ def test_precond_measures_the_mean_to_noise_ratio_per_regime(tmp_path: Path):
 
 
 def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
-    scale = experiments.SCALES["smoke"]
+    eps, clipping = experiments.SCALES["smoke"]["msq"].eps, experiments.SCALES["smoke"]["clipping"]
     smoke("msq", tmp_path / "msq")
     rows, data = check_files(tmp_path / "msq", "msq")
     msq = [r for r in rows if r["optimizer"] == "micro_adam_msq"]
@@ -345,14 +347,14 @@ def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     unblocked = [r for r in msq if r["msq_block"] == "none"]
     outside = {float(r["eps"]) for r in unblocked if r["eps_root"] == ""}  # None: no ε_root
     inside = {float(r["eps_root"]) for r in unblocked if float(r["eps"]) == 0.0}
-    assert outside == inside == set(scale.msq_eps)
+    assert outside == inside == set(eps)
     for block in ("tensor", "row"):
         blocked = [r for r in msq if r["msq_block"] == block]
-        assert {float(r["eps"]) for r in blocked} == set(scale.msq_eps)
+        assert {float(r["eps"]) for r in blocked} == set(eps)
         assert all(r["eps_root"] == "" for r in blocked)
     arms = ("outside", "inside", "tensor", "row")
     assert [(p["placement"], p["eps"]) for p in data["per_eps"]] == [
-        (arm, e) for arm in arms for e in scale.msq_eps
+        (arm, e) for arm in arms for e in eps
     ]
     outside_family, *others = (arm.family for arm in experiments.MSQ_ARMS)
     assert [(v["a"], v["b"]) for v in data["verdicts"]] == [
@@ -362,19 +364,19 @@ def test_msq_sweeps_eps_and_clipping_has_an_adam_control(tmp_path: Path):
     smoke("clipping", tmp_path / "clipping")
     rows, data = check_files(tmp_path / "clipping", "clipping")
     clipped = {(r["optimizer"], r["max_grad_norm"]) for r in rows}
-    for c in scale.clip_thresholds:
+    for c in clipping.thresholds:
         assert ("adam", str(c)) in clipped and ("micro_adam", str(c)) in clipped
     assert any(v["b"] == "MicroAdam − Adam, unclipped" for v in data["verdicts"])
 
 
 def test_batch_scaling_arms_and_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    scale = experiments.SCALES["smoke"]
+    bs = experiments.SCALES["smoke"]["batch-scaling"][0]  # the default task's
     summary = smoke("batch-scaling", tmp_path / "bs")
     rows, _ = check_files(tmp_path / "bs", "batch-scaling")
     for r in rows:  # a fixed number of examples; β₂'s half-life fixed in examples in one arm
-        assert int(r["examples"]) == scale.batch_examples
+        assert int(r["examples"]) == bs.examples
         b = int(r["batch_size"])
-        ref = 0.999 ** (b / scale.batch_base) if "half-life" in r["arm"] else 0.999
+        ref = 0.999 ** (b / bs.base) if "half-life" in r["arm"] else 0.999
         assert float(r["b2"]) == pytest.approx(ref)
     assert len(summary["fits"]) == len(experiments.BATCH_POWER) * len(experiments.ARMS)
     for f in summary["fits"]:
@@ -436,10 +438,10 @@ def test_batch_scaling_runs_on_the_task_asked_for(tmp_path: Path):
     # --task lm: the LM with the scale's LM settings, and the summary names the task.
     summary = smoke("batch-scaling", tmp_path / "bs-lm", task="lm")
     rows, data = check_files(tmp_path / "bs-lm", "batch-scaling")
-    lm = experiments.SCALES["smoke"].batch_other_task
+    (lm,) = [s for s in experiments.SCALES["smoke"]["batch-scaling"] if s.task == "lm"]
     assert data["task"] == "lm" and "--task lm" in summary["command"]
     assert {r["task"] for r in rows} == {"lm"}
-    assert {int(r["batch_size"]) for r in rows} == set(lm["batch_sizes"])
+    assert {int(r["batch_size"]) for r in rows} == set(lm.batch_sizes)
     # A scale without settings for the other task refuses before it trains or writes anything.
     with pytest.raises(ValueError, match="no batch-scaling settings for task 'mlp'"):
         experiments.run("batch-scaling", scale="small", out=str(tmp_path / "x"), task="mlp")
@@ -448,9 +450,9 @@ def test_batch_scaling_runs_on_the_task_asked_for(tmp_path: Path):
 
 def test_vectorize(tmp_path: Path):
     summary = smoke("vectorize", tmp_path / "v")
-    scale = experiments.SCALES["smoke"]
-    assert summary["runs"] == scale.vectorize_runs
-    assert summary["sequential_runs_timed"] == scale.vectorize_sequential
+    settings = experiments.SCALES["smoke"]["vectorize"]
+    assert summary["runs"] == settings.runs
+    assert summary["sequential_runs_timed"] == settings.sequential
     assert summary["max_final_loss_difference"] < 1e-4  # float32 here
     assert "runs/hour" in (tmp_path / "v" / "summary.md").read_text()
 
@@ -501,7 +503,7 @@ def test_a_committed_summary_records_what_regenerates_it(
         None if args.seeds is None else experiments.parse_seeds(args.seeds),
         None if args.select_seeds is None else experiments.parse_seeds(args.select_seeds),
         args.lrs_from,
-        experiments.SCALES[args.scale],
+        experiments.SCALES[args.scale]["shared"],
     )
     assert list(proto.select) == data["selection_seeds"]
     assert list(proto.evaluate) == data["evaluation_seeds"]
@@ -806,21 +808,21 @@ def test_only_keeps_the_named_variants(tmp_path: Path):
 
 
 def test_windows_measures_the_mean_to_noise_ratio_per_window_length(tmp_path: Path):
-    scale = experiments.SCALES["smoke"]
+    windows = experiments.SCALES["smoke"]["windows"]
     smoke("windows", tmp_path / "w")
     data = json.loads((tmp_path / "w" / "summary.json").read_text())
     points = {(r["window"], r["point"], r["seed"]) for r in data["mu2_over_sigma2"]}
-    expected = {(w, "init", s) for w in scale.windows for s in EVALUATE}
-    expected |= {(w, "final Adam", s) for w in scale.windows_trained for s in EVALUATE}
+    expected = {(w, "init", s) for w in windows.lengths for s in EVALUATE}
+    expected |= {(w, "final Adam", s) for w in windows.trained for s in EVALUATE}
     assert points == expected
     for r in data["mu2_over_sigma2"]:
         assert r["median_mu2_over_sigma2"] >= 0 and 0 <= r["frac_mu2_gt_sigma2"] <= 1
         assert (r["final_loss"] is None) == (r["point"] == "init")
-    for w in scale.windows:  # the context grows to hold the window
+    for w in windows.lengths:  # the context grows to hold the window
         cfg = data["configs"][str(w)]
         assert cfg["seq_len"] == w and cfg["context_length"] >= w
     assert {(r["window"], r["seed"]) for r in data["runs"]} == {
-        (w, s) for w in scale.windows_trained for s in EVALUATE
+        (w, s) for w in windows.trained for s in EVALUATE
     }
     assert data["command"].startswith("python experiments.py windows")
     assert "| window | point |" in (tmp_path / "w" / "summary.md").read_text()
@@ -870,8 +872,8 @@ def test_the_accelerator_scales_are_ready_to_run(
     summary = experiments.run("critical-batch", scale=scale, out=str(tmp_path / "cb"))
     assert summary["scale"] == scale and (tmp_path / "cb" / "summary.md").exists()
     asked += whole
-    the_scale = experiments.SCALES[scale]
-    assert {c.batch_size for c in asked} >= set(the_scale.batch_sizes)
+    (batch_scaling,) = experiments.SCALES[scale]["batch-scaling"]
+    assert {c.batch_size for c in asked} >= set(batch_scaling.batch_sizes)
     for c in asked:
         train.check(dataclasses.replace(c, out=None))
     # One step per model shape (task, window), at the study's base batch size: the step's
@@ -1123,8 +1125,7 @@ def test_critical_batch_study_on_constructed_runs(monkeypatch: pytest.MonkeyPatc
         batch_sizes=(2, 4, 8, 16, 32), examples=600, min_steps=100, lrs=(1e-3, 1e-2, 1e-1),
         window=1, noise_window=8, margin=1.1, warmup=1,
     )  # fmt: skip
-    smoke_scale = dataclasses.replace(experiments.SCALES["smoke"], critical_batch={"mlp": settings})
-    monkeypatch.setitem(experiments.SCALES, "smoke", smoke_scale)
+    monkeypatch.setitem(experiments.SCALES["smoke"], "critical-batch", {"mlp": settings})
     smoke("critical-batch", tmp_path / "cb", task="mlp")
     rows, data = check_files(tmp_path / "cb", "critical-batch")
     assert data["task"] == "mlp" and "--task mlp" in data["command"]
@@ -1148,3 +1149,79 @@ def test_critical_batch_study_on_constructed_runs(monkeypatch: pytest.MonkeyPatc
         smoke("critical-batch", tmp_path / "loo", task="mlp", seeds=(0, 1))
     with pytest.raises(ValueError, match="no critical-batch settings for task 'lm'"):
         smoke("critical-batch", tmp_path / "lm", task="lm")
+
+
+# --------------------------------------------------------------------------------------------
+# The layout (issue 51): a study reads as select → bracket → fit → verdict → render, each piece
+# short enough to read whole.
+
+FUNCTION_LINES = 120
+
+
+def long_functions(source: str, limit: int = FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method of `source`, nested ones too, longer than
+    `limit` lines from its `def` (decorators excluded) to its last line."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+@pytest.mark.parametrize("lines, flagged", [(FUNCTION_LINES, False), (FUNCTION_LINES + 1, True)])
+def test_the_length_check_flags_a_function_one_line_too_long(lines: int, flagged: bool):
+    # A method (nested in a class) of `lines` lines: its def and lines - 1 statements.
+    body = "".join(f"        x{i} = {i}\n" for i in range(lines - 1))
+    source = "class A:\n    def f(self):\n" + body
+    assert long_functions(source) == ([("f", lines)] if flagged else [])
+
+
+def test_no_function_of_experiments_py_is_longer_than_the_limit():
+    assert long_functions((ROOT / "experiments.py").read_text()) == []
+
+
+def test_critical_batch_rechecks_committed_lrs_and_target_on_unseen_seeds(tmp_path: Path):
+    """critical-batch --lrs-from at --scale smoke: each B at the lr a committed summary chose
+    and against its target, on unseen seeds, nothing selected. The summary's lrs are off the
+    study's grid, and its target is one every run reaches as soon as its smoothing window fits,
+    so a study that re-selected lrs or re-derived the target would differ."""
+    cb = experiments.SCALES["smoke"]["critical-batch"]["mlp"]
+    moved = {f"Adam B={b}": lr for b, lr in zip(cb.batch_sizes, (0.0037, 0.0061), strict=True)}
+    assert not set(moved.values()) & set(cb.lrs)
+    committed = {
+        "experiment": "critical-batch",
+        "task": "mlp",
+        "target_loss": 1e9,
+        "target_rule": "constructed",
+        "settings_per_task": dataclasses.asdict(cb),
+        "chosen": [{"family": f, "method": f, "lr": lr, "edge": None} for f, lr in moved.items()],
+    }
+    committed = json.loads(json.dumps(committed))
+    path = tmp_path / "committed.json"
+    path.write_text(json.dumps(committed))
+    again = smoke("critical-batch", tmp_path / "recheck", seeds=(7, 8), lrs_from=str(path))
+    rows, data = check_files(tmp_path / "recheck", "critical-batch")
+    assert data["protocol"] == "fixed" and data["selection_seeds"] == []
+    assert {(r["phase"], int(r["seed"])) for r in rows} == {("evaluate", 7), ("evaluate", 8)}
+    ran = {(r["method"], float(r["lr"])) for r in rows}
+    assert ran == set(moved.items())
+    assert {c["family"]: c["lr"] for c in again["chosen"]} == moved
+    assert data["target_loss"] == 1e9 and str(path) in data["target_rule"]
+    for t in data["per_batch"]:  # the target is met where the centred window first fits
+        half = (t["smoothing_steps"] - 1) // 2
+        assert t["steps_per_seed"] == {"7": half, "8": half} and t["grid"] == [t["lr"]]
+    assert f"--lrs-from {path} --seeds 7,8" in data["command"]
+    assert "no selection here" in (tmp_path / "recheck" / "summary.md").read_text()
+    # Refused: another study's summary, other settings, leave-one-seed-out.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(committed | {"experiment": "sign"}))
+    with pytest.raises(ValueError, match="not a critical-batch summary"):
+        smoke("critical-batch", tmp_path / "x", seeds=(7, 8), lrs_from=str(other))
+    settings = committed["settings_per_task"] | {"margin": 2.0}
+    other.write_text(json.dumps(committed | {"settings_per_task": settings}))
+    with pytest.raises(ValueError, match="settings differ from this scale's: margin 2.0 there"):
+        smoke("critical-batch", tmp_path / "y", seeds=(7, 8), lrs_from=str(other))
+    with pytest.raises(ValueError, match="or --lrs-from a critical-batch summary"):
+        smoke("critical-batch", tmp_path / "z", seeds=(7, 8))
