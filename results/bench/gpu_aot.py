@@ -7,8 +7,12 @@ JAX compiles for a GPU it does not have ("deviceless AOT"): with the CUDA plugin
 runs, and no autotuning happens (there is no card to time kernels on), so kernel choices can
 differ from a real compile: on the transformer the real H200 gave 306 MiB where this gives 338.
 Ratios are to plain grad's temporaries compiled the same way. With --gpt2: GPT-2 small (tied
-head, T 1024) at B 4 and 8, the footprint's line through them, and the largest B under 80 and
-141 GiB (an H100's and an H200's memory) on that line.
+head, T 1024) at B 8 (--gpt2-batch), every program's row as for the families, and each stat
+set's plan (`pegrad.explain`: its fallback leaves and one contraction); with --gpt2 --gpt2-fit
+instead the footprint at B 4 and 8, its line, and the largest B under 80 and 141 GiB (an H100's
+and an H200's memory) on it. --chunk-sizes / --memory-budgets add each factorized program
+compiled with the caller's bound; --tpu TOPOLOGY compiles for one chip of a TPU topology
+(`pip install "jax[tpu]"`: libtpu), memory and kernels only.
 
 Every row also carries the step time hlo_cost.py estimates from the optimized HLO (kernels,
 loops by their trip counts, a roofline per kernel, the H200's fitted fixed costs) and its ratio
@@ -18,7 +22,10 @@ measured), fits the fixed costs to the measured times and prints predicted again
 results/bench/gpu-time.md.
 
     JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --families transformer mlp
-    JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --gpt2
+    JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --gpt2 --impls plain vmap factorized
+    JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --families transformer-scan \
+        --impls factorized --chunk-sizes 16 8
+    JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --tpu v5p:2x2x1 --families transformer
     git worktree add /tmp/measured 7cc1926
     JAX_PLATFORMS=cpu python results/bench/gpu_aot.py --calibrate results/bench/gpu.json \
         --code /tmp/measured
