@@ -890,6 +890,22 @@ def compare(
     }
 
 
+def held_out(
+    runs: "Runs", proto: "Protocol", label: str, lr: float, edge: str | None = None
+) -> tuple[dict[str, Any], dict[int, Any]]:
+    """One member's score on the evaluation seeds at its lr (`scored`) and its traces."""
+    per = {
+        s: next(
+            r["final_loss"]
+            for r in runs.rows
+            if (r["method"], r["lr"], r["seed"]) == (label, lr, s)
+        )
+        for s in proto.evaluate
+    }
+    traces = {s: t for s in proto.evaluate if (t := runs.trace(label, lr, s)) is not None}
+    return scored(label, lr, per, edge) | {"member": label}, traces
+
+
 def scored(
     label: str,
     lr: float | None,
@@ -965,18 +981,7 @@ def score_fixed(
     )
     for fam, lb, lr in mine:
         record[lb]["grid"] = [lr]
-        per = {
-            s: next(
-                r["final_loss"]
-                for r in runs.rows
-                if (r["method"], r["lr"], r["seed"]) == (lb, lr, s)
-            )
-            for s in proto.evaluate
-        }
-        held[fam] = scored(lb, lr, per) | {"member": lb}
-        held_traces[fam] = {
-            s: t for s in proto.evaluate if (t := runs.trace(lb, lr, s)) is not None
-        }
+        held[fam], held_traces[fam] = held_out(runs, proto, lb, lr)
     return Study(runs, proto, record, held, {}, held_traces, tuple(families))
 
 
@@ -1030,18 +1035,7 @@ def tune_and_score(
             if c is None:
                 continue
             lb, lr = c["method"], c["lr"]
-            per = {
-                s: next(
-                    r["final_loss"]
-                    for r in runs.rows
-                    if (r["method"], r["lr"], r["seed"]) == (lb, lr, s)
-                )
-                for s in proto.evaluate
-            }
-            held[fam] = scored(lb, lr, per, edge) | {"member": lb}
-            held_traces[fam] = {
-                s: t for s in proto.evaluate if (t := runs.trace(lb, lr, s)) is not None
-            }
+            held[fam], held_traces[fam] = held_out(runs, proto, lb, lr, edge)
         return Study(runs, proto, record, held, same_seed, held_traces, tuple(families))
     for fam, labels in families.items():  # leave-one-seed-out
         loo = leave_one_out(runs.rows, labels, proto.select)
