@@ -46,7 +46,7 @@ import os
 import sys
 import textwrap
 import types
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
@@ -4157,6 +4157,7 @@ class LeafPlan:
     formed: tuple[tuple[str, int, int], ...] = ()
     other_kind: tuple[str, ...] = ()  # refused routes for which the leaf is not of their kind
     outranked: tuple[tuple[str, "Cost"], ...] = ()  # proven too, not taken: (route, its cost)
+    kept: bool = False  # per-unit gradients kept for the clip factors (`_kept_for_clipping`)
 
     @property
     def route(self) -> str:  # the route taken: a name in ROUTES, or "mean-loss"
@@ -4192,6 +4193,8 @@ class LeafPlan:
             body += "; formed inside the scan, one iteration at a time"
         for where, c, size in self.formed:
             body += f"; per-unit gradients {c} examples at a time in the {where} ({size:,} B)"
+        if self.kept:
+            body += "; kept for the clip factors (formed once, not again for the clipped mean)"
         # Why each route of the leaf's kind before the one taken lost: its proof failed, or
         # it was proven and ranked behind (costlier, or later with choose="first").
         taken = ROUTES.index(type(self.taken)) if type(self.taken) in ROUTES else len(ROUTES)
@@ -4298,8 +4301,35 @@ def plan(
         outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
         p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
         plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
+    if choose == "cheapest":
+        plans = _kept_for_clipping(graph, plans, need)
     loop_chunk = _loop_chunk(graph, plans)
     return tuple(_formed(graph, p, loop_chunk) for p in plans)
+
+
+def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...]) -> list:
+    """With the clipped mean, leaves forming per-unit gradients for the norms anyway (chunk loop;
+    a contraction's, in the head) form them once in the chunk loop and keep them for the clip
+    factors: Σ_u c_u g_u weighs what exists, no second weight-gradient matmul or formation
+    (GPT-2 small: results/bench/gpu-time.md). Only where the loop then holds the whole batch's
+    at once (`_loop_chunk`'s bound): the factors wait for every example's norm."""
+    if not _of_kind(need, "weighted"):
+        return plans
+
+    def forms(p: LeafPlan) -> bool:
+        if p.in_scan is not None:  # (formed inside the scan, one iteration at a time)
+            return False
+        factorized = [w for w, how in p.methods.items() if how == "factorized"]
+        return p.looped or isinstance(p.taken, Contraction) and p.taken.forms(factorized)
+
+    kept = {}
+    for p in filter(forms, plans):
+        methods = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
+        kept[p.index] = dataclasses.replace(
+            p, methods=methods, cost=p.taken.cost(methods), kept=True
+        )
+    trial = [kept.get(p.index, p) for p in plans]
+    return trial if kept and _loop_chunk(graph, trial) == graph.n_examples else plans
 
 
 def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
@@ -4389,8 +4419,10 @@ def _execute(
     loop = functools.partial(
         _chunk_loop, graph, plans, batched, unbatched, batch, params, chunk, dot_with=dot_with
     )
-    found, looped = loop(chunked_in(early), keep)
+    held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
+    found, looped, kept = loop(chunked_in(early), keep, hold=held)
     results.update(found)
+    loop = functools.partial(loop, given=kept)
     dtype = _widest([leaf.dtype for leaf in leaves])
 
     def added(w: str) -> Array:
@@ -4419,7 +4451,7 @@ def _execute(
     sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
     env = _masked(graph, env, keep, list(batched))
     results.update(factorized(plans, late, env))
-    found, looped = loop(chunked_in(late), keep)
+    found, looped, _ = loop(chunked_in(late), keep)
     results.update(found)
     per_unit |= {w: masked(w, added(w)) for w in late if _kind(w) in _PER_UNIT}
     if weighted:
@@ -4686,17 +4718,23 @@ def _chunk_loop(
     keep: Array | None,
     weights: Array | None = None,
     dot_with: Sequence[Array] | None = None,
-) -> tuple[dict[tuple[str, int], Array], dict[str, Array]]:
+    hold: Collection[int] = (),
+    given: Mapping[int, Array] | None = None,
+) -> tuple[dict[tuple[str, int], Array], dict[str, Array], dict[int, Array]]:
     """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
     ingredients each needs: means of φ, the variance (chunk by chunk, merged with Chan's
     update: no cancellation), or — given per-unit `weights` [B, U] — the clipped mean; and,
     summed over these leaves, the per-unit norms and inner products with v ([B, U]) and the
-    pairs ([N, N], `_pairs`: blocks of two chunks)."""
+    pairs ([N, N], `_pairs`: blocks of two chunks). Leaves in `hold` (one chunk) also return
+    their per-unit gradients [B, U, ...]; a later call `given` them reads, not forms, them."""
     if not chunked:
-        return {}, {}
+        return {}, {}, {}
+    given = {i: g for i, g in (given or {}).items() if i in chunked}
+    assert not (hold or given) or chunk >= graph.n_examples  # kept whole: one chunk
     n_units = graph.n_units
     routes = {i: plans[i].taken for i in chunked}
-    keys = list(dict.fromkeys(v for r in routes.values() for v in r.reads() if v in batched))
+    formers = [r for i, r in routes.items() if i not in given]
+    keys = list(dict.fromkeys(v for r in formers for v in r.reads() if v in batched))
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     shape = (graph.n_examples, graph.per_example)
     w = jnp.ones(shape, dtype) if weights is None else weights
@@ -4704,15 +4742,15 @@ def _chunk_loop(
     per = {u: _kind(u) for ws in chunked.values() for u in _of_kind(ws, "norm", "inner")}
     v = dot_with
 
-    def formed(which: Sequence[int], value: list, example: PyTree, kept: Array) -> dict:
+    def formed(which: Sequence[int], value: list, example: PyTree, kept: Array, had: dict) -> dict:
         env = {**unbatched, **dict(zip(keys, value, strict=True))}
-        grads = {i: routes[i].per_unit(env, example, params) for i in which}
+        grads = {i: had[i] if i in had else routes[i].per_unit(env, example, params) for i in which}
         if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
             grads = {i: _where_units(kept, g) for i, g in grads.items()}
         return grads
 
-    def one(value: list, example: PyTree, kept: Array) -> tuple[dict, dict]:
-        grads = formed(looped, value, example, kept)
+    def one(value: list, example: PyTree, kept: Array, had: dict) -> tuple[dict, dict]:
+        grads = formed(looped, value, example, kept, had)
         out = {}
         for u, kind in per.items():  # [U] each, added over the leaves
             terms = (
@@ -4726,9 +4764,9 @@ def _chunk_loop(
         return grads, out
 
     def per_chunk(xs: tuple) -> tuple[dict, dict]:
-        values, examples, unit_w, unit_k = xs
-        grads, units = jax.vmap(one)(values, examples, unit_k)
-        out: dict = {}
+        values, examples, unit_w, unit_k, had = xs
+        grads, units = jax.vmap(one)(values, examples, unit_k, had)
+        out: dict = {("held", i): grads[i] for i in hold if i in grads}
         for i, g in grads.items():
             g = _merge01(g)  # [chunk·U, ...]
             for what in chunked[i]:
@@ -4754,21 +4792,22 @@ def _chunk_loop(
         return {k: merge(k, v) for k, v in part.items()}
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
-    xs = ([batched[v] for v in keys], examples, w, k)
+    xs = ([batched[v] for v in keys], examples, w, k, given)
     looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
     acc, units = {}, {}
     if looped:
         acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
+    held = {key[1]: acc.pop(key) for key in [key for key in acc if key[0] == "held"]}
     out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
     units = {} if weights is not None else units
     for u in {u for ws in chunked.values() for u in _of_kind(ws, "pairs")}:
         paired = [i for i, ws in chunked.items() if u in ws]
         grads_of = lambda xs, p=paired: [  # noqa: E731
             _merge01(g)
-            for g in jax.vmap(functools.partial(formed, p))(xs[0], xs[1], xs[3]).values()
+            for g in jax.vmap(functools.partial(formed, p))(xs[0], xs[1], xs[3], xs[4]).values()
         ]
         units[u] = _pairs(grads_of, xs, graph.n_examples, chunk)
-    return out, units
+    return out, units, held
 
 
 # ============================================================================================

@@ -1100,6 +1100,55 @@ def test_norms_of_a_weight_used_at_every_position_take_its_route(n: int, stats, 
         assert_tree_close({s: got[s] for s in stats}, {s: want[s] for s in stats}, choose)
 
 
+CLIPPED = ("mean", "var", "sq_norms", "clipped_mean")
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_clipping_keeps_the_gradients_formed_for_the_norms_where_the_batch_fits(batch_size: int):
+    """Weights used at 16 positions, whose per-example gradients (d² + 3d numbers) the norms
+    form anyway and the head's values outnumber: formed once for the whole batch and kept for
+    the clip factors, not formed (or the weight-gradient matmul run) again; every statistic
+    equals the naive loop, kept or not (choose="first" and chunks keep nothing)."""
+    loss, params, batch = _wide_over_positions(batch_size, seq=16, d=4)
+    stats = CLIPPED if batch_size > 1 else CLIPPED[::2] + CLIPPED[3:]  # (no var of one)
+    plans = pegrad.explain(loss, params, batch, stats, clip_norm=0.5)
+    assert [p.kept for p in plans] == [True, True], str(plans)
+    for p in plans:  # (explain wraps its lines)
+        assert p.status == "chunked" and "kept for the clip factors" in " ".join(str(p).split())
+    check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "kept")
+
+
+@pytest.mark.parametrize(
+    "broken, seq, d, options",
+    [
+        ("the batch's gradients outnumber the head's values", 2, 12, {}),
+        ("the caller's chunk", 16, 4, {"chunk_size": 2}),
+        ("the caller's memory budget", 16, 4, {"memory_budget": 200}),
+        ("choose='first'", 16, 4, {"choose": "first"}),
+    ],
+)
+def test_formed_gradients_are_not_kept_where_the_batch_would_not_be_formed_at_once(
+    broken: str, seq: int, d: int, options: dict
+):
+    """Broken preconditions: keeping needs every example's gradient at once (the clip factors
+    wait for every norm), so a batch that does not fit in one chunk, or the caller's bound,
+    keeps nothing (two passes, as before); choose="first" takes each route's own clipping.
+    The statistics still equal the naive loop."""
+    loss, params, batch = _wide_over_positions(5, seq, d)
+    plans = pegrad.explain(loss, params, batch, CLIPPED, clip_norm=0.5, **options)
+    assert not any(p.kept for p in plans), f"{broken}: {plans}"
+    want = naive_stats(naive_unit_grads(loss, params, batch)[1], 0.5)
+    fn = pegrad.value_and_grad_stats(loss, CLIPPED, clip_norm=0.5, **options)
+    got = jax.jit(fn)(params, batch)[1]
+    assert_tree_close({s: got[s] for s in CLIPPED}, {s: want[s] for s in CLIPPED}, broken)
+
+
+def test_without_the_clipped_mean_nothing_is_kept():
+    loss, params, batch = _wide_over_positions(5, seq=16, d=4)
+    plans = pegrad.explain(loss, params, batch, ("mean", "var", "sq_norms"))
+    assert not any(p.kept for p in plans), str(plans)
+
+
 def test_norms_after_a_scaling_by_a_vector_are_not_formed_in_the_head():
     """Broken precondition: g = m ⊙ core with m a batch-independent vector, so ‖g‖² is not
     Π φ(m)²·‖core‖²: the norms go to the chunk loop, and still equal the naive loop."""
