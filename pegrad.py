@@ -2396,6 +2396,7 @@ def _formed_sums(
     env: Env,
     dtype: DTypeLike,
     wanted: Sequence[str],
+    in_leaf: tuple[Callable, Callable[[dict], dict], Callable[[dict], dict]] | None = None,
 ) -> dict[str, Array]:
     """Ingredients from per-example gradients formed c examples at a time (one scan over
     chunks; c examples' `unit` numbers formed at once hold at most as many numbers as the
@@ -2405,17 +2406,22 @@ def _formed_sums(
     Σ_i (g_i − ḡ)²/(N − 1) for "var", each chunk's (mean, M2) merged by Chan's update (no
     cancellation); ‖g_i‖² ([B]) for "norms". form(a, b, names, r) gives, for a chunk's operands
     of which the first r are examples, what `_moments` gives. Padding examples have zero
-    operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off."""
+    operands: the core is bilinear, so g = 0 and φ(0) = 0; norms are cut off. With `in_leaf` =
+    (leaf_form, posted, leaf_posted) they come back in the leaf's layout: formed at once, from
+    each example's gradient in it (leaf_form; XLA:GPU fuses the layout into the reductions,
+    where a transpose of each sum was a kernel: the Flax list, results/bench/gpu-time.md)."""
     n = route.graph.n_examples
     names = _of_kind([w for w in _INGREDIENT if w in wanted], "mean", "spread", "norm", "inner")
     a, b = _operands(route.core, env, dtype, tie=isinstance(route, DotCore))
     c, whole = (route.chunk(a.size + b.size, unit, accelerator) for accelerator in (False, True))
+    same = lambda found: found  # noqa: E731
+    leaf_form, posted, leaf_posted = in_leaf or (form, same, same)
+    chunked = lambda: posted(_chunked_sums(form, a, b, c, names, dtype, n))  # noqa: E731
     if whole == n:  # no loop on an accelerator: the batch's gradients formed at once, untied
         untied = lambda: _operands(route.core, env, dtype, tie=False)  # noqa: E731
-        one_pass = lambda: _sums_of(form(*untied(), names, n), names, n)  # noqa: E731
-        chunked = lambda: _chunked_sums(form, a, b, c, names, dtype, n)  # noqa: E731
-        return _per_platform(cpu=chunked, accelerator=one_pass)
-    return _chunked_sums(form, a, b, c, names, dtype, n)
+        one = lambda: _sums_of(leaf_form(*untied(), names, n), names, n)  # noqa: E731
+        return _per_platform(cpu=chunked, accelerator=lambda: leaf_posted(one()))
+    return chunked()
 
 
 _AS_ON_ACCELERATOR = False  # tests set it: XLA:CPU then runs what a GPU or TPU would
@@ -2848,10 +2854,13 @@ class Contraction(DotCore):
     def unit_flops(self) -> float:
         return 2.0 * self.leaf.size * self._sizes()[0]
 
-    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
+    def core_sums(
+        self, env: Env, dtype: DTypeLike, wanted: Sequence[str], posted: bool = False
+    ) -> dict[str, Array]:
         """sq, sign, var, norms and ⟨g_i, v⟩ from per-example gradients formed a bounded chunk
         at a time (`_formed_sums`), which give the sum too (`forms`); norms alone by the Gram
-        identity, ⟨g_i, v⟩ alone by one contraction."""
+        identity, ⟨g_i, v⟩ alone by one contraction. `posted`: the formed ones `post`ed (in the
+        leaf's layout: on an accelerator each example's gradient is replayed before φ)."""
         if _of_kind(wanted, "norm") and self.gram(wanted):
             return {w: self.compute(env, w) for w in wanted}
         if not self.forms(wanted):
@@ -2859,12 +2868,30 @@ class Contraction(DotCore):
             return sums | {w: self.compute(env, w) for w in _of_kind(wanted, "inner")}
         lc, rc, lb, rb = _dot_dims(self.core)
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
-        v = self.pulled(env) if _of_kind(wanted, "inner") else None
+        inner = _of_kind(wanted, "inner")
+        v = self.pulled(env) if inner else None
 
         def form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
             return _moments(jax.vmap(dot)(a, b), names, r, v)
 
-        return _formed_sums(self, form, self.formed_unit(), env, dtype, wanted)
+        def leaf_form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
+            u = env[_DOT_WITH][self.leaf.index].astype(dtype) if inner else None
+            return _moments(self.replay(jax.vmap(dot)(a, b), env, units=True), names, r, u)
+
+        leaf = (
+            leaf_form,
+            lambda found: self.posted(found, env),
+            lambda found: {w: x[:, None] if _kind(w) == "norm" else x for w, x in found.items()},
+        )
+        unit = self.formed_unit()
+        return _formed_sums(self, form, unit, env, dtype, wanted, leaf if posted else None)
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        formed = [w for w in wanted if w in self.sums(wanted)]
+        if not self.forms(formed) or _of_kind(formed, "norm") and self.gram(formed):
+            return super().compute_many(env, wanted)
+        found = self.core_sums(env, self.dtype, formed, posted=True)
+        return found | {w: self.compute(env, w) for w in wanted if w not in found}
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
         return _of_kind(list(_INGREDIENT), "mean", "spread", "norm", "inner")

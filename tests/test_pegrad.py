@@ -7,6 +7,8 @@ statistics of a naive loop (one `jax.grad` per example; per token, untied copies
 relative. Models written the way other libraries write them are in tests/test_zoo.py.
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -207,14 +209,36 @@ def _wide_over_positions(b: int, seq: int = 2, d: int = 12):
     )
 
 
+def _heads_over_positions(b: int, seq: int = 3, d: int = 6, heads: int = 2):
+    """Flax's DenseGeneral on x[None]: a [d, heads, k] kernel read as [d, heads·k] by a
+    reshape, a batch axis of one, a scalar scaling after the dot; the leaf's layout is not the
+    dot's (its per-example gradients are replayed into it)."""
+    k = jax.random.split(jax.random.key(b), 4)
+    params = {"w": jax.random.normal(k[0], (d, heads, 4)), "v": jax.random.normal(k[1], (4, 3))}
+
+    def loss(p: dict, ex: tuple) -> jax.Array:
+        x, y = ex
+        h = (x[None] @ (0.5 * p["w"]).reshape(d, heads * 4)).reshape(1, seq, heads, 4)
+        return jnp.sum((jnp.tanh(h).sum(2) @ p["v"] - y[None]) ** 2)
+
+    return (
+        loss,
+        params,
+        (jax.random.normal(k[2], (b, seq, d)), jax.random.normal(k[3], (b, seq, 3))),
+    )
+
+
+@pytest.mark.parametrize("model", [_wide_over_positions, _heads_over_positions])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 def test_on_an_accelerator_the_gradients_formed_at_once_equal_the_naive_loop(
-    batch_size: int, monkeypatch: pytest.MonkeyPatch
+    batch_size: int, model: Callable, monkeypatch: pytest.MonkeyPatch
 ):
     """A GPU or TPU forms a contraction's per-example gradients for the whole batch at once
-    (no chunk loop: its iterations cost kernel launches there) from untied operands; XLA:CPU
-    runs that program here, every statistic against the naive loop."""
-    loss, params, batch = _wide_over_positions(batch_size)
+    (no chunk loop: its iterations cost kernel launches there) from untied operands, each in
+    the leaf's layout; XLA:CPU runs that program here, every statistic against the naive loop."""
+    loss, params, batch = model(batch_size)
+    routes = [p.route for p in pegrad.explain(loss, params, batch, ("mean", "sq_mean"))]
+    assert routes == ["contraction", "contraction"], routes
     fn = jax.jit(pegrad.value_and_grad_stats(loss, ("mean", "sq_mean")))
     text = fn.trace(params, batch).lower(lowering_platforms=("cpu",)).as_text()
     assert "stablehlo.while" in text or batch_size == 1  # XLA:CPU chunks; this test does not
