@@ -2887,6 +2887,20 @@ class Contraction(DotCore):
         return _formed_sums(self, form, unit, env, dtype, wanted, leaf if posted else None)
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        n, pairs = self.graph.n_examples, _of_kind(wanted, "pairs")
+        operands = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
+        if pairs and self.chunk(operands, self.formed_unit(), accelerator=True) >= n:
+            # J formed once for J Jᵀ (one block, `compute`): the rest read off it, not the
+            # sum's weight-gradient matmul beside it (mean + gram: results/bench/inner-products.md)
+            lc, rc, lb, rb = _dot_dims(self.core)
+            a, b = _operands(self.core, env, self.dtype, tie=False)
+            g = jax.vmap(lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb))))(a, b)
+            names = [w for w in _INGREDIENT if w in wanted and w in self.sums(wanted)]
+            v = self.pulled(env) if _of_kind(names, "inner") else None
+            found = self.posted(_sums_of(_moments(g, names, n, v), names, n), env)
+            flat = g.reshape(n, -1)
+            found |= dict.fromkeys(pairs, flat @ flat.T * _scale_sq(self.post, env, self.dtype))
+            return found | {w: self.compute(env, w) for w in wanted if w not in found}
         formed = [w for w in wanted if w in self.sums(wanted)]
         if not self.forms(formed) or _of_kind(formed, "norm") and self.gram(formed):
             return super().compute_many(env, wanted)

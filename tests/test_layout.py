@@ -17,7 +17,7 @@ ENTRY_POINTS = frozenset({"_factorized", "Plan"})
 # lines net of a trim in Part I; issue 48's accelerator path 57 in Part II: DESIGN.md,
 # "Budgets". Growth fails.
 PART_I_LINES = 1550
-TOTAL_LINES = 4993
+TOTAL_LINES = 5007
 
 
 def _parts() -> tuple[list[ast.stmt], list[ast.stmt], int, int]:
