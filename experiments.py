@@ -3271,7 +3271,8 @@ def crit_compare(
     nearer it by factor (`log_distance`); beside it, per noise scale its ratio to B_crit,
     whether B_crit lies in its t-interval and it in B_crit's bootstrap interval, and on how many
     evaluation seeds (both measured) the better one is the nearer. No comparison where B_crit
-    is unbounded or 0, or a noise scale was not measured."""
+    or its interval is unbounded (a point estimate then says nothing of how far a prediction
+    is), where B_crit is 0, or where a noise scale was not measured."""
     lo, hi = b_crit_ci
     rows: dict[str, dict[str, Any]] = {}
     for name, pred in predictions.items():
@@ -3288,14 +3289,15 @@ def crit_compare(
         }
     out: dict[str, Any] = {"better": None, "per_estimator": rows, "seeds_nearer": None}
     missing = [n for n, p in predictions.items() if p["mean"] is None]
-    if b_crit is None or not math.isfinite(b_crit) or b_crit <= 0 or missing:
+    unbounded = b_crit is not None and (math.isinf(b_crit) or hi is None or math.isinf(hi))
+    if b_crit is None or unbounded or b_crit <= 0 or missing:
         why = (
             f"{' and '.join(missing)} not measured"
             if missing
             else "B_crit not measured"
             if b_crit is None
-            else "B_crit unbounded"
-            if math.isinf(b_crit)
+            else "B_crit or its interval unbounded above"
+            if unbounded
             else "B_crit 0: every B past it"
         )
         return out | {"verdict": f"no comparison: {why}"}

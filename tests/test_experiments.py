@@ -1232,8 +1232,12 @@ def test_the_better_predictor_of_b_crit_is_the_nearer_by_factor(
         row = got["per_estimator"][better]
         assert row["ratio_to_b_crit"] == pytest.approx(preds[better]["mean"] / 16.0)
         assert row["in_b_crit_interval"] == (12.0 <= preds[better]["mean"] <= 20.0)
-    # An unbounded B_crit leaves nothing to be nearer to.
-    assert experiments.crit_compare(preds, math.inf, (12.0, None))["better"] is None
+    # An unbounded B_crit, or one whose interval is unbounded above, leaves nothing to be
+    # nearer to.
+    for b_crit, ci in ((math.inf, (12.0, None)), (1e16, (8.0, math.inf))):
+        unbounded = experiments.crit_compare(preds, b_crit, ci)
+        why = nearer if better is None and nearer else "B_crit or its interval unbounded above"
+        assert unbounded["better"] is None and unbounded["verdict"] == f"no comparison: {why}"
 
 
 def test_critical_batch_rechecks_committed_lrs_and_target_on_unseen_seeds(
