@@ -11,6 +11,7 @@ computed on seeds its learning rates were not chosen on.
     python experiments.py windows --out results/windows     # μ̂²/σ̂² of the LM vs its window
     python experiments.py critical-batch --task mlp --out results/cb   # steps to a target loss
                                                             #   vs B: B_crit, and B_simple's
+                                                            #   and B_P's predictions of it
     python experiments.py overhead --out runs/overhead      # bench.py's cost table
     python experiments.py vectorize --out runs/vec          # runs/hour: vmap vs one by one
     python experiments.py sign --select-seeds 0,1,2 --seeds 3-7    # the protocol, explicitly
@@ -2750,7 +2751,8 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Critical batch (issue 39): steps to a target loss against B, and B_simple's prediction.
+# Critical batch (issue 39): steps to a target loss against B, and the predictions of B_simple
+# and (issue 51) B_P, the noise scale of Adam's preconditioned gradient.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2759,7 +2761,8 @@ class CritBatch:
     a warmup of `warmup` steps, at each B in `batch_sizes` for max(min_steps, examples // B)
     steps; the lr grid (the same at every B, extended at edges up to max_extensions points);
     the centred window (in examples) that smooths the training loss, and the one (in
-    examples) over which B_simple's numerator and denominator are averaged at the target;
+    examples) over which B_simple's and B_P's numerators and denominators are averaged at the
+    target;
     the target is `margin` × the highest loss level of the selection seeds (`crit_target`)."""
 
     batch_sizes: tuple[int, ...]
