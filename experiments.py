@@ -11,6 +11,7 @@ computed on seeds its learning rates were not chosen on.
     python experiments.py windows --out results/windows     # μ̂²/σ̂² of the LM vs its window
     python experiments.py critical-batch --task mlp --out results/cb   # steps to a target loss
                                                             #   vs B: B_crit, and B_simple's
+                                                            #   and B_P's predictions of it
     python experiments.py overhead --out runs/overhead      # bench.py's cost table
     python experiments.py vectorize --out runs/vec          # runs/hour: vmap vs one by one
     python experiments.py sign --select-seeds 0,1,2 --seeds 3-7    # the protocol, explicitly
@@ -2750,7 +2751,8 @@ def run_batch_scaling(ctx: Context) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Critical batch (issue 39): steps to a target loss against B, and B_simple's prediction.
+# Critical batch (issue 39): steps to a target loss against B, and the predictions of B_simple
+# and (issue 51) B_P, the noise scale of Adam's preconditioned gradient.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2759,7 +2761,8 @@ class CritBatch:
     a warmup of `warmup` steps, at each B in `batch_sizes` for max(min_steps, examples // B)
     steps; the lr grid (the same at every B, extended at edges up to max_extensions points);
     the centred window (in examples) that smooths the training loss, and the one (in
-    examples) over which B_simple's numerator and denominator are averaged at the target;
+    examples) over which B_simple's and B_P's numerators and denominators are averaged at the
+    target;
     the target is `margin` × the highest loss level of the selection seeds (`crit_target`)."""
 
     batch_sizes: tuple[int, ...]
@@ -2917,22 +2920,35 @@ def json_number(x: float | None) -> float | None:
 
 
 def ratio_of_means(pairs: Sequence[tuple[float, float] | None]) -> float | None:
-    """B_simple from (tr Σ, |G|²) pairs, None ones left out: the mean numerator over the mean
-    denominator (each unbiased; their ratio is not, so average first), None without pairs or
-    where the mean |G|² is ≤ 0."""
+    """A noise scale from (numerator, denominator) pairs, e.g. (tr Σ, |G|²), None ones left out:
+    the mean numerator over the mean denominator (each unbiased; their ratio is not, so average
+    first), None without pairs, where the mean denominator is ≤ 0, or where a part is NaN (not
+    logged)."""
     got = [g for g in pairs if g is not None]
     den = float(np.mean([g[1] for g in got])) if got else math.nan
-    return float(np.mean([g[0] for g in got])) / den if got and den > 0 else None
+    num = float(np.mean([g[0] for g in got])) if got else math.nan
+    return num / den if got and den > 0 and math.isfinite(num) else None
 
 
-def noise_scale_at(trace: sweep.Trace, step: int, half: int) -> tuple[float, float]:
-    """B_simple's numerator tr Σ and denominator |G|² (train.diagnostics' trace_cov and
-    grad_sq, each unbiased), each the plain mean over the steps step − half … step + half of
-    the run (clipped to it), NaN steps left out."""
+# The noise scales critical-batch holds against the measured B_crit: (summary key, name, the
+# suffix of their parts in train.diagnostics): B_simple = tr Σ/|G|², plain SGD's (McCandlish et
+# al. 2018), and B_P = tr(PΣ)/|G|²_P, P = 1/(√v̂ + ε) the Adam run's own preconditioner
+# (`pegrad.gradient_noise_scale(stats, P)`), that of the optimizer actually trained.
+CRIT_ESTIMATORS = (("b_simple", "B_simple", ""), ("b_p", "B_P", "_p"))
+
+
+def noise_scale_at(
+    trace: sweep.Trace, step: int, half: int, suffix: str = ""
+) -> tuple[float, float]:
+    """A noise scale's numerator and denominator (train.diagnostics' trace_cov and grad_sq, each
+    unbiased; with `suffix` "_p" B_P's, tr(PΣ) and |G|²_P), each the plain mean over the steps
+    step − half … step + half of the run (clipped to it), NaN steps left out (B_P's step 0,
+    before Adam has a v̂); NaN where every step is NaN (a trace without B_P's parts)."""
     lo, hi = max(0, step - half), min(trace.cfg.steps, step + half + 1)
-    tc = trace.diagnostics["trace_cov"][lo:hi]
-    gs = trace.diagnostics["grad_sq"][lo:hi]
-    return float(np.nanmean(tc)), float(np.nanmean(gs))
+    tc = trace.diagnostics[f"trace_cov{suffix}"][lo:hi]
+    gs = trace.diagnostics[f"grad_sq{suffix}"][lo:hi]
+    mean = lambda x: float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
+    return mean(tc), mean(gs)
 
 
 def crit_verdict(
@@ -2941,14 +2957,16 @@ def crit_verdict(
     b_crit: float | None,
     b_crit_ci: Sequence[float | None],
     edges: Sequence[int] = (),
+    name: str = "B_simple",
 ) -> str:
-    """B_simple (its t-interval) against the measured B_crit (its bootstrap interval; +inf:
-    unbounded): inside that interval, or the factor between the two; `edges`: the B whose lr
-    is at its grid's edge (the verdict is then not a result)."""
+    """A noise scale `name` (B_simple, or B_P; its t-interval) against the measured B_crit (its
+    bootstrap interval; +inf: unbounded): inside that interval, or the factor between the two;
+    `edges`: the B whose lr is at its grid's edge (the verdict is then not a result)."""
     notes = [edge_note(f"the lr of B {', '.join(map(str, edges))} at its grid's edge")] * bool(
         edges
     )
-    return verdict_text(crit_claim(b_simple, b_simple_ci, b_crit, b_crit_ci), notes=notes)
+    claim = crit_claim(b_simple, b_simple_ci, b_crit, b_crit_ci, name)
+    return verdict_text(claim, notes=notes)
 
 
 def crit_claim(
@@ -2956,10 +2974,11 @@ def crit_claim(
     b_simple_ci: Sequence[float | None],
     b_crit: float | None,
     b_crit_ci: Sequence[float | None],
+    name: str = "B_simple",
 ) -> str:
-    """`crit_verdict`'s claim: where B_simple lies against B_crit's interval."""
+    """`crit_verdict`'s claim: where the noise scale `name` lies against B_crit's interval."""
     if b_simple is None or b_crit is None:
-        return "no verdict: " + ("B_simple" if b_simple is None else "B_crit") + " not measured"
+        return "no verdict: " + (name if b_simple is None else "B_crit") + " not measured"
     lo, hi = b_crit_ci
     inf = lambda x: "∞" if x is None or math.isinf(x) else format(x, ".3g")
     span = (
@@ -2969,7 +2988,7 @@ def crit_claim(
         f"[{fmt_num(lo, '.3g')}, {inf(hi)}])"
     )
     pl, ph = b_simple_ci
-    said = f"B_simple {b_simple:.3g} (95% t-interval [{fmt_num(pl, '.3g')}, {fmt_num(ph, '.3g')}])"
+    said = f"{name} {b_simple:.3g} (95% t-interval [{fmt_num(pl, '.3g')}, {fmt_num(ph, '.3g')}])"
     if lo is not None and lo <= b_simple <= (math.inf if hi is None else hi):
         return f"{said} is inside the interval of the {span}: the prediction holds"
     if not math.isfinite(b_crit) or b_crit <= 0:
@@ -3145,9 +3164,10 @@ def crit_evaluate(
     halves: Mapping[int, int],
     choice: CritChoice,
     evaluate: Sequence[int],
-) -> tuple[dict[int, list[int | None]], dict[int, list[tuple[float, float] | None]]]:
+) -> tuple[dict[int, list[int | None]], dict[str, dict[int, list[tuple[float, float] | None]]]]:
     """Bracket (here: the chosen lr alone) on the evaluation seeds: per B, each seed's steps to
-    the target, and B_simple's numerator and denominator there (`noise_scale_at`)."""
+    the target, and per noise scale of CRIT_ESTIMATORS (by its key) its numerator and
+    denominator there (`noise_scale_at`)."""
     runs.train(
         "evaluate",
         [
@@ -3158,20 +3178,22 @@ def crit_evaluate(
         ],
     )
     steps: dict[int, list[int | None]] = {}
-    noise: dict[int, list[tuple[float, float] | None]] = {}
+    noise: dict[str, dict[int, list[tuple[float, float] | None]]] = {
+        key: {} for key, _, _ in CRIT_ESTIMATORS
+    }
     for b, (lr, _) in choice.chosen.items():
         if lr is None:
             continue
         label = variants[b].label
         steps[b] = crit_steps(runs, label, lr, evaluate, choice.target, halves[b])
-        noise[b] = []
-        for s, n_steps in zip(evaluate, steps[b], strict=True):
-            t = runs.trace(label, lr, s)
-            noise[b].append(
+        traces = [runs.trace(label, lr, s) for s in evaluate]
+        for key, _, suffix in CRIT_ESTIMATORS:
+            noise[key][b] = [
                 None
                 if t is None or n_steps is None
-                else noise_scale_at(t, n_steps, half_window(cb.noise_window, b))
-            )
+                else noise_scale_at(t, n_steps, half_window(cb.noise_window, b), suffix)
+                for t, n_steps in zip(traces, steps[b], strict=True)
+            ]
     return steps, noise
 
 
@@ -3203,10 +3225,11 @@ def crit_predict(
     noise: Mapping[int, Sequence[tuple[float, float] | None]],
     evaluate: Sequence[int],
     cb: CritBatch,
+    name: str = "B_simple",
 ) -> dict[str, Any]:
-    """The prediction: B_simple per evaluation seed, the ratio of its numerator and denominator,
-    each averaged over every B's run of that seed (each at its target step); mean and
-    t-interval over seeds."""
+    """The prediction of the noise scale `name` (B_simple or B_P, its parts `noise`): per
+    evaluation seed, the ratio of its numerator and denominator, each averaged over every B's
+    run of that seed (each at its target step); mean and t-interval over seeds."""
     per_seed_bs = {s: ratio_of_means([noise[b][j] for b in noise]) for j, s in enumerate(evaluate)}
     vals = [v for v in per_seed_bs.values() if v is not None]
     n = len(vals)
@@ -3218,11 +3241,95 @@ def crit_predict(
         if mean_bs is None or half_ci is None
         else [mean_bs - half_ci, mean_bs + half_ci],
         "per_seed": per_seed_bs,
-        "estimator": "B_simple = tr Σ / |G|² (pegrad.gradient_noise_scale, logged every step "
-        "as trace_cov and grad_sq): per run, the plain mean of each over a centred window of "
+        "estimator": (
+            "B_simple = tr Σ / |G|² (pegrad.gradient_noise_scale, logged every step as trace_cov "
+            "and grad_sq)"
+            if name == "B_simple"
+            else "B_P = tr(PΣ) / |G|²_P, P = 1/(√v̂ + ε) of the Adam state before the step "
+            "(pegrad.gradient_noise_scale(stats, P), logged every step but the first as "
+            "trace_cov_p and grad_sq_p)"
+        )
+        + ": per run, the plain mean of each over a centred window of "
         f"about {cb.noise_window} examples at the step the run reached the target; per "
         "evaluation seed, the ratio of their means over its runs (every B); mean over seeds, "
         "95% t-interval (n − 1 df)",
+    }
+
+
+def log_distance(estimate: float | None, b_crit: float) -> float | None:
+    """|ln(estimate / B_crit)|: how far a prediction is from B_crit, by factor, either side
+    alike (2× above and 2× below are equally far); +inf for an estimate ≤ 0, None for none."""
+    if estimate is None:
+        return None
+    return math.inf if estimate <= 0 else abs(math.log(estimate / b_crit))
+
+
+def crit_compare(
+    predictions: Mapping[str, dict[str, Any]],
+    b_crit: float | None,
+    b_crit_ci: Sequence[float | None],
+) -> dict[str, Any]:
+    """Which of B_simple and B_P (`predictions` by CRIT_ESTIMATORS' names, each
+    `crit_predict`'s) predicts the measured B_crit better: the one whose mean over seeds is
+    nearer it by factor (`log_distance`); beside it, per noise scale its ratio to B_crit,
+    whether B_crit lies in its t-interval and it in B_crit's bootstrap interval, and on how many
+    evaluation seeds (both measured) the better one is the nearer. No comparison where B_crit
+    or its interval is unbounded (a point estimate then says nothing of how far a prediction
+    is), where B_crit is 0, or where a noise scale was not measured."""
+    lo, hi = b_crit_ci
+    rows: dict[str, dict[str, Any]] = {}
+    for name, pred in predictions.items():
+        mean, (pl, ph) = pred["mean"], pred["ci95"]
+        finite = b_crit is not None and math.isfinite(b_crit) and b_crit > 0
+        rows[name] = {
+            "ratio_to_b_crit": None if mean is None or not finite else mean / b_crit,
+            "b_crit_in_its_interval": None
+            if pl is None or ph is None or b_crit is None
+            else pl <= b_crit <= ph,
+            "in_b_crit_interval": None
+            if mean is None or lo is None
+            else lo <= mean <= (math.inf if hi is None else hi),
+        }
+    out: dict[str, Any] = {"better": None, "per_estimator": rows, "seeds_nearer": None}
+    missing = [n for n, p in predictions.items() if p["mean"] is None]
+    unbounded = b_crit is not None and (math.isinf(b_crit) or hi is None or math.isinf(hi))
+    if b_crit is None or unbounded or b_crit <= 0 or missing:
+        why = (
+            f"{' and '.join(missing)} not measured"
+            if missing
+            else "B_crit not measured"
+            if b_crit is None
+            else "B_crit or its interval unbounded above"
+            if unbounded
+            else "B_crit 0: every B past it"
+        )
+        return out | {"verdict": f"no comparison: {why}"}
+    near = {n: log_distance(p["mean"], b_crit) for n, p in predictions.items()}
+    (a, da), (b, db) = sorted(near.items(), key=lambda kv: kv[1] or 0.0)
+    if da == db:
+        return out | {"verdict": f"no comparison: {a} and {b} equally far from B_crit"}
+    seeds = [
+        s
+        for s in predictions[a]["per_seed"]
+        if predictions[a]["per_seed"][s] is not None
+        and predictions[b]["per_seed"].get(s) is not None
+    ]
+    nearer = sum(
+        (log_distance(predictions[a]["per_seed"][s], b_crit) or 0.0)
+        < (log_distance(predictions[b]["per_seed"][s], b_crit) or 0.0)
+        for s in seeds
+    )
+    said = lambda n: (
+        f"{n}/B_crit {rows[n]['ratio_to_b_crit']:.3g} (B_crit "
+        + ("inside" if rows[n]["b_crit_in_its_interval"] else "outside")
+        + " its 95% interval)"
+    )
+    claim = f"{a} predicts the measured B_crit {b_crit:.3g} better than {b}"
+    evidence = f"{said(a)}, {said(b)}; nearer on {nearer}/{len(seeds)} evaluation seeds"
+    return out | {
+        "better": a,
+        "seeds_nearer": [nearer, len(seeds)],
+        "verdict": verdict_text(claim, evidence),
     }
 
 
@@ -3232,11 +3339,11 @@ def crit_rows(
     halves: Mapping[int, int],
     choice: CritChoice,
     steps: Mapping[int, Sequence[int | None]],
-    noise: Mapping[int, Sequence[tuple[float, float] | None]],
+    noise: Mapping[str, Mapping[int, Sequence[tuple[float, float] | None]]],
     evaluate: Sequence[int],
 ) -> list[dict[str, Any]]:
     """The per-B table: budget, grid, lrs, steps to the target per evaluation seed, S, E,
-    B_simple at the target."""
+    B_simple and B_P at the target."""
     per_b = []
     for b in cb.batch_sizes:
         lr, sel_steps = choice.chosen[b]
@@ -3258,8 +3365,9 @@ def crit_rows(
                 "steps_sd": float(np.std(ok, ddof=1)) if len(ok) > 1 else None,
                 "examples": float(b * np.mean(ok)) if ok else None,
                 "missed": len(st) - len(ok),
-                "b_simple": ratio_of_means(noise.get(b, [])),
+                "b_simple": ratio_of_means(noise["b_simple"].get(b, [])),
                 "smoothing_steps": 2 * halves[b] + 1,
+                "b_p": ratio_of_means(noise["b_p"].get(b, [])),
             }
         )
     return per_b
@@ -3293,8 +3401,8 @@ def crit_markdown(
         f"{cb.warmup} steps at every B; budget max({cb.min_steps}, {cb.examples} // B) steps.",
         "",
         "| B | budget (steps) | lr grid (added) | chosen lr | steps to target per evaluation "
-        "seed | S: mean ± sd | E = B·S | B_simple at the target |",
-        "|---|---|---|---|---|---|---|---|",
+        "seed | S: mean ± sd | E = B·S | B_simple at the target | B_P at the target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in per_b:
         grid = ", ".join(fmt_lr(x) for x in t["grid"])
@@ -3306,7 +3414,7 @@ def crit_markdown(
         lines.append(
             f"| {t['batch_size']} | {t['budget_steps']} | {grid} | {fmt_lr(t['lr'])}{flag} | "
             f"{per} | {fmt_num(t['steps'], '.0f')}{sd} | {fmt_num(t['examples'], '.0f')} | "
-            f"{fmt_num(t['b_simple'], '.3g')} |"
+            f"{fmt_num(t['b_simple'], '.3g')} | {fmt_num(t.get('b_p'), '.3g')} |"
         )
     sl, sh = measured["s_min_ci95"]
     el, eh = measured["e_min_ci95"]
@@ -3321,15 +3429,27 @@ def crit_markdown(
         + ("∞" if measured["ci95_upper_unbounded"] else fmt_num(measured["ci95"][1], ".3g"))
         + "].",
         "",
-        f"Prediction ({predicted['estimator']}): B_simple = {fmt_num(predicted['mean'], '.3g')} "
+        *crit_prediction_lines("B_simple", predicted),
+        *crit_prediction_lines("B_P", summary["predicted_p"]),
+        f"**Verdict**: {summary['verdict']}",
+        "",
+        f"**Verdict (B_P)**: {summary['verdict_p']}",
+        "",
+        f"**Which predicts better**: {summary['comparison']['verdict']}",
+    ]
+    return lines
+
+
+def crit_prediction_lines(name: str, predicted: dict[str, Any]) -> list[str]:
+    """summary.md's line on one noise scale's prediction: its estimator, mean, interval, seeds."""
+    return [
+        f"Prediction ({predicted['estimator']}): {name} = {fmt_num(predicted['mean'], '.3g')} "
         f"[{fmt_num(predicted['ci95'][0], '.3g')}, {fmt_num(predicted['ci95'][1], '.3g')}]; "
         "per seed "
         + ", ".join(f"{s}: {fmt_num(v, '.3g')}" for s, v in predicted["per_seed"].items())
         + ".",
         "",
-        f"**Verdict**: {summary['verdict']}",
     ]
-    return lines
 
 
 def run_critical_batch(ctx: Context) -> dict[str, Any]:
@@ -3356,8 +3476,13 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
     (train.diagnostics' trace_cov and grad_sq, each unbiased) of the same evaluation runs, each
     averaged plainly over a centred window of about `noise_window` examples at the step the
     run reached the target, the ratio taken per seed of the means over its runs (every B), then
-    the mean over seeds with its t-interval. Verdict (`crit_verdict`): whether it lies in
-    B_crit's interval, else by what factor it misses. Render: `crit_markdown`."""
+    the mean over seeds with its t-interval; the same for B_P = tr(PΣ)/|G|²_P (trace_cov_p and
+    grad_sq_p: P = 1/(√v̂ + ε), the trained Adam's own preconditioner; McCandlish et al.'s
+    argument run on the preconditioned gradient): the intervals of both are over the same
+    evaluation seeds that B_crit's bootstrap resamples. Verdicts (`crit_verdict`): whether
+    each lies in B_crit's interval, else by what factor it misses; which predicts better
+    (`crit_compare`): the nearer by factor, with both ratios, whether B_crit lies in each
+    interval, and on how many seeds the nearer one is. Render: `crit_markdown`."""
     proto, task = ctx.proto, ctx.shared.task
     if proto.name == "leave-one-seed-out":
         raise ValueError(
@@ -3378,13 +3503,17 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
         choice = crit_select(runs, cb, variants, halves, seeds)
     steps, noise = crit_evaluate(runs, cb, variants, halves, choice, evaluate)
     measured, point, ci = crit_measure(steps, len(evaluate))
-    predicted = crit_predict(noise, evaluate, cb)
+    preds = {name: crit_predict(noise[key], evaluate, cb, name) for key, name, _ in CRIT_ESTIMATORS}
     per_b = crit_rows(cb, variants, halves, choice, steps, noise, evaluate)
     edges = [t["batch_size"] for t in per_b if t["edge"]]
-    verdict = crit_verdict(
-        predicted["mean"], predicted["ci95"], point["b_crit"], ci["b_crit"], edges
-    )
-    print(f"  critical batch: {verdict}", flush=True)
+    verdicts = {
+        name: crit_verdict(p["mean"], p["ci95"], point["b_crit"], ci["b_crit"], edges, name)
+        for name, p in preds.items()
+    }
+    predicted, verdict = preds["B_simple"], verdicts["B_simple"]
+    comparison = crit_compare(preds, point["b_crit"], ci["b_crit"])
+    print(f"  critical batch: {verdict}\n  B_P: {verdicts['B_P']}", flush=True)
+    print(f"  better predictor: {comparison['verdict']}", flush=True)
     rows = runs.rows
     summary = {
         "experiment": "critical-batch",
@@ -3399,6 +3528,9 @@ def run_critical_batch(ctx: Context) -> dict[str, Any]:
         "measured": measured,
         "predicted": predicted,
         "verdict": verdict,
+        "predicted_p": preds["B_P"],
+        "verdict_p": verdicts["B_P"],
+        "comparison": comparison,
         "variants": [
             {
                 "method": labels[b],

@@ -312,7 +312,8 @@ def _draw_batch(plt: Any, summary: dict[str, Any], curves: Curves) -> Any:
 def _draw_critical(plt: Any, summary: dict[str, Any]) -> Any:
     """critical-batch: S against E (every evaluation seed, the means, the fitted hyperbola
     S/S_min − 1 = (E/E_min − 1)⁻¹), S against B with the fit, and the measured B_crit beside
-    the predicted B_simple (each with its interval; B_simple also per B)."""
+    the predicted B_simple and B_P (each with its interval, and per B; B_P where the summary has
+    it: one written before it was measured has not)."""
     fig, axes = plt.subplots(1, 3, figsize=(19, 5))
     per_b = [t for t in summary["per_batch"] if t["steps"] is not None]
     meas, pred = summary["measured"], summary["predicted"]
@@ -339,13 +340,21 @@ def _draw_critical(plt: Any, summary: dict[str, Any]) -> Any:
     finish(axes[0], f"steps vs examples to loss {summary['target_loss']:.4g}", "E = B·S", "S")
     finish(axes[1], "steps to the target vs B (dots: seeds; o: mean)", "B", "S")
     ax = axes[2]
-    bsim = [(t["batch_size"], t["b_simple"]) for t in summary["per_batch"] if t["b_simple"]]
-    if bsim:
-        ax.plot(*zip(*bsim, strict=True), "s-", color="C0", label="B_simple at the target, per B")
-    for value, (lo, hi), color, name in (
+    bands = [
         (meas["b_crit"], meas["ci95"], "C3", "measured B_crit = E_min/S_min"),
         (pred["mean"], pred["ci95"], "C0", "predicted B_simple (mean over seeds)"),
-    ):
+    ]
+    pred_p = summary.get("predicted_p")
+    if pred_p is not None:
+        bands.append((pred_p["mean"], pred_p["ci95"], "C2", "predicted B_P (Adam's P; mean)"))
+    for key, color, marker in (("b_simple", "C0", "s-"), ("b_p", "C2", "^-")):
+        per = [(t["batch_size"], t[key]) for t in summary["per_batch"] if t.get(key)]
+        if per:
+            name = "B_simple" if key == "b_simple" else "B_P"
+            ax.plot(
+                *zip(*per, strict=True), marker, color=color, label=f"{name} at the target, per B"
+            )
+    for value, (lo, hi), color, name in bands:
         if value is not None:
             ax.axhline(value, color=color, lw=2, label=f"{name}: {value:.3g}")
         if lo is not None:
@@ -353,7 +362,8 @@ def _draw_critical(plt: Any, summary: dict[str, Any]) -> Any:
             ax.axhspan(max(lo, 1e-3), top, color=color, alpha=0.15, lw=0)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    finish(ax, "measured B_crit vs predicted B_simple", "B", "examples (band: 95% interval)")
+    said = "B_simple and B_P" if pred_p is not None else "B_simple"
+    finish(ax, f"measured B_crit vs predicted {said}", "B", "examples (band: 95% interval)")
     return fig
 
 

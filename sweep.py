@@ -53,9 +53,12 @@ import train
 
 Log = Callable[[str], Any]  # where progress lines go, e.g. print
 # train.diagnostics, every step (trace_cov and grad_sq: the gradient noise scale's numerator and
-# denominator; a cache entry written before they were logged reads NaN there)
+# denominator; trace_cov_p and grad_sq_p: the preconditioned noise scale B_P's, for the Adam
+# family only, NaN at step 0 (no v̂ yet) and for a rule without a preconditioner; a cache entry
+# written before one was logged reads NaN there)
 DIAGNOSTICS = (
     "grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro", "trace_cov", "grad_sq",
+    "trace_cov_p", "grad_sq_p",
 )  # fmt: skip
 
 
@@ -242,7 +245,8 @@ def run_group(configs: Sequence[train.Config], *, log: Log | None = None) -> lis
         )
         losses[:, start : start + length] = np.asarray(loss, np.float64)
         for k in DIAGNOSTICS:
-            diags[k][:, start : start + length] = np.asarray(diag[k], np.float64)
+            if k in diag:  # B_P's parts: the Adam family's only
+                diags[k][:, start : start + length] = np.asarray(diag[k], np.float64)
         for i, row in enumerate(np.asarray(died)):
             if row.any():
                 diverged[i] = start + int(np.argmax(row))

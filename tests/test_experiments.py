@@ -572,10 +572,9 @@ def test_vectorized_sweep_equals_runs_one_by_one(
         np.testing.assert_allclose(trace.loss, losses, rtol=1e-11, atol=0)
         evals = [m["eval_loss"] for m in logged if "eval_loss" in m]
         np.testing.assert_allclose(trace.eval_loss, evals, rtol=1e-11, atol=0)
-        for key in sweep.DIAGNOSTICS:
-            np.testing.assert_allclose(
-                trace.diagnostics[key], [m[key] for m in logged if "loss" in m], rtol=1e-6
-            )
+        for key in sweep.DIAGNOSTICS:  # B_P's parts: the Adam family's, null at step 0 (NaN)
+            want = [np.nan if m.get(key) is None else m[key] for m in logged if "loss" in m]
+            np.testing.assert_allclose(trace.diagnostics[key], want, rtol=1e-6)
         with np.load(out / "checkpoint.npz") as saved:
             for path, leaf in jax.tree_util.tree_leaves_with_path(trace.params):
                 name = "['params']" + jax.tree_util.keystr(path)
@@ -1084,13 +1083,14 @@ def test_critical_batch_verdict(
     assert experiments.crit_verdict(None, (None, None), b_crit, ci).startswith("no verdict")
 
 
-CRIT = dict(s_min=40.0, b_crit=8.0, b_simple=32.0, best_lr=1e-2)  # the constructed study
+CRIT = dict(s_min=40.0, b_crit=8.0, b_simple=32.0, b_p=10.0, best_lr=1e-2)  # the constructed study
 
 
 def crit_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     """sweep.run returns loss curves 1/(1 + r·s) with r ∝ g(lr)/S(B), S(B) = S_min(1 +
     B_crit/B), g peaked at best_lr: at the best lr the steps to any target are proportional to
-    S(B), so the fit gives B_crit; tr Σ/|G|² is B_simple at every step."""
+    S(B), so the fit gives B_crit; tr Σ/|G|² is B_simple and tr(PΣ)/|G|²_P is B_P at every
+    step but the first (NaN there, as a run logs it: no v̂ yet)."""
 
     def run(configs: Sequence[train.Config], **_: Any) -> list[sweep.Trace]:
         out = []
@@ -1102,6 +1102,9 @@ def crit_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
             diags = {k: np.ones(c.steps) for k in sweep.DIAGNOSTICS}
             diags["trace_cov"] = np.full(c.steps, CRIT["b_simple"] * 0.01)
             diags["grad_sq"] = np.full(c.steps, 0.01)
+            diags["trace_cov_p"] = np.full(c.steps, CRIT["b_p"] * 0.02)
+            diags["grad_sq_p"] = np.full(c.steps, 0.02)
+            diags["trace_cov_p"][0] = diags["grad_sq_p"][0] = np.nan
             out.append(
                 sweep.Trace(
                     cfg=c,
@@ -1135,6 +1138,7 @@ def test_critical_batch_study_on_constructed_runs(monkeypatch: pytest.MonkeyPatc
         assert t["lr"] == CRIT["best_lr"] and t["edge"] is None and t["missed"] == 0
         assert t["steps"] < t["budget_steps"] == max(100, 600 // b)
         assert t["b_simple"] == pytest.approx(CRIT["b_simple"])
+        assert t["b_p"] == pytest.approx(CRIT["b_p"])
         assert {(float(r["lr"]), int(r["seed"])) for r in rows if r["phase"] == "evaluate"
                 and int(r["batch_size"]) == b} == {(t["lr"], s) for s in EVALUATE}  # fmt: skip
     measured = data["measured"]
@@ -1143,7 +1147,19 @@ def test_critical_batch_study_on_constructed_runs(monkeypatch: pytest.MonkeyPatc
     assert lo == hi == pytest.approx(measured["b_crit"])  # identical seeds: no spread
     assert data["predicted"]["mean"] == pytest.approx(CRIT["b_simple"])
     assert "4× above it, within an order of magnitude" in data["verdict"]
-    assert data["verdict"] in (tmp_path / "cb" / "summary.md").read_text()
+    # B_P (10, 1.25× B_crit 8) beside B_simple (32, 4×): read, reported, and named the better.
+    assert data["predicted_p"]["mean"] == pytest.approx(CRIT["b_p"])
+    assert data["verdict_p"].startswith("B_P 10 ") and "1.2× above it" in data["verdict_p"]
+    comparison = data["comparison"]
+    assert comparison["better"] == "B_P" and comparison["seeds_nearer"] == [len(EVALUATE)] * 2
+    ratios = {k: v["ratio_to_b_crit"] for k, v in comparison["per_estimator"].items()}
+    assert ratios == pytest.approx(
+        {"B_simple": 32 / measured["b_crit"], "B_P": 10 / measured["b_crit"]}
+    )
+    assert comparison["verdict"].startswith("B_P predicts the measured B_crit")
+    md = (tmp_path / "cb" / "summary.md").read_text()
+    for said in (data["verdict"], data["verdict_p"], comparison["verdict"], "B_P at the target"):
+        assert said in md
     # Only the held-out protocol, and only a task the scale has settings for.
     with pytest.raises(ValueError, match="evaluation seeds"):
         smoke("critical-batch", tmp_path / "loo", task="mlp", seeds=(0, 1))
@@ -1182,12 +1198,60 @@ def test_no_function_of_experiments_py_is_longer_than_the_limit():
     assert long_functions((ROOT / "experiments.py").read_text()) == []
 
 
-def test_critical_batch_rechecks_committed_lrs_and_target_on_unseen_seeds(tmp_path: Path):
+@pytest.mark.parametrize(
+    "b_simple, b_p, better, nearer",
+    [  # B_crit 16, interval [12, 20]; per seed the two estimates of that seed
+        ((64.0, 60.0, 68.0), (20.0, 14.0, 70.0), "B_P", "2/3"),  # 4× vs 1.25× above; seed 5: 4.4×
+        ((20.0, 18.0, 22.0), (2.0, 1.0, 3.0), "B_simple", "3/3"),  # 1.25× vs 8× below
+        ((8.0, 7.0, 9.0), (32.0, 30.0, 34.0), None, ""),  # 2× below and 2× above: a tie
+        ((20.0, 18.0, 22.0), (None, None, None), None, "B_P not measured"),
+    ],
+)  # fmt: skip
+def test_the_better_predictor_of_b_crit_is_the_nearer_by_factor(
+    b_simple: tuple, b_p: tuple, better: str | None, nearer: str
+):
+    def pred(mean: float | None, *per: float | None) -> dict[str, Any]:
+        ci = (
+            [None, None]
+            if mean is None
+            else [min(p or 0.0 for p in per), max(p or 0.0 for p in per)]
+        )
+        return {"mean": mean, "ci95": ci, "per_seed": dict(zip((3, 4, 5), per, strict=True))}
+
+    preds = {"B_simple": pred(b_simple[0], *b_simple), "B_P": pred(b_p[0], *b_p)}
+    got = experiments.crit_compare(preds, 16.0, (12.0, 20.0))
+    assert got["better"] == better
+    if better is None:
+        assert got["verdict"].startswith("no comparison") and nearer in got["verdict"]
+    else:
+        worse = "B_P" if better == "B_simple" else "B_simple"
+        assert got["verdict"].startswith(
+            f"{better} predicts the measured B_crit 16 better than {worse}"
+        )
+        assert f"nearer on {nearer} evaluation seeds" in got["verdict"]
+        row = got["per_estimator"][better]
+        assert row["ratio_to_b_crit"] == pytest.approx(preds[better]["mean"] / 16.0)
+        assert row["in_b_crit_interval"] == (12.0 <= preds[better]["mean"] <= 20.0)
+    # An unbounded B_crit, or one whose interval is unbounded above, leaves nothing to be
+    # nearer to.
+    for b_crit, ci in ((math.inf, (12.0, None)), (1e16, (8.0, math.inf))):
+        unbounded = experiments.crit_compare(preds, b_crit, ci)
+        why = nearer if better is None and nearer else "B_crit or its interval unbounded above"
+        assert unbounded["better"] is None and unbounded["verdict"] == f"no comparison: {why}"
+
+
+def test_critical_batch_rechecks_committed_lrs_and_target_on_unseen_seeds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
     """critical-batch --lrs-from at --scale smoke: each B at the lr a committed summary chose
     and against its target, on unseen seeds, nothing selected. The summary's lrs are off the
     study's grid, and its target is one every run reaches as soon as its smoothing window fits,
-    so a study that re-selected lrs or re-derived the target would differ."""
+    so a study that re-selected lrs or re-derived the target would differ. The noise scales'
+    window is widened to every step (B_P has no v̂ at step 0, and one step's |G|²_P soon after
+    is noisy enough to be negative), so B_P is read from real runs."""
     cb = experiments.SCALES["smoke"]["critical-batch"]["mlp"]
+    cb = dataclasses.replace(cb, noise_window=128)
+    monkeypatch.setitem(experiments.SCALES["smoke"], "critical-batch", {"mlp": cb})
     moved = {f"Adam B={b}": lr for b, lr in zip(cb.batch_sizes, (0.0037, 0.0061), strict=True)}
     assert not set(moved.values()) & set(cb.lrs)
     committed = {
@@ -1213,6 +1277,10 @@ def test_critical_batch_rechecks_committed_lrs_and_target_on_unseen_seeds(tmp_pa
         half = (t["smoothing_steps"] - 1) // 2
         assert t["steps_per_seed"] == {"7": half, "8": half} and t["grid"] == [t["lr"]]
     assert f"--lrs-from {path} --seeds 7,8" in data["command"]
+    # B_P read from the real Adam runs' traces, beside B_simple (P reweights: they differ).
+    for t in data["per_batch"]:
+        assert t["b_p"] is not None and t["b_simple"] is not None and t["b_p"] != t["b_simple"]
+    assert data["predicted_p"]["mean"] is not None and data["verdict_p"].startswith("B_P ")
     assert "no selection here" in (tmp_path / "recheck" / "summary.md").read_text()
     # Refused: another study's summary, other settings, leave-one-seed-out.
     other = tmp_path / "other.json"

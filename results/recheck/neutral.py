@@ -6,6 +6,9 @@
     python results/recheck/neutral.py --compare results/recheck/neutral-digest.json DIR
                                                        # against the committed one (jax 0.10.2,
                                                        #   XLA:CPU)
+    python results/recheck/neutral.py DIR --only critical-batch --only critical-batch-lm
+                                                       # the studies a change touches (an
+                                                       #   output directory's name below)
 
 Each study runs through experiments.py's command line, in its own fresh cache (nothing trained
 before is reused), the protocols each exercised once: held-out (the default), fixed
@@ -109,12 +112,18 @@ def normalised(path: Path, out: str, study: str) -> str | None:
     return None
 
 
-def run_all(dest: Path) -> None:
+def run_all(dest: Path, only: list[str] | None = None) -> None:
+    """Every study of STUDIES (or those `only` names, by output directory) into dest/runs; a
+    study another reads (`{R}`) must be among them."""
+    if only is not None and (unknown := set(only) - {name for name, _, _ in STUDIES}):
+        sys.exit(f"--only: {sorted(unknown)} are not among {[name for name, _, _ in STUDIES]}")
     runs = dest / "runs"
     runs.mkdir(parents=True, exist_ok=False)  # fresh: every study trains from nothing
     digest: dict[str, Any] = {}
     texts = dest / "normalised"
     for out_name, study, args in STUDIES:
+        if only is not None and out_name not in only:
+            continue
         out = runs / out_name
         argv = [sys.executable, "experiments.py", study, "--scale", "smoke", "--out", str(out)]
         argv += args.format(R=runs).split()
@@ -140,6 +149,7 @@ def run_all(dest: Path) -> None:
     )
     record = {
         "commit": head.stdout.strip(),
+        **({} if only is None else {"only": only}),
         "uncommitted_changes": bool(dirty.stdout.strip()),
         "files": digest,
     }
@@ -156,6 +166,9 @@ def compare(a: Path, b: Path) -> int:
     print(f"{a}: commit {da['commit']}; {b}: commit {db['commit']}")
     differ = sorted(k for k in fa.keys() & fb.keys() if fa[k] != fb[k])
     only = sorted(fa.keys() ^ fb.keys())
+    if "only" in da or "only" in db:  # a subset run (--only): the files both hold
+        print(f"a subset: comparing the {len(fa.keys() & fb.keys())} files both digests hold")
+        only = []
     for k in differ:
         print(f"differs: {k} (diff {a}/normalised/{k} {b}/normalised/{k})")
     for k in only:
@@ -168,6 +181,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="DIR to run into, or two to compare")
     parser.add_argument("--compare", action="store_true", help="compare two digests")
+    parser.add_argument(
+        "--only", action="append", help="run this study (its output directory's name) alone"
+    )
     args = parser.parse_args()
     if args.compare:
         if len(args.dirs) != 2:
@@ -175,7 +191,7 @@ def main() -> None:
         sys.exit(compare(*args.dirs))
     if len(args.dirs) != 1:
         sys.exit("give one directory to run into")
-    run_all(args.dirs[0].resolve())
+    run_all(args.dirs[0].resolve(), args.only)
 
 
 if __name__ == "__main__":
