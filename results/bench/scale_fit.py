@@ -493,7 +493,8 @@ def scale_markdown(runs: Sequence[Record]) -> str:
         " compiles a budget); a cell gives the largest B compiled within the budget and its"
         " footprint in GiB (✓), or the last B tried (✗), or the prediction alone (fit only)."
         " micro_grad (optax) and jax-privacy: at the microbatch, of those tried, with the"
-        " smallest footprint.",
+        " smallest footprint. Runs before issue 51 were `python bench.py --sections scale`:"
+        " the same flags go to `python results/bench/scale_fit.py` now.",
     ]
     order = {impl: k for k, impl in enumerate(SCALE_IMPLS)}
     for model in dict.fromkeys(run["meta"]["model"] for run in runs):
