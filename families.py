@@ -17,7 +17,8 @@ called on x[None], as a list of blocks and in nn.scan (needs flax, from the test
 as a named-axis library lowers it (einsums, a one-hot embedding tied to the head); a CNN
 (`eqx.nn.Conv2d`) on 16×16 images (positions above the channels) and on 8×8 (below), and as
 stacked kernels run by `lax.scan`; a GRU (`eqx.nn.GRUCell` in `lax.scan`); a top-1 mixture of
-experts reading its expert by a gather.
+experts reading its expert by a gather. Beside them, `ResNet18` (GroupNorm), which
+results/bench/scale_fit.py compiles at 224×224 and tests/zoo.py proves exact at width 4.
 
 Each family draws its parameters and data from `jax.random.split(key, 8)` at the indices
 bench.py has always used (the model keys[0], or keys[5] for the language models; inputs keys[1],
@@ -25,6 +26,7 @@ tokens keys[6], labels keys[7]), so the cost table's models and data are those o
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -183,6 +185,90 @@ class MoE(eqx.Module):
         choice = jnp.argmax(scores)
         h = jax.nn.softmax(scores)[choice] * jax.nn.gelu(self.experts[choice] @ x)
         return self.head(h)
+
+
+class _BasicBlock(eqx.Module):
+    """ResNet's basic block: two 3×3 convolutions, each normalized, and a (projected) skip."""
+
+    conv1: eqx.nn.Conv2d
+    norm1: Callable[[Array], Array]
+    conv2: eqx.nn.Conv2d
+    norm2: Callable[[Array], Array]
+    project: eqx.nn.Conv2d | None
+    norm_project: Callable[[Array], Array]
+
+    def __init__(
+        self, c_in: int, c_out: int, stride: int, norm: Callable, *, dtype: Any, key: PRNGKeyArray
+    ):
+        k1, k2, k3 = jax.random.split(key, 3)
+        conv = functools.partial(eqx.nn.Conv2d, use_bias=False, dtype=dtype)
+        self.conv1 = conv(c_in, c_out, 3, stride, padding=1, key=k1)
+        self.norm1 = norm(c_out)
+        self.conv2 = conv(c_out, c_out, 3, padding=1, key=k2)
+        self.norm2 = norm(c_out)
+        down = stride != 1 or c_in != c_out
+        self.project = conv(c_in, c_out, 1, stride, key=k3) if down else None
+        self.norm_project = norm(c_out)
+
+    def __call__(self, x: Float[Array, "c h w"]) -> Float[Array, "d h2 w2"]:
+        h = self.norm2(self.conv2(jax.nn.relu(self.norm1(self.conv1(x)))))
+        skip = x if self.project is None else self.norm_project(self.project(x))
+        return jax.nn.relu(h + skip)
+
+
+class ResNet18(eqx.Module):
+    """ResNet-18 (He et al. 2016, ImageNet layout: 7×7/2 stem, 3×3/2 max pool, four stages of
+    two basic blocks at 64-128-256-512 channels, global average pool, linear head) on one
+    image `[3, H, W]`, with GroupNorm (32 groups, or one per channel below 32 channels) where
+    the original has BatchNorm (pegrad refuses layers that couple the examples), or no
+    normalization (`norm="none"`). `width` scales the stages (width-2w-4w-8w; 64: ResNet-18's).
+    results/bench/scale_fit.py compiles it at 224×224; tests/zoo.py proves it exact at width 4.
+    """
+
+    stem: eqx.nn.Conv2d
+    stem_norm: Callable[[Array], Array]
+    blocks: list[_BasicBlock]
+    head: eqx.nn.Linear
+
+    def __init__(
+        self,
+        classes: int = 1000,
+        norm: str = "group",
+        width: int = 64,
+        *,
+        dtype: Any = None,
+        key: PRNGKeyArray,
+    ):
+        if norm not in ("group", "none"):
+            raise ValueError(f"norm must be 'group' or 'none', got {norm!r}")
+
+        def make_norm(c: int) -> Callable[[Array], Array]:
+            if norm == "none":
+                return eqx.nn.Identity()
+            return eqx.nn.GroupNorm(min(32, c), c, dtype=dtype)
+
+        keys = jax.random.split(key, 10)
+        self.stem = eqx.nn.Conv2d(
+            3, width, 7, 2, padding=3, use_bias=False, dtype=dtype, key=keys[0]
+        )
+        self.stem_norm = make_norm(width)
+        self.blocks, c_in = [], width
+        for stage in range(4):
+            c_out = width * 2**stage
+            for i in range(2):
+                stride = 2 if stage and not i else 1
+                block_key = keys[1 + 2 * stage + i]
+                block = _BasicBlock(c_in, c_out, stride, make_norm, dtype=dtype, key=block_key)
+                self.blocks.append(block)
+                c_in = c_out
+        self.head = eqx.nn.Linear(c_in, classes, dtype=dtype, key=keys[9])
+
+    def __call__(self, image: Float[Array, "3 h w"]) -> Float[Array, " classes"]:
+        x = jax.nn.relu(self.stem_norm(self.stem(image)))
+        x = eqx.nn.MaxPool2d(3, 2, padding=1)(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(x, axis=(1, 2)))
 
 
 def _mlp(size: Size, key: PRNGKeyArray) -> tuple[PyTree, LossFn]:

@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
@@ -78,72 +77,6 @@ class Config:
     scale_out: str = "results/bench/scale"  # writes PATH.md and PATH.json ("": do not)
 
 
-class _BasicBlock(eqx.Module):
-    """ResNet's basic block: two 3×3 convolutions, each normalized, and a (projected) skip."""
-
-    conv1: eqx.nn.Conv2d
-    norm1: Callable[[Array], Array]
-    conv2: eqx.nn.Conv2d
-    norm2: Callable[[Array], Array]
-    project: eqx.nn.Conv2d | None
-    norm_project: Callable[[Array], Array]
-
-    def __init__(self, c_in: int, c_out: int, stride: int, norm: Callable, *, key: Any):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.conv1 = eqx.nn.Conv2d(c_in, c_out, 3, stride, padding=1, use_bias=False, key=k1)
-        self.norm1 = norm(c_out)
-        self.conv2 = eqx.nn.Conv2d(c_out, c_out, 3, padding=1, use_bias=False, key=k2)
-        self.norm2 = norm(c_out)
-        down = stride != 1 or c_in != c_out
-        self.project = (
-            eqx.nn.Conv2d(c_in, c_out, 1, stride, use_bias=False, key=k3) if down else None
-        )
-        self.norm_project = norm(c_out)
-
-    def __call__(self, x: Array) -> Array:
-        h = self.norm2(self.conv2(jax.nn.relu(self.norm1(self.conv1(x)))))
-        skip = x if self.project is None else self.norm_project(self.project(x))
-        return jax.nn.relu(h + skip)
-
-
-class ResNet18(eqx.Module):
-    """ResNet-18 (He et al. 2016, ImageNet layout: 7×7/2 stem, 3×3/2 max pool, four stages of
-    two basic blocks at 64-128-256-512 channels, global average pool, linear head) on one
-    image `[3, H, W]`, with GroupNorm (32 groups) where the original has BatchNorm (pegrad
-    refuses layers that couple the examples), or no normalization (`norm="none"`)."""
-
-    stem: eqx.nn.Conv2d
-    stem_norm: Callable[[Array], Array]
-    blocks: list[_BasicBlock]
-    head: eqx.nn.Linear
-
-    def __init__(self, classes: int = 1000, norm: str = "group", *, key: Any):
-        if norm not in ("group", "none"):
-            raise ValueError(f"norm must be 'group' or 'none', got {norm!r}")
-
-        def make_norm(c: int) -> Callable[[Array], Array]:
-            return eqx.nn.GroupNorm(32, c) if norm == "group" else eqx.nn.Identity()
-
-        keys = jax.random.split(key, 10)
-        self.stem = eqx.nn.Conv2d(3, 64, 7, 2, padding=3, use_bias=False, key=keys[0])
-        self.stem_norm = make_norm(64)
-        self.blocks, c_in = [], 64
-        for stage, c_out in enumerate((64, 128, 256, 512)):
-            for i in range(2):
-                stride = 2 if stage and not i else 1
-                block_key = keys[1 + 2 * stage + i]
-                self.blocks.append(_BasicBlock(c_in, c_out, stride, make_norm, key=block_key))
-                c_in = c_out
-        self.head = eqx.nn.Linear(512, classes, key=keys[9])
-
-    def __call__(self, image: Array) -> Array:
-        x = jax.nn.relu(self.stem_norm(self.stem(image)))
-        x = eqx.nn.MaxPool2d(3, 2, padding=1)(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(jnp.mean(x, axis=(1, 2)))
-
-
 @dataclasses.dataclass(frozen=True)
 class ScaleModel:
     name: str  # e.g. "gpt2-small d768 L12 T1024 V50257, tied head (124M)"
@@ -170,7 +103,7 @@ def scale_model(config: Config, name: str) -> ScaleModel:
         head = "tied head" if lm.tied_head else "separate head"
         label = f"gpt2-small d{lm.d_model} L{lm.n_layers} T{seq} V{lm.vocab_size}, {head}"
     elif name == "resnet18":
-        model = eqx.filter_eval_shape(ResNet18, 1000, config.scale_norm, key=key)
+        model = eqx.filter_eval_shape(families.ResNet18, 1000, config.scale_norm, key=key)
         side = config.scale_image
 
         loss = families._classify_loss
