@@ -74,7 +74,10 @@ TINY += ["--reps", "1", "--min-time-s", "0", "--max-program-s", "1"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="Any other flag is bench.py's (python bench.py --help) and overrides the preset.",
+    )
     parser.add_argument("--out", default="runs/gpu", help="gpu.json and gpu.md go here")
     parser.add_argument("--families", nargs="+", default=FAMILIES)
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a test on any CPU")
