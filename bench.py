@@ -96,6 +96,7 @@ from hlo_cost import H200
 IMPLS = ("vmap", "vmap-chunked", "factorized", "factorized-token", "micro_grad")
 SECTIONS = ("mlp", "mlp-scaling", "lm", "paper", "families")
 FAMILIES = tuple(families.FAMILIES)  # the registry's names, in its order
+SIZE = families.BENCH  # the families' size by default (Config's field `families` hides the module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +145,9 @@ class Config:
     )
     families: tuple[str, ...] = FAMILIES  # which model families the "families" section runs
     family_batch: int = 32  # batch size of the "families" section
-    family_width: int = 256  # width of the family models (transformer d_model, GRU state, ...)
-    family_seq: int = 64  # sequence length of the transformers (GRU: half of it)
-    family_layers: int = 4  # transformer blocks
+    family_width: int = SIZE.width  # width (transformer d_model, GRU state, ...)
+    family_seq: int = SIZE.seq  # sequence length of the transformers (GRU: half of it)
+    family_layers: int = SIZE.layers  # transformer blocks
     family_stat_sets: tuple[str, ...] = ("mean", "mean+sq_mean")  # statistic sets of "families"
     family_impls: tuple[str, ...] = ("vmap", "factorized", "micro_grad")  # their implementations
     json: str = ""  # write the records here as a JSON list ("": do not)

@@ -5,10 +5,11 @@
 `batch(size, key, B)`, a batch of B examples. A `Size` sets width, sequence length, blocks and
 dtype. bench.py's cost table (its "families" section) builds every family at `BENCH` (d 256,
 T 64, 4 blocks, float32); tests/zoo.py builds every family at `TINY` in float64, where
-tests/test_zoo.py proves each statistic under every implementation equal to the naive
-per-example loop (tests/helpers.py) at B 1, 2, 5 — so every model the cost table measures is one
-proven exact. A new family goes here, and nowhere else; tests/test_zoo.py fails if bench.py
-offers a family the zoo does not prove.
+tests/test_zoo.py proves every statistic under vmap and under the rewrite (every route a leaf
+proves, and the cost model's choice) equal to the naive per-example loop (tests/helpers.py) at
+B 1, 2, 3 — so every model the cost table measures is one proven exact. A new family goes
+here, and nowhere else; tests/test_zoo.py fails if bench.py offers a family the zoo does not
+prove.
 
 The families: an MLP; transformers (`models.TransformerLM`) as a list of blocks, as stacked
 blocks in `lax.scan` or read as W[l] in a Python loop, and with grouped-query attention + RoPE;
@@ -66,7 +67,6 @@ class Family:
     describe: Callable[[Size], str]  # the cost table's label, e.g. "mlp 256x3"
     build: Callable[[Size, PRNGKeyArray], tuple[PyTree, LossFn]]  # (params, one example's loss)
     batch: Callable[[Size, PRNGKeyArray, int], PyTree]  # (size, key, B) -> B examples
-    sequence: bool = False  # every parameter used position-wise (granularity="token" applies)
 
     def __str__(self) -> str:
         return self.name

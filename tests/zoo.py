@@ -403,7 +403,6 @@ def _family(family: families.Family) -> Model:
         family.name,
         lambda key: family.build(families.TINY, key),
         lambda key, b: family.batch(families.TINY, key, b),
-        family.sequence,
     )
 
 
