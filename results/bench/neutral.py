@@ -12,7 +12,9 @@ HLO. Two commits are neutral when the two digests are equal (results/bench/neutr
 family at the bench size (float32), plain grad and mean, mean + sq_mean under factorized and
 vmap: the SHA-256 of each model's parameters and batch (the same model and data are built),
 each program's XLA:CPU compiled temporaries and footprint, and each factorized program's
-`pegrad.explain` text (results/bench/registry-neutral.md).
+`pegrad.explain` text; and the scale fit's ResNet-18 (GroupNorm and none, 64×64 images, B 2,
+shapes only): its label, every parameter's path, shape and dtype, plain grad's and two factorized
+programs' compiled memory and their `explain` text (results/bench/registry-neutral.md).
 
     python results/bench/neutral.py --only zoo --out zoo-before.json     # at the base commit
     python results/bench/neutral.py --only bench --out bench-before.json
@@ -189,6 +191,36 @@ def costs_rows(rows: dict[str, str], save: Callable[[], None]) -> dict[str, str]
                 rows[key] += "\n" + str(pegrad.explain(workload.loss_fn, *args, stats))
             print(key, rows[key].split("\n")[0], flush=True)
             save()
+    return rows | resnet_rows()
+
+
+def resnet_rows() -> dict[str, str]:
+    """The scale fit's ResNet-18: bench.py's "scale" section before issue 51, scale_fit.py's
+    since (beside this file)."""
+    import bench
+    import pegrad
+
+    scale: Any = bench if hasattr(bench, "scale_model") else __import__("scale_fit")
+    rows = {}
+    for norm in ("group", "none"):
+        config = dataclasses.replace(scale.Config(), scale_image=64, scale_norm=norm)
+        model = scale.scale_model(config, "resnet18")
+        leaves = jax.tree_util.tree_leaves_with_path(model.params)
+        shapes = [f"{jax.tree_util.keystr(p)} {x.shape} {x.dtype}" for p, x in leaves]
+        rows[f"resnet18 {norm} model"] = "\n".join([model.name, *shapes])
+        for stats, impl in [("mean", "plain"), ("mean+sq_mean", "factorized"),
+                            ("clipped_mean+sq_norms", "factorized")]:  # fmt: skip
+            program = bench.Program(stats, impl)
+            memory = scale.compile_memory(program, model, 2, 1.0)
+            key = f"resnet18 {norm} B2 {stats} {impl}"
+            rows[key] = f"temp {memory['temp_bytes']} footprint {memory['footprint_bytes']}"
+            if impl == "factorized":
+                names = tuple(stats.split("+"))
+                clip = 1.0 if "clipped_mean" in names else None
+                plan = pegrad.explain(model.loss_fn, model.params, model.batch(2), names,
+                                      clip_norm=clip)  # fmt: skip
+                rows[key] += f"\n{plan}"
+            print(key, rows[key].split("\n")[0], flush=True)
     return rows
 
 
