@@ -251,7 +251,7 @@ def main() -> None:
             json.dump(rows, f, indent=0, sort_keys=True)
 
     if args.only == "costs":
-        costs_rows(rows, save)
+        rows |= costs_rows(rows, save)
     if args.only in (None, "zoo"):
         zoo_rows(rows, save)
     if args.only in (None, "bench"):
