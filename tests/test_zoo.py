@@ -51,7 +51,8 @@ def test_every_benchmarked_family_equals_the_naive_loop(family: Model, batch_siz
 def test_bench_measures_the_registrys_families_and_no_other():
     """bench.py offers exactly the registry's families, each proven above (tests/zoo.py's
     FAMILIES), and builds each from the registry: the same parameters and batch, to the bit."""
-    assert bench.FAMILIES == tuple(families.FAMILIES) == tuple(m.name for m in FAMILIES)
+    assert tuple(families.FAMILIES) == bench.FAMILIES
+    assert set(bench.FAMILIES) <= {m.name for m in FAMILIES}  # and the scale fit's ResNet
     size = families.Size(width=8, seq=4, layers=2)  # bench.Config has no dtype: float32
     config = dataclasses.replace(
         bench.Config(),
