@@ -65,6 +65,8 @@ SLOW = (
     "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[*-1]",  # B = 2 stays quick
     "tests/test_zoo.py::test_every_statistic_equals_the_naive_loop[*-5]",
     "tests/test_zoo.py::test_per_token_statistics_equal_the_untied_reference[linen_block]",
+    "tests/test_zoo.py::test_every_benchmarked_family_equals_the_naive_loop[*-1]",
+    "tests/test_zoo.py::test_every_benchmarked_family_equals_the_naive_loop[*-3]",
 )
 
 

@@ -1,4 +1,6 @@
-"""Smoke test of bench.py: every section runs in-process on tiny sizes and yields sane records.
+"""Smoke test of bench.py: every section runs in-process on tiny sizes and yields sane records;
+of results/bench/scale_fit.py (the compiled scale fit) and results/bench/gpu_run.py (the
+accelerator preset) likewise.
 
 conftest.py lowers XLA's optimization level and turns on float64, so this checks the structure
 of the output, not the speed of anything.
@@ -7,6 +9,7 @@ of the output, not the speed of anything.
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,20 @@ from helpers import assert_tree_close, naive_stats, naive_unit_grads
 
 import bench
 import models
+
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "bench"
+
+
+def _script(name: str) -> Any:
+    """A script of results/bench, imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, RESULTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # inspect reads it there
+    spec.loader.exec_module(module)
+    return module
+
 
 TINY = bench.Config(
     stat_sets=("mean+sq_mean",),
@@ -89,9 +106,17 @@ def test_command_line():
     )
     quick = bench.parse_config(["--quick", "--reps", "2"])
     assert quick.reps == 2 and quick.mlp_width == bench.QUICK["mlp_width"]
-    accelerator = bench.parse_config(["--accelerator", "--families", "mlp"])
+    preset = _script("gpu_run").ACCELERATOR
+    accelerator = bench.parse_config(["--families", "mlp"], preset=preset)
     assert accelerator.families == ("mlp",) and accelerator.paper_run
-    assert accelerator.family_stat_sets == bench.ACCELERATOR["family_stat_sets"]
+    assert accelerator.family_stat_sets == preset["family_stat_sets"]
+    with pytest.raises(SystemExit, match="scale_fit.py"):  # the scale fit's own script now
+        bench.check(bench.parse_config(["--sections", "scale"]))
+    scale_fit = _script("scale_fit")
+    argv = ["--scale-models", "gpt2", "--scale-batches", "4", "8", "--no-scale-verify"]
+    assert scale_fit.parse_config(argv) == dataclasses.replace(
+        scale_fit.Config(), scale_models=("gpt2",), scale_batches=(4, 8), scale_verify=False
+    )
 
 
 def test_a_program_that_fails_to_build_is_recorded_and_the_run_goes_on(monkeypatch):
@@ -140,16 +165,17 @@ GIB = 2**30
 
 
 def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
+    scale_fit = _script("scale_fit")
     # The affine fit and the largest batch, on constructed numbers: 3 GiB + 0.5 GiB per example.
     points = [(2, 4 * GIB), (4, 5 * GIB), (8, 7 * GIB)]
-    intercept, slope = bench.affine_fit(points)
+    intercept, slope = scale_fit.affine_fit(points)
     assert intercept == pytest.approx(3 * GIB) and slope == pytest.approx(0.5 * GIB)
-    assert bench.largest_batch(intercept, slope, 16 * GIB) == 26
-    assert bench.largest_batch(intercept, slope, 16 * GIB, multiple=4) == 24
-    assert bench.largest_batch(intercept, slope, 2 * GIB) == 0  # not even one example
-    assert bench.largest_batch(GIB, 0.0, 2 * GIB) is None  # flat: every B fits
+    assert scale_fit.largest_batch(intercept, slope, 16 * GIB) == 26
+    assert scale_fit.largest_batch(intercept, slope, 16 * GIB, multiple=4) == 24
+    assert scale_fit.largest_batch(intercept, slope, 2 * GIB) == 0  # not even one example
+    assert scale_fit.largest_batch(GIB, 0.0, 2 * GIB) is None  # flat: every B fits
     with pytest.raises(ValueError, match="two distinct"):
-        bench.affine_fit([(4, GIB), (4, 2 * GIB)])
+        scale_fit.affine_fit([(4, GIB), (4, 2 * GIB)])
 
     # Verification: compiled at the prediction; where the footprint jumps above the fit (here
     # 1 GiB past B 20) B is lowered through the measured point until it fits.
@@ -161,7 +187,7 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
 
     fit = [(2, footprint(2)), (4, footprint(4))]
     measured.clear()
-    rows = bench.fit_budgets(footprint, fit, [16 * GIB, 40 * GIB, 2 * GIB])
+    rows = scale_fit.fit_budgets(footprint, fit, [16 * GIB, 40 * GIB, 2 * GIB])
     # 40 GiB is predicted from the two checks made for 16 GiB (B 24, 26): on the jump, exact.
     assert measured == [26, 24, 72]
     assert [r["predicted_B"] for r in rows] == [26, 72, 0]
@@ -174,7 +200,7 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     def offset(b: int) -> int:
         return int((1 + 0.5 * b) * GIB) if b >= 10 else int((3.5 + 0.5 * b) * GIB)
 
-    (row,) = bench.fit_budgets(offset, [(2, offset(2)), (4, offset(4))], [16 * GIB])
+    (row,) = scale_fit.fit_budgets(offset, [(2, offset(2)), (4, offset(4))], [16 * GIB])
     assert (row["predicted_B"], row["B"], row["compiles"], row["fits"]) == (25, 30, 3, True)
 
     # A flat fit (two points of one footprint) far over the budget: lowered through the point
@@ -182,7 +208,7 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     def flat(b: int) -> int:
         return 5 * GIB + b * (2**20 if b > 100 else 2**10)
 
-    (row,) = bench.fit_budgets(flat, [(8, flat(8)), (16, flat(16))], [6 * GIB], tries=3)
+    (row,) = scale_fit.fit_budgets(flat, [(8, flat(8)), (16, flat(16))], [6 * GIB], tries=3)
     assert row["predicted_B"] > 10**6 and row["fits"] and row["compiles"] <= 3
     assert 1000 <= row["B"] <= 1024 and flat(row["B"]) <= 6 * GIB
 
@@ -194,24 +220,24 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     def batch(b: int):
         return (jax.ShapeDtypeStruct((b, 8), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
 
-    tiny = bench.ScaleModel(
+    tiny = scale_fit.ScaleModel(
         "mlp 8-16-3", models.make_loss_fn(static, models.mlp_loss), params, batch
     )
     config = dataclasses.replace(
-        bench.Config(),
+        scale_fit.Config(),
         scale_stat_sets=("mean+sq_mean",),
         scale_impls=("plain", "factorized", "micro_grad"),
         scale_batches=(2, 4),
         scale_budgets_gib=(1.0,),
         scale_verify=False,
     )
-    programs = bench.scale_programs(config)
+    programs = scale_fit.scale_programs(config)
     assert [(p.impl, p.stats) for p in programs] == [
         ("plain", "mean"),
         ("factorized", "mean+sq_mean"),
         ("micro_grad", "mean+sq_mean"),
     ]
-    rows = bench.scale_rows(tiny, programs, config)
+    rows = scale_fit.scale_rows(tiny, programs, config)
     for row in rows:
         assert [p["B"] for p in row["points"]] == [2, 4], row
         assert all(p["footprint_bytes"] > p["temp_bytes"] >= 0 for p in row["points"]), row
@@ -222,7 +248,7 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     meta: dict[str, Any] = dict(model=tiny.name, command="test", commit="abc", modified="")
     meta |= dict(jax="0", optax="0", jax_privacy=None, device="cpu", seconds=1.0)
     meta["config"] = dataclasses.asdict(config)
-    bench.write_scale(str(tmp_path / "scale"), {"meta": meta, "rows": rows})
+    scale_fit.write_scale(str(tmp_path / "scale"), {"meta": meta, "rows": rows})
     text = (tmp_path / "scale.md").read_text()
     assert "## mlp 8-16-3" in text and "- `test` at commit abc" in text
     assert json.loads((tmp_path / "scale.json").read_text())["runs"][0]["rows"] == json.loads(
@@ -231,7 +257,9 @@ def test_scale_fit_largest_batch_and_a_tiny_compile(tmp_path):
     # Notes written by hand below the tables survive the next run's rewrite, once.
     notes = "\n## Notes\n\n- written by hand\n"
     (tmp_path / "scale.md").write_text(text.rstrip("\n") + "\n" + notes)
-    bench.write_scale(str(tmp_path / "scale"), {"meta": {**meta, "command": "again"}, "rows": rows})
+    scale_fit.write_scale(
+        str(tmp_path / "scale"), {"meta": {**meta, "command": "again"}, "rows": rows}
+    )
     again = (tmp_path / "scale.md").read_text()
     assert again.endswith(notes) and again.count("## Notes") == 1
     assert "- `again` at commit abc" in again and "- `test` at commit abc" in again
@@ -257,13 +285,7 @@ def test_the_scale_peers_compute_what_they_name():
 
 def test_the_accelerator_script_writes_measured_time_beside_the_estimate(tmp_path):
     """results/bench/gpu_run.py, the one command for a lent GPU, at tiny sizes on the CPU."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "results" / "bench" / "gpu_run.py"
-    spec = importlib.util.spec_from_file_location("gpu_run", path)
-    assert spec is not None and spec.loader is not None
-    gpu_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_run)
+    gpu_run = _script("gpu_run")
     gpu_run.main(["--tiny", "--out", str(tmp_path), "--families", "transformer"])
     records = json.loads((tmp_path / "gpu.json").read_text())
     assert {(r["stats"], r["impl"]) for r in records} >= {

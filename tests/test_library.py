@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import check_every_implementation, naive_unit_grads
-from zoo import MODELS
+from zoo import FAMILIES, MODELS
 
 import pegrad
 
@@ -26,7 +26,7 @@ def _check(loss, params, batch) -> None:
 
 
 def _model(name: str):
-    (model,) = [m for m in MODELS if m.name == name]
+    (model,) = [m for m in MODELS + FAMILIES if m.name == name]
     params, loss = model.build(jax.random.key(0))
     return params, loss, model.batch(jax.random.key(1), 3)
 
@@ -59,12 +59,12 @@ def test_a_tied_embedding_falls_back_and_explain_says_why():
 
 
 def test_a_named_axis_norm_scale_takes_the_contraction_route():
-    """Haliax-style einsums (tests/zoo.py `named_axis_lm`): a norm scale is a contraction over
-    positions with the feature axis batched, Σ_t δ_t ⊙ x_t per example, proven by
-    `contraction`; beside the mean it forms each example's gradient once for the sum and the
-    mean of squares (its cost counts the operands read once), so the cost model takes it over
-    the fallback. The scanned scales are a value of the backward pass (head-value)."""
-    params, loss, batch = _model("named_axis_lm")
+    """Haliax-style einsums (families.py's `named-axis`, at tests/zoo.py's size): a norm scale
+    is a contraction over positions with the feature axis batched, Σ_t δ_t ⊙ x_t per example,
+    proven by `contraction`; beside the mean it forms each example's gradient once for the sum
+    and the mean of squares (its cost counts the operands read once), so the cost model takes
+    it over the fallback. The scanned scales are a value of the backward pass (head-value)."""
+    params, loss, batch = _model("named-axis")
     for stats in [("mean", "sq_mean"), ("mean", "var"), ("mean", "sq_norms")]:
         routes = _routes(loss, params, batch, stats)
         assert routes["['final']"] == "contraction", (stats, routes)

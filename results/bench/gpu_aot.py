@@ -310,10 +310,22 @@ def calibrate(rows: list[dict[str, Any]], measured: list[dict[str, Any]]) -> Non
     print(f"vmap against factorized, the faster one as on the card: {same_winner} of {len(groups)}")
 
 
+def scale_fit(bench: Any) -> Any:
+    """Where `scale_model` and the fit live: bench.py itself before issue 51 (a --code checkout
+    of then), results/bench/scale_fit.py of the same checkout since."""
+    if hasattr(bench, "scale_model"):
+        return bench
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.abspath(bench.__file__)), "results", "bench")
+    )
+    return importlib.import_module("scale_fit")
+
+
 def gpt2(bench: Any, pegrad: Any, args: argparse.Namespace, sharding: Any) -> None:
     """GPT-2 small at one batch (--gpt2-batch): plain, then each impl × stat set, as main's
     rows; then each factorized leaf's route (pegrad.explain)."""
-    model = bench.scale_model(bench.Config(), "gpt2")
+    scale = scale_fit(bench)
+    model = scale.scale_model(scale.Config(), "gpt2")
     put = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
     )
@@ -346,7 +358,8 @@ def gpt2(bench: Any, pegrad: Any, args: argparse.Namespace, sharding: Any) -> No
 
 
 def gpt2_fit(bench: Any, args: argparse.Namespace, sharding: jax.sharding.Sharding) -> None:
-    model = bench.scale_model(bench.Config(), "gpt2")
+    scale = scale_fit(bench)
+    model = scale.scale_model(scale.Config(), "gpt2")
     put = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
     )
@@ -360,11 +373,11 @@ def gpt2_fit(bench: Any, args: argparse.Namespace, sharding: jax.sharding.Shardi
     print("|---|---|---|---|---|---|---|")
     for program in programs:
         feet = [
-            (b, bench.compile_memory(program, placed, b, 1.0)["footprint_bytes"] / 2**30)
+            (b, scale.compile_memory(program, placed, b, 1.0)["footprint_bytes"] / 2**30)
             for b in (4, 8)
         ]
-        fixed, slope = bench.affine_fit(feet)
-        fits = [str(bench.largest_batch(fixed, slope, budget)) for budget in (80, 141)]
+        fixed, slope = scale.affine_fit(feet)
+        fits = [str(scale.largest_batch(fixed, slope, budget)) for budget in (80, 141)]
         row = (program.stats, program.impl, f"{feet[1][1]:.2f}", f"{slope:.3f}", f"{fixed:.2f}")
         print("| " + " | ".join((*row, *fits)) + " |", flush=True)
 

@@ -8,10 +8,19 @@ For bench.py's transformer families (float32, the README's cost table): each fac
 program's route summary, its compiled XLA:CPU temporaries and the SHA-256 of its optimized
 HLO. Two commits are neutral when the two digests are equal (results/bench/neutral.md).
 
+--only costs: the README's cost table (issue 51's registry move) — bench.py's MLP and every
+family at the bench size (float32), plain grad and mean, mean + sq_mean under factorized and
+vmap: the SHA-256 of each model's parameters and batch (the same model and data are built),
+each program's XLA:CPU compiled temporaries and footprint, and each factorized program's
+`pegrad.explain` text; and the scale fit's ResNet-18 (GroupNorm and none, 64×64 images, B 2,
+shapes only): its label, every parameter's path, shape and dtype, plain grad's and two factorized
+programs' compiled memory and their `explain` text (results/bench/registry-neutral.md).
+
     python results/bench/neutral.py --only zoo --out zoo-before.json     # at the base commit
     python results/bench/neutral.py --only bench --out bench-before.json
     ... the same after the change, then
     python results/bench/neutral.py --compare zoo-before.json zoo-after.json
+    python results/bench/neutral.py --only costs --out costs-before.json
 
 (--only zoo compiles with the tests' XLA flags, which only speed compilation up: both sides
 alike.)
@@ -143,10 +152,82 @@ def bench_rows() -> dict[str, str]:
     return rows
 
 
+def costs_rows(rows: dict[str, str], save: Callable[[], None]) -> dict[str, str]:
+    import bench
+    import pegrad
+
+    jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_numpy_dtype_promotion", "standard")  # bench.py's setting
+    print(f"compiling {bench.__file__} and {pegrad.__file__}", flush=True)
+    stat_sets = ("mean", "mean+sq_mean")
+    config = dataclasses.replace(
+        bench.Config(),
+        impls=("vmap", "factorized"),
+        family_stat_sets=stat_sets,
+        family_impls=("vmap", "factorized"),
+    )
+    makers = [lambda: bench.mlp_workload(config, config.mlp_batch, "mlp", list(stat_sets))]
+    for make in makers + list(bench.family_workloads(config)):
+        jax.clear_caches()
+        workload = make()
+        data = f"params {digest(workload.params)} batch {digest(workload.batch)}"
+        rows[f"{workload.model} data"] = data
+        print(workload.model, data, flush=True)
+        for program in workload.programs:
+            if program.impl == "hand-written":
+                continue
+            key = f"{workload.model} {program.stats} {program.impl}"
+            if key in rows:  # from the run this one resumes
+                continue
+            args = (workload.params, workload.batch)
+            compiled = jax.jit(program.build(workload.loss_fn, 1.0)).lower(*args).compile()
+            memory = compiled.memory_analysis()
+            temp = getattr(memory, "temp_size_in_bytes", None)
+            out = getattr(memory, "output_size_in_bytes", None)
+            arg = getattr(memory, "argument_size_in_bytes", None)
+            rows[key] = f"temp {temp} argument {arg} output {out}"
+            if program.impl == "factorized":
+                stats = tuple(program.stats.split("+"))
+                rows[key] += "\n" + str(pegrad.explain(workload.loss_fn, *args, stats))
+            print(key, rows[key].split("\n")[0], flush=True)
+            save()
+    return rows | resnet_rows()
+
+
+def resnet_rows() -> dict[str, str]:
+    """The scale fit's ResNet-18: bench.py's "scale" section before issue 51, scale_fit.py's
+    since (beside this file)."""
+    import bench
+    import pegrad
+
+    scale: Any = bench if hasattr(bench, "scale_model") else __import__("scale_fit")
+    rows = {}
+    for norm in ("group", "none"):
+        config = dataclasses.replace(scale.Config(), scale_image=64, scale_norm=norm)
+        model = scale.scale_model(config, "resnet18")
+        leaves = jax.tree_util.tree_leaves_with_path(model.params)
+        shapes = [f"{jax.tree_util.keystr(p)} {x.shape} {x.dtype}" for p, x in leaves]
+        rows[f"resnet18 {norm} model"] = "\n".join([model.name, *shapes])
+        for stats, impl in [("mean", "plain"), ("mean+sq_mean", "factorized"),
+                            ("clipped_mean+sq_norms", "factorized")]:  # fmt: skip
+            program = bench.Program(stats, impl)
+            memory = scale.compile_memory(program, model, 2, 1.0)
+            key = f"resnet18 {norm} B2 {stats} {impl}"
+            rows[key] = f"temp {memory['temp_bytes']} footprint {memory['footprint_bytes']}"
+            if impl == "factorized":
+                names = tuple(stats.split("+"))
+                clip = 1.0 if "clipped_mean" in names else None
+                plan = pegrad.explain(model.loss_fn, model.params, model.batch(2), names,
+                                      clip_norm=clip)  # fmt: skip
+                rows[key] += f"\n{plan}"
+            print(key, rows[key].split("\n")[0], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", help="write the digest here (JSON)")
-    parser.add_argument("--only", choices=["zoo", "bench"], help="one half")
+    parser.add_argument("--only", choices=["zoo", "bench", "costs"], help="one half")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     if args.compare:
@@ -169,9 +250,11 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=0, sort_keys=True)
 
-    if args.only != "bench":
+    if args.only == "costs":
+        rows |= costs_rows(rows, save)
+    if args.only in (None, "zoo"):
         zoo_rows(rows, save)
-    if args.only != "zoo":
+    if args.only in (None, "bench"):
         rows |= bench_rows()
     save()
 
