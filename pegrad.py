@@ -2866,17 +2866,15 @@ class Contraction(DotCore):
         if not self.forms(wanted):
             sums = {w: self.core_sum(env, dtype, w) for w in wanted if w in _PHI}
             return sums | {w: self.compute(env, w) for w in _of_kind(wanted, "inner")}
-        lc, rc, lb, rb = _dot_dims(self.core)
-        dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
         inner = _of_kind(wanted, "inner")
         v = self.pulled(env) if inner else None
 
         def form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
-            return _moments(jax.vmap(dot)(a, b), names, r, v)
+            return _moments(self.gradients(a, b), names, r, v)
 
         def leaf_form(a: Array, b: Array, names: list[str], r: Array | int) -> list:
             u = env[_DOT_WITH][self.leaf.index].astype(dtype) if inner else None
-            return _moments(self.replay(jax.vmap(dot)(a, b), env, units=True), names, r, u)
+            return _moments(self.replay(self.gradients(a, b), env, units=True), names, r, u)
 
         leaf = (
             leaf_form,
@@ -2888,13 +2886,11 @@ class Contraction(DotCore):
 
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         n, pairs = self.graph.n_examples, _of_kind(wanted, "pairs")
-        operands = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
-        if pairs and self.chunk(operands, self.formed_unit(), accelerator=True) >= n:
+        a, b = _operands(self.core, env, self.dtype, tie=False)
+        if pairs and self.chunk(a.size + b.size, self.formed_unit(), accelerator=True) >= n:
             # J formed once for J Jᵀ (one block, `compute`): the rest read off it, not the
             # sum's weight-gradient matmul beside it (mean + gram: results/bench/inner-products.md)
-            lc, rc, lb, rb = _dot_dims(self.core)
-            a, b = _operands(self.core, env, self.dtype, tie=False)
-            g = jax.vmap(lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb))))(a, b)
+            g = self.gradients(a, b)
             names = [w for w in _INGREDIENT if w in wanted and w in self.sums(wanted)]
             v = self.pulled(env) if _of_kind(names, "inner") else None
             found = self.posted(_sums_of(_moments(g, names, n, v), names, n), env)
@@ -2909,6 +2905,11 @@ class Contraction(DotCore):
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
         return _of_kind(list(_INGREDIENT), "mean", "spread", "norm", "inner")
+
+    def gradients(self, a: Array, b: Array) -> Array:
+        """Per-example gradients in the core's coordinates, [c, …], of c examples' operands."""
+        lc, rc, lb, rb = _dot_dims(self.core)
+        return jax.vmap(lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb))))(a, b)
 
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
@@ -2943,10 +2944,9 @@ class Contraction(DotCore):
             V = self.pulled(env).reshape(ga.shape[2], ga.shape[3], gb.shape[3])
             return jnp.einsum("bknf,nfg,bkng->b", ga, V, gb, preferred_element_type=self.dtype)
         if _kind(what) == "pairs":  # J Jᵀ from per-example gradients, blocks of two chunks
-            dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
             a, b = _operands(self.core, env, self.dtype, tie=False)
             c = self.chunk(a.size + b.size, self.formed_unit(), accelerator=True)
-            grads_of = lambda xs: [jax.vmap(dot)(*xs)]  # noqa: E731
+            grads_of = lambda xs: [self.gradients(*xs)]  # noqa: E731
             pairs = _pairs(grads_of, (a, b), self.graph.n_examples, c)
             return pairs * _scale_sq(self.post, env, self.dtype)
         assert _kind(what) == "norm"
