@@ -56,9 +56,9 @@ from jax.extend import core as jcore
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, PyTree
 
-__all__ = ["value_and_grad_stats", "explain", "Accumulator", "gradient_noise_scale", "stat_dtype",
-           "Plan", "LeafPlan", "ROUTES", "Untie", "STATISTICS", "Impl", "Granularity", "Choose",
-           "NonFinite", "Stats", "Loss", "LossFn"]  # fmt: skip
+__all__ = ["value_and_grad_stats", "explain", "Accumulator", "merge_shards", "gradient_noise_scale",
+           "stat_dtype", "Plan", "LeafPlan", "ROUTES", "Untie", "STATISTICS", "Impl", "Granularity",
+           "Choose", "NonFinite", "Stats", "Loss", "LossFn"]  # fmt: skip
 __version__ = "0.1.0"  # the package's one version: pyproject.toml reads it ([tool.hatch.version])
 Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
@@ -274,16 +274,16 @@ class Accumulator(NamedTuple):
         token = options.get("granularity") == "token"
 
         def fn(
-            params: PyTree, batch: PyTree, mask: ArrayLike | None = None
+            params: PyTree, batch: PyTree, mask: ArrayLike | None = None, **given: Any
         ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
             # Kept units known before tracing (a traced mask keeps ≤ B): under 2, M2 is 0 ("var"
             # is NaN below 2 kept units, read as M2 = 0 here; no batch leaf: refused).
             shape = [*jnp.shape(jax.tree.leaves(batch)[0])] if jax.tree.leaves(batch) else [2]
             per_example = math.prod(shape[1:2]) if token else 1
             if per_example * (shape[0] if mask is None else min(shape[0], _concrete(mask))) < 2:
-                loss, out = without(params, batch, mask)
+                loss, out = without(params, batch, mask, **given)
                 return loss, {**out, "m2": jax.tree.map(jnp.zeros_like, out["mean"])}
-            loss, out = with_var(params, batch, mask)
+            loss, out = with_var(params, batch, mask, **given)
             n = out["batch_size"]
             spread = lambda v: jnp.where(n > 1, v * (n - 1).astype(v.dtype), 0.0)  # noqa: E731
             return loss, {**out, "m2": jax.tree.map(spread, out.pop("var"))}
@@ -340,6 +340,67 @@ class Accumulator(NamedTuple):
             out["var"] = jax.tree.map(var, self.m2)
         out["batch_size"] = self.count.astype(jnp.int32)
         return defined(self.loss), out
+
+
+def merge_shards(stats: Stats, axis_name: str | tuple[str, ...]) -> Stats:
+    """Inside `jax.shard_map`: the statistics of all shards' units along `axis_name`, from each
+    shard's own (`value_and_grad_stats`' of its part of the batch, or
+    `Accumulator.value_and_grad_stats`' with "m2"), exactly, with N_k each shard's "batch_size":
+
+        N = Σ_k N_k        an averaged statistic   x = Σ_k N_k·x_k / N        (psum)
+        var                Chan's merge: M2 = Σ_k M2_k + Σ_k N_k·(ḡ_k − ḡ)², var = M2/(N − 1)
+                           (psum, after the means; it needs "mean")
+        sq_norms, dot      every shard's entries, in shard order: [N]      (psum of each
+                           shard's entries in its place: the same on every shard)
+
+    "gram" is refused: a pair of units on two shards needs both shards' gradients (ask for it
+    under `jax.jit` with the batch sharded instead: SPEC §2.3). A shard whose N_k is 0 (masked
+    whole) adds nothing, its NaN included; "var" of a union of fewer than 2 units is NaN."""
+    _stat_names([s for s in stats if s not in ("batch_size", "m2")])
+    if "batch_size" not in stats:
+        raise ValueError("merge_shards: the statistics lack 'batch_size' (each shard's N_k)")
+    pairs = [s for s in stats if s in _STATISTIC and _kind(_STATISTIC[s].is_) == "pairs"]
+    if pairs:
+        raise ValueError(
+            f"merge_shards: {pairs} pairs units across shards, which no shard's statistics "
+            "hold; compute it under jax.jit with the batch sharded (one program for the mesh)"
+        )
+    spread = [
+        s for s in stats if s == "m2" or _STATISTIC.get(s, _STATISTIC["mean"]).merge == "chan"
+    ]
+    if spread and "mean" not in stats:
+        raise ValueError("merge_shards: 'var' is merged with each shard's 'mean': ask for it too")
+    n_k = jnp.asarray(stats["batch_size"])
+    n = jax.lax.psum(n_k, axis_name)
+    some = n_k > 0
+    weigh = lambda x: jnp.where(some, x * n_k.astype(x.dtype), jnp.zeros((), x.dtype))  # noqa: E731
+    average = lambda x: jax.lax.psum(weigh(x), axis_name) / n.astype(x.dtype)  # noqa: E731
+    out: Stats = {"batch_size": n}
+    for s, x in stats.items():
+        if s in _STATISTIC and _STATISTIC[s].merge == "average":
+            out[s] = jax.tree.map(average, x)
+        elif s in _STATISTIC and _STATISTIC[s].per == "units":
+            out[s] = jax.tree.map(lambda v: _placed_sum(v, axis_name), x)
+    if spread:
+        given_m2 = spread[0] == "m2"
+
+        def m2(x: Array, mean_k: Array, mean: Array) -> Array:  # M2_k + N_k·(ḡ_k − ḡ)²
+            local = x if given_m2 else x * (n_k - 1).astype(x.dtype)
+            local = jnp.where(n_k > 1, local, jnp.zeros((), local.dtype))
+            return jax.lax.psum(local + weigh((mean_k - mean) ** 2), axis_name)
+
+        total = jax.tree.map(m2, stats[spread[0]], stats["mean"], out["mean"])
+        out["var"] = jax.tree.map(lambda t: t / (n - 1).astype(t.dtype), total)
+    return out
+
+
+def _placed_sum(x: Array, axis_name: str | tuple[str, ...]) -> Array:
+    """Every shard's `x` [n, ...] in shard order, [shards·n, ...], on every shard (a psum of
+    each placed in zeros: invariant along `axis_name`, as `out_specs=P()` asks)."""
+    shards = jax.lax.psum(1, axis_name)
+    rows = jnp.zeros((shards * x.shape[0], *x.shape[1:]), x.dtype)
+    start = jax.lax.axis_index(axis_name) * x.shape[0]
+    return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(rows, x, start, 0), axis_name)
 
 
 # ============================================================================================
@@ -559,7 +620,11 @@ def _sum0(x: Array) -> Array:
     """Σ over the leading axis. XLA:CPU reduces a [c, big] tensor over c several times slower
     than it adds c slices (a few up to 6x for the per-example squares of a weight gradient):
     up to 32 slices are added pairwise, in one fusion with what made x; longer axes are
-    multiplied by a vector of ones, still faster than the reduction."""
+    multiplied by a vector of ones, still faster than the reduction. On a mesh of devices one
+    reduction: each device sums its examples and one all-reduce adds them (slices of the
+    sharded axis would copy every example's row to every device)."""
+    if _devices(x) > 1:
+        return jnp.sum(x, 0)
     if x.shape[0] > 32:
         return jnp.tensordot(jnp.ones(x.shape[:1], x.dtype), x, axes=1)
     parts = [x[j] for j in range(x.shape[0])] or [jnp.zeros(x.shape[1:], x.dtype)]
@@ -567,6 +632,35 @@ def _sum0(x: Array) -> Array:
         pairs = range(0, len(parts) - 1, 2)
         parts = [parts[k] + parts[k + 1] for k in pairs] + parts[len(parts) // 2 * 2 :]
     return parts[0]
+
+
+def _devices(x: Any) -> int:
+    """The devices of the mesh jit partitions `x` over, its manual (shard_map) axes aside: 1
+    on one device. What it decides is the shape of a program, never a number: a cost choice."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
+    sizes = [n for n, t in zip(getattr(mesh, "axis_sizes", ()), types, strict=False) if t != manual]
+    return math.prod(sizes)
+
+
+def _groups(xs: PyTree, n: int) -> int:
+    """Into how many groups of consecutive examples a loop over the n examples of `xs` is split
+    so that each device runs its own examples' chunks: gcd(devices, n), 1 on one device. A batch
+    sharded over any axes of the mesh holds whole groups on each device (its shard count divides
+    the mesh's and n), so chunks of a group never cross devices."""
+    return math.gcd(max([_devices(x) for x in jax.tree.leaves(xs)], default=1), n)
+
+
+def _chan_over(parts: tuple) -> tuple[Array, Array, Array]:
+    """(count, mean, M2) of groups stacked on axis 0 merged into their union's: Chan's merge
+    of any number of groups, Σ_k M2_k + Σ_k n_k (mean_k − mean)² (two reductions, no
+    cancellation)."""
+    counts, means, m2 = parts
+    n = jnp.sum(counts)
+    weights = counts.reshape(-1, *[1] * (means.ndim - 1))
+    mean = jnp.sum(weights * means, 0) / jnp.maximum(n, 1.0)
+    return n, mean, jnp.sum(m2 + weights * (means - mean) ** 2, 0)
 
 
 def _merge01(x: Array) -> Array:
@@ -958,15 +1052,38 @@ def _one_example(batch: PyTree) -> PyTree:
 
 
 def _chunked(
-    fn: Callable, xs: PyTree, n: int, chunk: int | None, combine: Callable = jnp.add
+    fn: Callable,
+    xs: PyTree,
+    n: int,
+    chunk: int | None,
+    combine: Callable = jnp.add,
+    over: Callable | None = None,
 ) -> tuple[PyTree, PyTree]:
     """Run `fn(rows) -> (partial, per_row)` over chunks of the leading axis of `xs`.
 
     Partials are merged with `combine` (a pytree-leaf function, or one over whole partials when
     `combine` is not jnp.add); per-row outputs are concatenated. At most `chunk` rows are
-    processed at once: lax.scan over full chunks, then the remainder."""
+    processed at once: lax.scan over full chunks, then the remainder. On a mesh of devices the
+    rows are first split into `_groups`, each looped over alone (a device's own rows; `chunk`
+    shared among the groups), and the groups' partials merged by `over` (stacked on axis 0;
+    summed by default)."""
     merge = (lambda a, b: jax.tree.map(jnp.add, a, b)) if combine is jnp.add else combine
     if chunk is None or chunk >= n:
+        return fn(xs)
+    groups = _groups(xs, n)
+    if groups == 1:
+        return _scan_chunks(fn, xs, n, chunk, merge)
+    split = jax.tree.map(lambda x: x.reshape(groups, n // groups, *x.shape[1:]), xs)
+    local = -(-chunk // groups)
+    loop = lambda rows: _scan_chunks(fn, rows, n // groups, local, merge)  # noqa: E731
+    parts, per_row = jax.vmap(loop)(split)
+    reduce = over or (lambda p: jax.tree.map(lambda x: jnp.sum(x, 0), p))
+    return reduce(parts), jax.tree.map(lambda x: x.reshape(n, *x.shape[2:]), per_row)
+
+
+def _scan_chunks(fn: Callable, xs: PyTree, n: int, chunk: int, merge: Callable) -> tuple:
+    """`_chunked` on one device."""
+    if chunk >= n:
         return fn(xs)
     n_full, remainder = divmod(n, chunk)
     full = jax.tree.map(lambda x: x[: n_full * chunk].reshape(n_full, chunk, *x.shape[1:]), xs)
@@ -977,7 +1094,7 @@ def _chunked(
 
     first = jax.tree.map(lambda x: x[0], full)
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, first)[0])
-    acc, per_row = jax.lax.scan(body, init, full)
+    acc, per_row = jax.lax.scan(body, _varying_as(init, xs), full)
     per_row = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), per_row)
     if remainder:
         part, rest = fn(jax.tree.map(lambda x: x[n_full * chunk :], xs))
@@ -1014,7 +1131,10 @@ def _reference(
     """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients.
     `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
     loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
-    multiplied by 0) and N counts the others. "gram" by blocks of two chunks (`_pairs`)."""
+    multiplied by 0) and N counts the others. "gram" by blocks of two chunks (`_pairs`). In
+    `jax.shard_map` the parameters vary as the batch does, so that their gradients are this
+    shard's examples' (jax.grad of a parameter the shards share would add them over shards)."""
+    params = _varying_as(params, batch)
     untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch) if per_example > 1 else None
 
     def unit_grads(example: PyTree) -> tuple[tuple[Array, PyTree], PyTree]:
@@ -1271,12 +1391,74 @@ def _read(env: Mapping[Var, Value], var: Atom) -> Value:
 
 
 def _bind(eqn: Eqn, invals: Sequence[Value]) -> list[Value]:
+    invals = _varying_alike(invals)
+    if eqn.primitive.name == "scan" and invals and _varying(invals[0]):
+        return _scan_varying(eqn, invals)
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
         subfuns, bind_params = bind_params
         invals = (*subfuns, *invals)
     out = eqn.primitive.bind(*invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _varying(x: Value) -> frozenset:
+    """The manual mesh axes (`jax.shard_map`) over which `x` varies."""
+    aval = jax.typeof(x) if isinstance(x, jax.Array) else None
+    found = getattr(getattr(aval, "mat", None), "varying", None)  # JAX ≥ 0.9
+    return frozenset(found if found is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x: Value, axes: frozenset) -> Value:
+    """`x` cast to vary over the manual `axes` too (`pcast(to="varying")`: no data moves)."""
+    missing = tuple(sorted(axes - _varying(x)))
+    if not missing:
+        return x
+    if not hasattr(jax.lax, "pcast"):  # JAX < 0.8
+        return jax.lax.pvary(jnp.asarray(x), missing)  # pyright: ignore[reportAttributeAccessIssue]
+    return jax.lax.pcast(jnp.asarray(x), missing, to="varying")
+
+
+def _varying_alike(invals: Sequence[Value]) -> Sequence[Value]:
+    """Under `jax.shard_map`'s checks an operation's operands vary over the same manual axes:
+    the one-example jaxpr was traced without them, so operands that vary over fewer are cast,
+    as jax.numpy does for its own operations."""
+    every = frozenset().union(*[_varying(x) for x in invals])
+    return [_vary(x, every) for x in invals] if every else invals
+
+
+def _varying_as(tree: PyTree, like: PyTree) -> PyTree:
+    """`tree`'s leaves cast to vary over every manual axis `like`'s leaves vary over: a scan's
+    initial carry made of zeros, as the carry its body returns."""
+    every = frozenset().union(*[_varying(x) for x in jax.tree.leaves(like)])
+    cast = lambda x: _vary(x, every) if isinstance(x, jax.Array | np.ndarray) else x  # noqa: E731
+    return jax.tree.map(cast, tree) if every else tree
+
+
+def _scan_varying(scan: Eqn, invals: Sequence[Value]) -> list[Value]:
+    """A scan of the one-example jaxpr under `jax.shard_map`'s checks: its body was typed
+    without the manual axes its operands vary over, so it is run again by this interpreter
+    (`jax.lax.scan` of `_run`), its carry varying as every operand does."""
+    p, body = scan.params, scan.params["jaxpr"]
+    nc, ncar = _scan_counts(p)
+    consts, init, xs = list(invals[:nc]), list(invals[nc : nc + ncar]), list(invals[nc + ncar :])
+
+    def step(carry: list, x: list) -> tuple[list, list]:
+        outs = _run(body.jaxpr, body.consts, [*consts, *carry, *x])
+        return _varying_as(outs[:ncar], invals), outs[ncar:]
+
+    length, reverse, unroll = p["length"], p["reverse"], p.get("unroll", 1)
+    carry, ys = jax.lax.scan(
+        step, _varying_as(init, invals), xs, length=length, reverse=reverse, unroll=unroll
+    )
+    return [*carry, *ys]
+
+
+def _alike(tree: PyTree) -> PyTree:
+    """Every leaf cast to vary over the manual axes any leaf varies over, as
+    `optimization_barrier` returns them (identity outside `jax.shard_map`)."""
+    leaves, structure = jax.tree.flatten(tree)
+    return jax.tree.unflatten(structure, _varying_alike(leaves))
 
 
 Bind = Callable[[Eqn, list[Value]], list[Value]]  # evaluates one equation
@@ -2449,14 +2631,47 @@ def _sums_of(out: list, names: Sequence[str], n: int) -> dict[str, Array]:
 def _chunked_sums(
     form: Callable, a: Array, b: Array, c: int, names: list[str], dtype: DTypeLike, n: int
 ) -> dict[str, Array]:
-    """`_formed_sums` c examples at a time: one scan over chunks, padded to a multiple of c."""
+    """`_formed_sums` c examples at a time: one scan over chunks, padded to a multiple of c; on
+    a mesh of devices one scan per group of examples (`_groups`: each device its own), the
+    groups' sums added and their moments merged by Chan's update."""
+    k = sum(w in _PHI for w in names)
+    var = bool(_of_kind(names, "spread"))
+    groups = _groups((a, b), n)
+    if groups == 1:
+        sums, moments, norms = _scan_sums(form, a, b, c, names, dtype, n, k, var)
+    else:
+        split = lambda x: x.reshape(groups, n // groups, *x.shape[1:])  # noqa: E731
+        each = -(-c // groups), names, dtype, n // groups, k, var
+        sums, parts, norms = jax.vmap(lambda x, y: _scan_sums(form, x, y, *each))(
+            split(a), split(b)
+        )
+        sums = [jnp.sum(t, 0) for t in sums]
+        moments = ()
+        if var:
+            count, mean, m2 = moments = _chan_over(parts)
+            if "sum" in names:  # Σ g = N·ḡ, the merge's: one all-reduce fewer
+                sums[[w for w in names if w in _PHI].index("sum")] = count * mean
+        norms = [x.reshape(n) for x in norms]
+    return _sums_of([*sums, *list(moments)[1:], *norms], names, n)  # (count,) mean, M2
+
+
+def _scan_sums(
+    form: Callable,
+    a: Array,
+    b: Array,
+    c: int,
+    names: list[str],
+    dtype: DTypeLike,
+    n: int,
+    k: int,
+    var: bool,
+) -> tuple[list, tuple, list]:
+    """`_chunked_sums` on one device: the k sums, (count, mean, M2) and the per-row norms."""
     pad = -n % c
     a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
     counts = jnp.minimum(c, n - c * jnp.arange((n + pad) // c)).astype(dtype)
     one = jnp.ones((), dtype)
     shapes = jax.eval_shape(lambda x, y: form(x, y, names, one), a[:c], b[:c])
-    k = sum(w in _PHI for w in names)
-    var = bool(_of_kind(names, "spread"))
 
     def chunk(carry: tuple, xs: tuple[Array, Array, Array]) -> tuple[tuple, list]:
         sums, moments = carry
@@ -2473,9 +2688,9 @@ def _chunked_sums(
     moments: tuple[Array, ...] = ()
     if var:
         moments = (jnp.zeros((), dtype), zero(shapes[k]), zero(shapes[k + 1]))
-    (sums, moments), norms = jax.lax.scan(chunk, (sums, moments), (split(a), split(b), counts))
-    norms = [x.reshape(-1)[:n] for x in norms]  # padding cut off
-    return _sums_of([*sums, *list(moments)[1:], *norms], names, n)  # (count,) mean, M2
+    init = _varying_as((sums, moments), (a, b))
+    (sums, moments), norms = jax.lax.scan(chunk, init, (split(a), split(b), counts))
+    return sums, moments, [x.reshape(-1)[:n] for x in norms]  # padding cut off
 
 
 def _moments(g: Array, names: Sequence[str], r: Array | int, v: Array | None = None) -> list[Array]:
@@ -2710,8 +2925,12 @@ class OuterProduct(DotCore, _Simple):
         return _of_kind(list(_INGREDIENT), "mean", "spread")
 
     def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        spread = {w: self.compute(env, w) for w in _of_kind(wanted, "spread")}
-        return {w: self.core_sum(env, dtype, w) for w in wanted if w in _PHI} | spread
+        spread = {w: self._variance(env) for w in _of_kind(wanted, "spread")}
+        found = {w: self.core_sum(env, dtype, w) for w in wanted if w in _PHI}
+        if spread and "sum" in found and _devices(_read(env, self.core.invars[0])) > 1:
+            # on a mesh ḡ = ā⊗b̄ + K/N from the variance's contractions: one all-reduce fewer
+            found["sum"] = next(iter(spread.values()))[1]
+        return found | {w: var for w, (var, _) in spread.items()}
 
     def factored_cost(self, what: str) -> Cost:
         n, p = self.graph.n_units, self.leaf.size
@@ -2724,7 +2943,7 @@ class OuterProduct(DotCore, _Simple):
         return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
 
     def compute(self, env: Env, what: str) -> Array:  # norms; the variance for core_sums
-        dtype, n = self.dtype, self.graph.n_units
+        dtype = self.dtype
         lc, rc, lb, rb = _dot_dims(self.core)
         a, b = _operands(self.core, env, dtype, tie=False)
         ua, ub = self.units
@@ -2739,6 +2958,15 @@ class OuterProduct(DotCore, _Simple):
             gram = lambda x: jnp.einsum("unf,wnf->nuw", x, x)  # noqa: E731
             pairs = jnp.sum(gram(_merge01(A)) * gram(_merge01(B)), 0)  # [N, N]
             return pairs * _scale_sq(self.post, env, dtype)
+        return self._variance(env)[0]
+
+    def _variance(self, env: Env) -> tuple[Array, Array]:
+        """The variance and the mean ā⊗b̄ + K/N, in core coordinates."""
+        dtype, n = self.dtype, self.graph.n_units
+        lc, rc, lb, rb = _dot_dims(self.core)
+        a, b = _operands(self.core, env, dtype, tie=False)
+        ua, ub = self.units
+        A, B = _units_layout(a, lb, ua), _units_layout(b, rb, ub)  # [B, U, nb, f]
         A, B = _gauge(_merge01(A), _merge01(B))  # [N, nb, f], the variance in core coordinates
         abar, bbar = jnp.mean(A, 0), jnp.mean(B, 0)
         Ac, Bc = A - abar, B - bbar
@@ -2761,7 +2989,9 @@ class OuterProduct(DotCore, _Simple):
             - Kt * Kt
         )
         dot = lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))  # noqa: E731
-        return jnp.abs(total).reshape(jax.eval_shape(dot, a[0], b[0]).shape)  # a scan's slice
+        shape = jax.eval_shape(dot, a[0], b[0]).shape  # a scan's slice
+        mean = a_ * b_ + Kt * math.sqrt((n - 1) / n)  # K/N
+        return jnp.abs(total).reshape(shape), mean.reshape(shape)
 
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
@@ -4549,8 +4779,10 @@ def _run_head(
     factorized ingredients, and (XLA:CPU) an optimization barrier makes the rest of the backward
     pass wait for them: each leaf's statistics are computed where plain grad computes its
     gradient, and the activations they read die as early as there. XLA:GPU materializes each
-    value a barrier holds (a transformer: 1.8× plain grad's temporaries, 0.9–1.0× without). The
-    `in_scan` leaves' sums are formed inside their scans (`_scan_with_sums`)."""
+    value a barrier holds (a transformer: 1.8× plain grad's temporaries, 0.9–1.0× without); on a
+    mesh of devices neither holds one: a barrier keeps the partitioner from reusing a sharded
+    parameter's all-gather (FSDP) on both of its sides. The `in_scan` leaves' sums are formed
+    inside their scans (`_scan_with_sums`)."""
     _barrier = jax.lax.optimization_barrier
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
@@ -4581,6 +4813,7 @@ def _run_head(
     # between segments; the routes get every value they read with the examples first.
     batch_axis: dict[Var, int] = {}
     leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
+    mesh = max([_devices(x) for x in inputs], default=1)  # on a mesh, no barrier (docstring)
     start, results = 0, {}
     for cut in sorted({*ready_at, len(head) - 1} - {-2}):
         segment = head[start : cut + 1]
@@ -4596,7 +4829,8 @@ def _run_head(
             new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
             live = [v for v in values if last_use.get(v, -1) > cut]
             both = (new, [values[v] for v in live])  # held on XLA:CPU only (docstring)
-            new, kept = _per_platform(cpu=lambda b=both: _barrier(b), accelerator=lambda b=both: b)
+            held = lambda b=both: _barrier(b) if mesh == 1 else _alike(b)  # noqa: E731
+            new, kept = _per_platform(cpu=held, accelerator=lambda b=both: _alike(b))
             values.update(zip(live, kept, strict=True))
             results.update(new)
     each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
@@ -4832,12 +5066,16 @@ def _chunk_loop(
         merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
         return {k: merge(k, v) for k, v in part.items()}
 
+    def over(parts: dict) -> dict:  # a device's group each, stacked on axis 0
+        merge = lambda k, v: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0)  # noqa: E731
+        return {k: merge(k, v) for k, v in parts.items()}
+
     examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w, k, given)
     looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
     acc, units = {}, {}
     if looped:
-        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, combine)
+        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, combine, over)
     held = {key[1]: acc.pop(key) for key in [key for key in acc if key[0] == "held"]}
     out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
     units = {} if weights is not None else units
@@ -4901,7 +5139,9 @@ def _gradient_of_mean_loss(
     examples. Where 1/N would be rounded in the loss's dtype (a loss narrower than float32) or
     a mask weighs the examples, the summed loss is differentiated and the gradient divided by
     the count in its own dtype, as the routes do (no kept example: NaN); a masked example,
-    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss."""
+    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss; in
+    `jax.shard_map`, this shard's (`_reference`)."""
+    params = _varying_as(params, batch)
     summed = [keep is not None]  # set once the loss's dtype is known, inside the trace
 
     def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:

@@ -189,3 +189,17 @@ def test_micro_batches_keeping_one_or_no_example_merge_exactly(micro, jit: bool)
     union = jax.tree.map(lambda x: x[keep], batch)
     _, big = jax.jit(_fn(piece, "vmap", ("mean", "sign_mean")))(params, union)
     assert_tree_close(got["sign_mean"], big["sign_mean"], "sign_mean", rtol=1e-12)
+
+
+@pytest.mark.parametrize("sizes", [(1,), (4,)], ids=["one-unit", "four"])
+def test_the_micro_batch_function_takes_dot_with_and_gives_each_micro_batchs_dot(sizes):
+    piece = _piece("mlp3")
+    params = piece.init(jax.random.key(0))
+    batch = piece.example(jax.random.key(1), sizes[0])
+    v = jax.tree.map(jnp.ones_like, params)
+    loss = lambda p, ex: piece.loss(p, ex, False)  # noqa: E731
+    micro = pegrad.Accumulator.value_and_grad_stats(loss, ("mean", "var", "dot"))
+    _, got = micro(params, batch, dot_with=v)
+    _, want = pegrad.value_and_grad_stats(loss, ("mean", "dot"))(params, batch, dot_with=v)
+    assert_tree_close(got["dot"], want["dot"], "dot")
+    assert_tree_close(got["mean"], want["mean"], "mean")
