@@ -287,8 +287,14 @@ def test_an_install_exposes_pegrad_alone_and_runs_python_m_pegrad_plots(
             for name in hatch_build.modules()
         }
     args = [root, json.dumps(modules), json.dumps(_others())]
-    run = dict(cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
-    proc = subprocess.run([str(python), "-c", ISOLATED_SCRIPT, *args], **run)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(python), *argv], cwd=elsewhere, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+
+    proc = run("-c", ISOLATED_SCRIPT, *args)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    proc = subprocess.run([str(python), "-m", "pegrad.plots", "--help"], **run)
+    proc = run("-m", "pegrad.plots", "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr

@@ -416,8 +416,8 @@ def bf16_stats(params: dict, t: int, poison: bool = False) -> dict:
     sign_mean = {k: jnp.clip(of(g, 0.5), -1.0, 1.0) for k, g in mean.items()}
     stats = {"mean": mean, "sq_mean": sq_mean, "sign_mean": sign_mean, "batch_size": 4}
     if poison and t == NAN_STEP:
-        poison = lambda tree: {**tree, "w2": tree["w2"].at[0, 0].set(jnp.nan)}
-        stats = {**stats, **{n: poison(stats[n]) for n in ("mean", "sq_mean", "sign_mean")}}
+        nan_at = lambda tree: {**tree, "w2": tree["w2"].at[0, 0].set(jnp.nan)}
+        stats = {**stats, **{n: nan_at(stats[n]) for n in ("mean", "sq_mean", "sign_mean")}}
     return stats
 
 
