@@ -1,5 +1,8 @@
 """Optimizers that consume per-example gradient statistics (SPEC §4, after Roulet & Agarwala,
 arXiv 2510.00236): Adam, MicroAdam, MicroAdamVar, MicroAdamMSQ, MicroSignSGD, SignSGD, SignEMA.
+MicroAdam here is that paper's: Adam with the per-example mean of squares (1/B) Σ_i g_i² as its
+second moment. It is not IST-DASLab's MicroAdam (Modoranu et al., NeurIPS 2024, the package
+ista_daslab_micro_adam), a memory-saving Adam with a compressed state, which shares the name.
 
 Every factory returns an `optax.GradientTransformationExtraArgs`. Its update is
 
@@ -20,16 +23,23 @@ own machinery applies unchanged:
     params, state, loss, stats = step(params, opt.init(params), batch)
 
 Each alias is a `scale_by_*` block (the direction, public, to chain with optax's own blocks)
-followed by optax.adamw's tail, `optax.add_decayed_weights(λ, mask)` and
-`optax.scale_by_learning_rate(lr)`: the update is −lr_t·(direction + λ·p), λ on the leaves the
-mask (a pytree of bools shaped like params, or a function of params returning one) selects,
-lr_t an optax schedule evaluated at the step count before the update, or a number. The sign is
-`optax.scale_by_sign`, sign_ema's clipping `optax.clip_by_global_norm`, the states optax's
-NamedTuples. The blocks are written here, from optax's moment helpers, where optax's would
-differ: moments stay in float32 (or the parameter dtype when wider) for bfloat16 parameters,
-and the direction comes back in the parameter dtype (optax.scale_by_adam keeps ν in the
-parameter dtype; optax.ema mixes a float32 EMA with bf16 updates by implicit promotion; this
-file is clean under jax_numpy_dtype_promotion="strict").
+followed by optax.adamw's tail, `optax.add_decayed_weights(λ, mask)` (the parameters cast to
+the updates' dtype) and `optax.scale_by_learning_rate(lr)`: the update is −lr_t·(direction +
+λ·p), λ on the leaves the mask (a pytree of bools shaped like params, or a function of params
+returning one) selects, lr_t an optax schedule evaluated at the step count before the update,
+or a number. The sign is `optax.scale_by_sign`, sign_ema's clipping `optax.clip_by_global_norm`,
+the states optax's NamedTuples. The blocks are written here, from optax's moment helpers, where
+optax's would differ: moments stay in float32 (or the parameter dtype when wider) for bfloat16
+parameters (optax.scale_by_adam keeps ν in the parameter dtype; optax.ema mixes a float32 EMA
+with bf16 updates by implicit promotion; this file is clean under
+jax_numpy_dtype_promotion="strict").
+
+Dtypes: every rule (and `multi_steps`) returns its updates in the dtype of the updates it was
+given, optax's convention: float32 ḡ (pegrad's statistics of bfloat16 parameters) gives float32
+updates, as optax.adam does, and `optax.apply_updates` rounds p + u to the parameters' dtype.
+So optax's wrappers whose other branch returns zeros of the incoming updates compose with
+bfloat16 parameters: optax.apply_if_finite (skips a non-finite step), multi_steps, optax.masked,
+optax.chain (tests/test_optimizers_compose.py, every rule under each).
 
 The statistics beside the updates (the contract every rule that reads `stats=` enforces):
 
@@ -179,8 +189,8 @@ def _cast(tree: PyTree, like: PyTree, scale: Array | None = None) -> PyTree:
 def _check_params(rule: str, params: PyTree) -> None:
     if params is None:
         raise ValueError(
-            f"{rule} needs params: update(ḡ, state, params, ...) returns the direction in the "
-            "parameter dtype"
+            f"{rule} needs params: update(ḡ, state, params, ...), as optax.adamw's (the "
+            "weight decay reads them)"
         )
 
 
@@ -246,6 +256,25 @@ def _with_stats(optimizer: Any) -> Any:
     return optax.with_extra_args_support(optimizer)
 
 
+def _add_decayed_weights(weight_decay: optax.ScalarOrSchedule, mask: Mask) -> Transformation:
+    """optax.add_decayed_weights(λ, mask) with the parameters cast to the updates' dtype: u + λ·p
+    is formed in the updates' dtype (float32 updates beside bfloat16 parameters are strict
+    promotion clean; under standard promotion optax's block computes the same numbers)."""
+    inner = optax.add_decayed_weights(weight_decay, mask)
+
+    def like_updates(u: Any, p: Any) -> Any:
+        return p if _is_masked(u) or p is None else jnp.asarray(p).astype(jnp.asarray(u).dtype)
+
+    def update(
+        updates: PyTree, state: Any, params: PyTree = None, **extra_args: Any
+    ) -> tuple[PyTree, Any]:
+        if params is not None:
+            params = jax.tree.map(like_updates, updates, params, is_leaf=_is_masked)
+        return inner.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
 def _finish(
     rule: str,
     direction: Transformation,
@@ -257,7 +286,7 @@ def _finish(
     _check(rule, "weight_decay", weight_decay, lambda x: x >= 0.0, ">= 0")
     return optax.chain(
         direction,
-        optax.add_decayed_weights(weight_decay, mask),
+        _add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(_strict_clean(learning_rate)),
     )
 
@@ -597,8 +626,10 @@ def _scale_by_adam_family(
             return m_hat / _divisor(v_hat, eps, eps_root, block, relu_preconditioner)
 
         m_hat, v_hat = _debias(mu, b1, count), _debias(nu, b2, count)
-        updates = _cast(jax.tree.map(direction, m_hat, v_hat), params)
-        return updates, optax.ScaleByAdamState(count, mu, nu)
+        # In the incoming updates' dtype, as optax's rules return theirs (optax.apply_if_finite
+        # and multi_steps' skip branches return zeros of that dtype beside it).
+        direction_ = _cast(jax.tree.map(direction, m_hat, v_hat), updates)
+        return direction_, optax.ScaleByAdamState(count, mu, nu)
 
     # optax types a state as any pytree; ours is the NamedTuple it is.
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
@@ -889,6 +920,11 @@ def micro_adam(
     """MicroAdam: Adam with the per-example second moment q = (1/B) Σ_i g_i² = ḡ² + σ²(B−1)/B
     (reads stats "mean", "sq_mean").
 
+    Which MicroAdam: Roulet & Agarwala's (arXiv 2510.00236), Adam whose second moment is the
+    per-example mean of squares. Not IST-DASLab's optimizer of the same name (Modoranu et al.,
+    NeurIPS 2024; the package ista_daslab_micro_adam), which compresses Adam's state and
+    reads no per-example statistics.
+
     m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·q,   m̂ = m/(1−β1^t),   v̂ = v/(1−β2^t)
     u = −lr_t·( m̂/(√(v̂ + ε_root) + ε) + λ·p )
 
@@ -1047,7 +1083,7 @@ def micro_adam_msq(
 
 
 def _ema(rule: str, momentum: Any, read: str | None = None) -> Transformation:
-    """e ← β·e + (1−β)·x with x the updates, or stats[read]; returns e in the parameter dtype.
+    """e ← β·e + (1−β)·x with x the updates, or stats[read]; returns e in the updates' dtype.
 
     optax.ema(β, debias=False) computes the same but keeps e in one given dtype and mixes a
     float32 e with bf16 updates by implicit promotion; here e is per leaf float32 or wider."""
@@ -1072,8 +1108,9 @@ def _ema(rule: str, momentum: Any, read: str | None = None) -> Transformation:
             return optax.tree.update_moment(xl, e, _hyper(momentum, e.dtype), 1)
 
         ema = jax.tree.map(leaf, x, state.ema)
-        # bf16 has float32's exponent range: the cast keeps every sign a later sign reads.
-        return _cast(ema, params), optax.EmaState(optax.safe_increment(state.count), ema)
+        # In the incoming updates' dtype (optax's convention); bf16 updates have float32's
+        # exponent range: the cast keeps every sign a later sign reads.
+        return _cast(ema, updates), optax.EmaState(optax.safe_increment(state.count), ema)
 
     # optax types a state as any pytree; ours is the NamedTuple it is.
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
@@ -1544,7 +1581,6 @@ def _refuse_multisteps(optimizer: AnyTransformation, params: PyTree) -> None:
         where = "its inner optimizer"
     else:
         state = jax.eval_shape(optimizer.init, trainable(params))
-        _refuse_narrow_apply_if_finite(optimizer, state, params)
         nested = lambda x: isinstance(x, optax.MultiStepsState)
         if not any(nested(x) for x in jax.tree.leaves(state, is_leaf=nested)):
             return
@@ -1561,30 +1597,20 @@ def _refuse_multisteps(optimizer: AnyTransformation, params: PyTree) -> None:
         )
 
 
-def _refuse_narrow_apply_if_finite(optimizer: Any, state: Any, params: PyTree) -> None:
-    """optax.apply_if_finite's skip branch returns zeros of the updates it was given (ḡ, float32
-    for bfloat16 parameters) where its inner rule returns updates in the parameters' dtype:
-    its lax.cond fails inside optax. Refused here, naming the leaves and the fixes."""
-    wrapped = lambda x: isinstance(x, optax.ApplyIfFiniteState)
-    if not any(wrapped(x) for x in jax.tree.leaves(state, is_leaf=wrapped)):
-        return
-    narrow = [
-        f"{jax.tree_util.keystr(path)} {p.dtype}"
-        for path, p in jax.tree_util.tree_leaves_with_path(trainable(params))
-        if _moment_dtype(p.dtype) != p.dtype
-    ]
-    try:
-        _traced_stats(optimizer, params)
-    except TypeError as err:
-        if not (narrow and "cond branches" in str(err)):
-            raise
-        raise TypeError(
-            f"optax.apply_if_finite around these rules with parameters narrower than float32 "
-            f"({', '.join(narrow)}): its skip branch returns float32 zeros (ḡ's dtype) where the "
-            "rules return updates in the parameters' dtype, and optax's lax.cond refuses the "
-            "mismatch. Keep the parameters in float32 (cast inside loss_fn), or drop non-finite "
-            "examples with pegrad's nonfinite='drop' (make_train_step(..., nonfinite='drop'))"
-        ) from None
+def _apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """optax.apply_updates, strict promotion clean: p + u in the wider of the two dtypes, then
+    rounded to p's (float32 updates of bfloat16 parameters; the numbers of optax's function
+    under standard promotion)."""
+
+    def leaf(p: Any, u: Any) -> Any:
+        if p is None:
+            return None
+        p, u = jnp.asarray(p), jnp.asarray(u)
+        with jax.numpy_dtype_promotion("standard"):  # the dtype alone: the sum is explicit
+            wide = jnp.promote_types(p.dtype, u.dtype)
+        return (p.astype(wide) + u.astype(wide)).astype(p.dtype)
+
+    return jax.tree.map(leaf, params, updates, is_leaf=lambda x: x is None)
 
 
 class _Static:
@@ -1669,7 +1695,7 @@ def make_train_step(
         )
         value, st = stats_fn(p, batch)
         updates, state = tx.update(st["mean"], state, p, stats=st)
-        return _combine(optax.apply_updates(p, updates), params), state, value, st
+        return _combine(_apply_updates(p, updates), params), state, value, st
 
     if not jit:
         return pure

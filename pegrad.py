@@ -186,12 +186,31 @@ def explain(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
 ) -> "Plan":
-    """The plan impl="factorized" follows for these statistics (and `choose`): one `LeafPlan`
-    per parameter leaf (route, what its match proved, per-ingredient method, cost estimate,
-    refusals), in a `Plan` (a tuple) whose `str` opens with a one-line summary. Traces `loss_fn`
+    """The plan impl="factorized" follows for these statistics (and `choose`). Traces `loss_fn`
     abstractly; runs nothing. `batch` may hold `jax.ShapeDtypeStruct`s; `params` may be a model.
     This is the plan without a mask: with a mask (or nonfinite="drop") no leaf takes "constant",
-    "var" is chunked, and the fallback does not transpose."""
+    "var" is chunked, and the fallback does not transpose.
+
+    Returns:
+        A `Plan`: a tuple of `LeafPlan`s, one per parameter leaf in the tree's order, meant to
+        be printed. `print(plan)` gives `plan.summary` (one line: leaves per route and the
+        estimated cost against plain grad's, `plan.plain_flops`: floating-point operations
+        counted from shapes, a rough guide, not a measurement), then one entry per leaf. Each
+        `LeafPlan` holds `leaf` (its key path, e.g. "['layers'][0]['w']"), `shape`, `route`
+        (the route taken, a name in `ROUTES`, or "mean-loss"), `reason` (what its match
+        proved), `methods` (each ingredient the statistics need -> "factorized" or
+        "chunked"), `status` ("factorized", "chunked" or "fallback"), `cost` (a `Cost`:
+        `flops`, `bytes`), `refused` ((route, why it did not apply) pairs), `outranked`
+        (routes proven too but costlier) and `formed` (where per-unit gradients of the leaf
+        exist: where, how many examples at once, their bytes).
+
+    Example:
+        >>> import jax.numpy as jnp, pegrad
+        >>> loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]))
+        >>> plan = pegrad.explain(loss, {"w": jnp.ones((3, 2))}, jnp.ones((4, 3)), "sq_mean")
+        >>> [(p.leaf, p.shape, p.status) for p in plan]
+        [("['w']", (3, 2), 'factorized')]
+    """
     stats = _stat_names(stats)
     if "clipped_mean" in stats and clip_norm is None:
         clip_norm = 1.0  # the plan does not depend on C
@@ -521,8 +540,7 @@ def gradient_noise_scale(
 
     For independent units both are unbiased (E[σ̂²] = Σ_jj, E[‖ḡ‖²] = |G|² + tr Σ / N); their
     ratio is not, and on one batch |G|² can be ≤ 0: smooth both over steps and divide after, as
-    McCandlish et al. do (train.py logs both). Returns {"trace_cov", "grad_sq", "b_simple"}
-    (scalars) and "per_leaf": the same three per leaf, which sum to them. N = 1 gives NaN.
+    McCandlish et al. do (train.py logs both). N = 1 gives NaN.
 
     With a diagonal `preconditioner` P (a tree like the parameters, each leaf broadcastable to
     its parameter's shape; e.g. Adam's 1/(√v̂ + ε)), the same argument run on the preconditioned
@@ -531,7 +549,31 @@ def gradient_noise_scale(
     (an optimizer's state before this step's update) E[Σ P σ̂²] = Σ P Σ_jj = tr(PΣ) and
     E[Σ P ḡ²] = GᵀPG + tr(PΣ)/N, so both parts are unbiased; a P formed from the batch itself
     is not (E[P σ̂²] ≠ P·E[σ̂²]). P = 1 gives B_simple's numbers (x·1 = x). P must be finite
-    and ≥ 0 (a PSD diagonal): checked where concrete, under jit the caller's contract."""
+    and ≥ 0 (a PSD diagonal): checked where concrete, under jit the caller's contract.
+
+    Returns:
+        A dict of these keys, the scalars in the statistics' widest dtype (float32 at least):
+
+        * "trace_cov": tr Σ, a scalar.
+        * "grad_sq": |G|², a scalar (≤ 0 on some batches).
+        * "b_simple": tr Σ / |G|², a scalar.
+        * "per_leaf": a dict of the same three keys, each a tree like the parameters holding
+          the leaf's own scalar; per-leaf "trace_cov" and "grad_sq" sum to the totals,
+          "b_simple" is the leaf's own ratio (ratios do not sum).
+
+        With `preconditioner`, also "trace_cov_p" (tr(PΣ)), "grad_sq_p" (|G|²_P) and "b_p"
+        (B_P), scalars, and the same three in "per_leaf" beside the others.
+
+    Example:
+        >>> import jax.numpy as jnp, pegrad
+        >>> stats = {"mean": {"w": jnp.array([2.0, 0.0])}, "var": {"w": jnp.array([2.0, 2.0])},
+        ...          "batch_size": 4}
+        >>> out = pegrad.gradient_noise_scale(stats)  # tr Σ = 4, |G|² = 4 − 4/4 = 3
+        >>> sorted(out), sorted(out["per_leaf"])
+        (['b_simple', 'grad_sq', 'per_leaf', 'trace_cov'], ['b_simple', 'grad_sq', 'trace_cov'])
+        >>> [round(float(out[k]), 4) for k in ("trace_cov", "grad_sq", "b_simple")]
+        [4.0, 3.0, 1.3333]
+    """
     need = ("mean", "batch_size", "var" if "var" in stats else "sq_mean")
     if missing := [k for k in need if k not in stats]:
         raise ValueError(
@@ -5224,10 +5266,10 @@ def _factorized(
 
 
 def __getattr__(name: str) -> types.ModuleType:
-    """`from pegrad import models, optimizers, train` (PEP 562): the package's modules when
-    installed, else the files beside this one loaded by path as `pegrad.<name>` (never a user's
-    own file of that name; train.py's `from . import` is this)."""
-    if name not in ("models", "optimizers", "train"):
+    """`from pegrad import models, optimizers, train` (PEP 562; `pegrad.plots` too): the
+    package's modules when installed, else the files beside this one loaded by path as
+    `pegrad.<name>` (never a user's own file of that name; train.py's `from . import` is this)."""
+    if name not in ("models", "optimizers", "train", "plots"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     full = f"{__name__}.{name}"
     if "__path__" in globals():  # the wheel: a submodule of the package

@@ -387,3 +387,113 @@ def test_a_module_trains_as_its_partitioned_parameters(name: str):
     got = eqx.filter(m, eqx.is_inexact_array)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16 parameters: every rule returns its updates in the incoming updates' dtype (optax's
+# convention: optax.adam on float32 ḡ of bfloat16 parameters returns float32), so optax's
+# wrappers whose other branch returns zeros of the updates (apply_if_finite, multi_steps) compose.
+
+BF16_WRAPPERS: dict[str, Callable[[Any], Any]] = {
+    "apply_if_finite": lambda rule: optax.apply_if_finite(rule, max_consecutive_errors=3),
+    "chain": lambda rule: optax.chain(optax.clip_by_global_norm(0.5), rule, optax.scale(1.0)),
+    "masked": lambda rule: optax.masked(rule, {"w1": True, "b1": False, "w2": True, "b2": True}),
+    "multi_steps": lambda rule: optimizers.multi_steps(rule, 2),
+}
+BF16_STEPS, NAN_STEP = 6, 3  # a non-finite ḡ (and statistics) at this step
+
+
+def bf16_stats(params: dict, t: int, poison: bool = False) -> dict:
+    """Float32 statistics of step t (pegrad's for bfloat16 parameters): ḡ, q ≥ ḡ², s in [-1, 1];
+    poison: NaN at one coordinate of every statistic at NAN_STEP (a non-finite example)."""
+    rng = np.random.default_rng(100 + t)
+
+    def of(p: jax.Array, scale: float) -> jax.Array:
+        return jnp.asarray(scale * rng.normal(size=p.shape), jnp.float32)
+
+    mean = {k: of(p, 0.3) for k, p in params.items()}
+    sq_mean = {k: g * g + jnp.abs(of(g, 0.2)) for k, g in mean.items()}
+    sign_mean = {k: jnp.clip(of(g, 0.5), -1.0, 1.0) for k, g in mean.items()}
+    stats = {"mean": mean, "sq_mean": sq_mean, "sign_mean": sign_mean, "batch_size": 4}
+    if poison and t == NAN_STEP:
+        nan_at = lambda tree: {**tree, "w2": tree["w2"].at[0, 0].set(jnp.nan)}
+        stats = {**stats, **{n: nan_at(stats[n]) for n in ("mean", "sq_mean", "sign_mean")}}
+    return stats
+
+
+def bf16_trajectory(opt: Any, params: dict, poison: bool) -> tuple[list, list]:
+    """(params after each step, updates of each step): opt.update(ḡ, state, params, stats=) and
+    p + u rounded to p's dtype, jitted, on the same float32 statistics whatever p's dtype."""
+    update = jax.jit(lambda g, s, p, st: opt.update(g, s, p, stats=st))
+    apply = jax.jit(
+        lambda p, u: jax.tree.map(lambda a, b: (a.astype(b.dtype) + b).astype(a.dtype), p, u)
+    )
+    state, trajectory, steps = opt.init(params), [], []
+    for t in range(BF16_STEPS):
+        stats = bf16_stats(params, t, poison)
+        updates, state = update(stats["mean"], state, params, stats)
+        params = apply(params, updates)
+        trajectory.append(params)
+        steps.append(updates)
+    return trajectory, steps
+
+
+@pytest.mark.parametrize("wrapper", BF16_WRAPPERS)
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_parameters_compose_with_every_wrapper(name: str, wrapper: str):
+    """The rule wrapped, on bfloat16 parameters: its updates are float32 (ḡ's dtype) at every step,
+    the parameters stay bfloat16, and every step equals the same step on float32 parameters
+    holding the same values, rounded to bfloat16 (the moments are float32 either way); under
+    apply_if_finite a step whose ḡ and statistics hold a NaN is skipped (the others would
+    carry the NaN on, or refuse it: clip_by_global_norm spreads it to every coordinate)."""
+    poison = wrapper == "apply_if_finite"
+    _, wide, _ = problem("mlp", dtype=jnp.float32)
+    narrow = jax.tree.map(lambda p: p.astype(jnp.bfloat16), wide)
+    opt = BF16_WRAPPERS[wrapper](make(name, weight_decay=0.1))
+    got, got_updates = bf16_trajectory(opt, narrow, poison)
+    for updates in got_updates:
+        assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype(jnp.float32)}
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+    # The reference: float32 parameters, rounded to bfloat16 after every step.
+    update = jax.jit(lambda g, s, p, st: opt.update(g, s, p, stats=st))
+    p32 = jax.tree.map(lambda p: p.astype(jnp.float32), narrow)
+    state = opt.init(p32)
+    for t in range(BF16_STEPS):
+        stats = bf16_stats(p32, t, poison)
+        updates, state = update(stats["mean"], state, p32, stats)
+        want = jax.tree.map(lambda p, u: (p + u).astype(jnp.bfloat16), p32, updates)
+        for k in want:
+            np.testing.assert_array_equal(
+                np.asarray(got[t][k], np.float32), np.asarray(want[k], np.float32),
+                err_msg=f"{name} under {wrapper}, step {t}, leaf {k}",
+            )  # fmt: skip
+        p32 = jax.tree.map(lambda p: p.astype(jnp.float32), want)
+    if poison:  # the NaN step: no update at all, the count says so
+        before = got[NAN_STEP - 1]
+        for k in before:
+            np.testing.assert_array_equal(got[NAN_STEP][k], before[k], err_msg=k)
+        assert not any(np.array_equal(got[NAN_STEP + 1][k], before[k]) for k in ("w1", "b1"))
+        assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 0
+
+
+@pytest.mark.parametrize(
+    "grads, params", [("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float32", "float32")]
+)
+@pytest.mark.parametrize("name", NAMES)
+def test_updates_come_back_in_the_dtype_optax_adam_returns(name: str, grads: str, params: str):
+    """optax.adam's updates (standard promotion: optax is not strict-clean) and every rule's are
+    of one dtype, the incoming updates': float32 ḡ of bfloat16 parameters gives float32."""
+    _, wide, _ = problem("mlp", dtype=jnp.float32)
+    p = jax.tree.map(lambda x: x.astype(params), wide)
+    stats = bf16_stats(wide, 0)
+    stats = {
+        n: jax.tree.map(lambda x: x.astype(grads), v) if n != "batch_size" else v
+        for n, v in stats.items()
+    }
+    with jax.numpy_dtype_promotion("standard"):
+        tx = optax.adam(LR)
+        want, _ = tx.update(stats["mean"], tx.init(p), p)
+    opt = make(name)
+    got, _ = opt.update(stats["mean"], opt.init(p), p, stats=stats)
+    dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree)}
+    assert dtypes(got) == dtypes(want) == {jnp.dtype(grads)}

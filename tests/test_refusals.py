@@ -1,9 +1,10 @@
 """Refusals a new user meets in the first hour (issue 50), each one line that names the fix:
 under any jit the user writes (Equinox's runtime error: `eqx.filter_jit` shows the message
-first), optax.MultiSteps nested in optax.chain, optax.apply_if_finite around a rule with
-bfloat16 parameters, a random draw with a shared key in a custom_vjp backward rule, "var" of a
-micro-batch of one, a model's non-array field traced by jax.jit, a (loss, aux) pair without
-has_aux=True and a batch given as a list of examples."""
+first), optax.MultiSteps nested in optax.chain, a random draw with a shared key in a custom_vjp
+backward rule, "var" of a micro-batch of one, a model's non-array field traced by jax.jit, a
+(loss, aux) pair without has_aux=True and a batch given as a list of examples. And one that
+composes now: optax.apply_if_finite around a rule with bfloat16 parameters (refused by issue 50;
+issue 58: it computes)."""
 
 from typing import Any
 
@@ -89,20 +90,30 @@ def test_multisteps_nested_around_a_rule_reading_only_the_mean_is_accepted():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_apply_if_finite_around_a_rule_computes_or_names_the_fix(dtype: Any):
+def test_apply_if_finite_around_a_rule_computes_and_skips_a_nonfinite_step(dtype: Any):
+    """Issue 50 refused apply_if_finite around a rule with bfloat16 parameters (its skip branch
+    returns ḡ's float32 zeros, the rule returned bf16); the rules now return updates in ḡ's
+    dtype, as optax.adam does, so it composes: the unwrapped step, equal to the float32
+    computation rounded to the parameters' dtype, and a step whose ḡ is NaN is skipped."""
     params, batch = problem(dtype)
-    wrapped = optax.apply_if_finite(optimizers.micro_adam(1e-3), max_consecutive_errors=3)
+    wrapped = optax.apply_if_finite(optimizers.micro_adam(0.05), max_consecutive_errors=3)
+    assert optimizers.required_stats(wrapped, params) == ("mean", "sq_mean")
     step = optimizers.make_train_step(loss_fn, wrapped)
-    if dtype == jnp.bfloat16:  # its skip branch returns ḡ's float32 zeros: optax's cond fails
-        with pytest.raises(TypeError, match="apply_if_finite.*Keep the parameters in float32"):
-            step(params, wrapped.init(params), batch)
-        with pytest.raises(TypeError, match=r"\['w'\] bfloat16"):
-            optimizers.required_stats(wrapped, params)
-        return
-    plain = optimizers.micro_adam(1e-3)
-    got, _, _, _ = step(params, wrapped.init(params), batch)
-    want, _, _, _ = optimizers.make_train_step(loss_fn, plain)(params, plain.init(params), batch)
+    got, state, _, _ = step(params, wrapped.init(params), batch)
+    assert got["w"].dtype == dtype and not np.array_equal(got["w"], params["w"])
+    plain = optimizers.micro_adam(0.05)
+    plain_step = optimizers.make_train_step(loss_fn, plain)
+    want, _, _, _ = plain_step(params, plain.init(params), batch)
     np.testing.assert_array_equal(got["w"], want["w"])
+    wide = jax.tree.map(lambda p: p.astype(jnp.float32), params)  # the same values, float32
+    wide_got, _, _, _ = plain_step(wide, plain.init(wide), batch)
+    np.testing.assert_array_equal(got["w"], wide_got["w"].astype(dtype))
+    x, y = batch
+    skipped, state, _, _ = step(got, state, (x.at[0, 0].set(jnp.nan), y))  # ḡ NaN: no step
+    np.testing.assert_array_equal(skipped["w"], got["w"])
+    assert (int(state.notfinite_count), int(state.total_notfinite)) == (1, 1)
+    again, state, _, _ = step(skipped, state, shifted(batch, 1))  # and on: a finite step
+    assert int(state.notfinite_count) == 0 and not np.array_equal(again["w"], skipped["w"])
 
 
 def _noisy_backward(key_of: Any) -> Any:
