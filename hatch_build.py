@@ -2,11 +2,11 @@
 
 The wheel holds one package, `pegrad`, and nothing else in site-packages: pegrad.py is its
 `__init__` (so `import pegrad` means what it means in a checkout) and models.py, optimizers.py,
-train.py, plots.py are its modules (`from pegrad import models, optimizers, train`; `python -m
-pegrad.train`, `python -m pegrad.plots`), so that a user's own models.py or train.py beside
-their script never stands in for them; `pegrad/py.typed` tells type checkers to read its
-annotations (PEP 561). An editable
-install gets none of these copies, which would go stale: it puts the checkout itself on sys.path
+train.py (with trainkit.py, its plumbing), plots.py are its modules (`from pegrad import
+models, optimizers, train`; `python -m pegrad.train`, `python -m pegrad.plots`), so that a
+user's own models.py or train.py beside their script never stands in for them;
+`pegrad/py.typed` tells type checkers to read its annotations (PEP 561). An editable install
+gets none of these copies, which would go stale: it puts the checkout itself on sys.path
 (`dev-mode-dirs`), the flat modules the tests import, and the same `from pegrad import
 optimizers` loads the file beside pegrad.py (pegrad's module `__getattr__`). Both report the
 version `pegrad.__version__` in pegrad.py, pyproject's one source ([tool.hatch.version]).
@@ -23,6 +23,7 @@ PACKAGE = {
     "models.py": "pegrad/models.py",
     "optimizers.py": "pegrad/optimizers.py",
     "train.py": "pegrad/train.py",
+    "trainkit.py": "pegrad/trainkit.py",  # train.py's plumbing (flags, checkpoints, processes)
     "plots.py": "pegrad/plots.py",  # python -m pegrad.plots (matplotlib: the "plots" extra)
     "py.typed": "pegrad/py.typed",  # PEP 561: the package's annotations are for type checkers
 }

@@ -28,7 +28,7 @@ import pegrad
 REPO = Path(__file__).resolve().parent.parent
 MODULES = {"pegrad.py": "__init__.py", "models.py": "models.py",
            "optimizers.py": "optimizers.py", "train.py": "train.py",
-           "plots.py": "plots.py"}  # fmt: skip
+           "trainkit.py": "trainkit.py", "plots.py": "plots.py"}  # fmt: skip
 SHIPPED = {**MODULES, "py.typed": "py.typed"}  # PEP 561: type checkers read the annotations
 DIST_INFO = f"pegrad-{pegrad.__version__}.dist-info/"
 
