@@ -246,7 +246,7 @@ def _train(cfg: Config, factory: TaskFactory | None) -> dict[str, Any]:
     # prints; every process reads the checkpoint, and takes part in every computation.
     lead = jax.process_index() == 0
     say = functools.partial(print, flush=True) if lead else lambda *args, **kwargs: None
-    say(f"building {f'--task {cfg.task}' if cfg.task else f'the {cfg.size} {cfg.model}'} ...")
+    say(f"building {f'the task {cfg.task}' if cfg.task else f'the {cfg.size} {cfg.model}'} ...")
     with kit.on_host():
         run = build(cfg, factory)
         task, opt, train_key, eval_key = run.task, run.opt, run.train_key, run.eval_key
