@@ -2,8 +2,8 @@
 
 The wheel holds one package, `pegrad`, and nothing else in site-packages: pegrad.py is its
 `__init__` (so `import pegrad` means what it means in a checkout) and the other files of
-PACKAGE below (models.py, optimizers.py, train.py, plots.py, ...) are its modules (`from pegrad
-import models, optimizers, train`; `python -m pegrad.train`, `python -m pegrad.plots`), so that
+PACKAGE below (models.py, optimizers.py, train.py and trainkit.py, its plumbing, plots.py,
+...) are its modules (`from pegrad import models, optimizers, train`; `python -m pegrad.train`, `python -m pegrad.plots`), so that
 a user's own models.py or train.py beside their script never stands in for them;
 `pegrad/py.typed` tells type checkers to read its annotations (PEP 561).
 
@@ -37,6 +37,7 @@ PACKAGE = {
     "models.py": "pegrad/models.py",
     "optimizers.py": "pegrad/optimizers.py",
     "train.py": "pegrad/train.py",
+    "trainkit.py": "pegrad/trainkit.py",  # train.py's plumbing (flags, checkpoints, processes)
     "plots.py": "pegrad/plots.py",  # python -m pegrad.plots (matplotlib: the "plots" extra)
     "py.typed": "pegrad/py.typed",  # PEP 561: the package's annotations are for type checkers
 }

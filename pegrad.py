@@ -5266,10 +5266,11 @@ def _factorized(
 
 
 def __getattr__(name: str) -> types.ModuleType:
-    """`from pegrad import models, optimizers, train` (PEP 562; `pegrad.plots` too): the
-    package's modules when installed, else the files beside this one loaded by path as
-    `pegrad.<name>` (never a user's own file of that name; train.py's `from . import` is this)."""
-    if name not in ("models", "optimizers", "train", "plots"):
+    """`from pegrad import models, optimizers, train` (PEP 562; `pegrad.plots` and trainkit,
+    train's plumbing, too): the package's modules when installed, else the files beside this one
+    loaded by path as `pegrad.<name>` (never a user's own file of that name; train.py's `from .
+    import` is this)."""
+    if name not in ("models", "optimizers", "train", "trainkit", "plots"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     full = f"{__name__}.{name}"
     if "__path__" in globals():  # the wheel: a submodule of the package

@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 # file in the repo -> its name in the package: hatch_build.PACKAGE, which must hold at least these
 SHIPPED = {flat: path.removeprefix("pegrad/") for flat, path in hatch_build.PACKAGE.items()}
 CORE = {"pegrad.py": "__init__.py", "models.py": "models.py", "optimizers.py": "optimizers.py",
-        "train.py": "train.py", "plots.py": "plots.py", "py.typed": "py.typed"}  # fmt: skip
+        "train.py": "train.py", "trainkit.py": "trainkit.py", "plots.py": "plots.py",
+        "py.typed": "py.typed"}  # fmt: skip
 DIST_INFO = f"pegrad-{pegrad.__version__}.dist-info/"
 
 

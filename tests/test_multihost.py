@@ -9,7 +9,7 @@ a batch; the FSDP rule (which axis of a leaf is split); bad process flags as one
 Determinism: gloo pairs the collectives of two processes by their order in each process's
 program, so the processes must run one program: two fresh processes trace the step of several
 configs to the same text, and processes that differ (config, initial parameters, compiled
-program) stop before step 0 with one line saying what differs (train.agree_across_processes).
+program) stop before step 0 with one line saying what differs (trainkit.agree_across_processes).
 
 Tolerance: the runs are float64, and two processes add the two halves of a batch's gradient
 sums in another order than one device does, so only rounding may differ: losses agree to
@@ -34,6 +34,7 @@ import pytest
 from test_train import argv, checkpoint, metrics, run_script, tiny
 
 import train
+import trainkit
 
 REPO = Path(__file__).resolve().parent.parent
 # Tiny programs, compiled in every process: XLA's optimizing passes cost more than they save.
@@ -176,7 +177,7 @@ PERTURB = {
 def test_processes_that_disagree_stop_before_step_0(
     one: train.Config, tmp_path: Path, perturb: str, message: str
 ):
-    """The guard (train.agree_across_processes): when one process differs, every process stops
+    """The guard (trainkit.agree_across_processes): when one process differs, every process stops
     with one line naming what differs, before any step; never a silently wrong number."""
     run = tmp_path / "run"
     cfg = dataclasses.replace(one, out=str(run), steps=2, param_sharding="fsdp")
@@ -298,7 +299,7 @@ def test_cli_bad_process_flags_are_one_line_errors(tmp_path: Path, args: list[st
     ],
 )
 def test_fsdp_axis(shape: tuple[int, ...], n: int, axis: int | None):
-    assert train.fsdp_axis(shape, n) == axis
+    assert trainkit.fsdp_axis(shape, n) == axis
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +380,7 @@ elif __name__ == "__main__":
     train.jit_step = spying_jit_step
     train.main(cfg)
     task = train.lm_task(cfg, key=jax.random.key(0))
-    sampler = train.make_sampler(task, train.make_mesh(cfg))
+    sampler = trainkit.make_sampler(task, trainkit.make_mesh(cfg))
     hlo = sampler.lower(task.train_data, key=jax.random.key(0)).compile().as_text()
     shapes = sorted(set(re.findall(r"\b[a-z]+\d+\[[\d,]*\]", hlo)))
     print(json.dumps({"shardings": seen, "sampler_shapes": shapes}))

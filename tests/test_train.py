@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 import train
+import trainkit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -266,7 +267,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path, monkeypatch: pyt
     assert isinstance(err.value, KeyboardInterrupt)
     assert str(err.value) == (
         f"the last checkpoint is {killed / 'checkpoint.npz'} (step 4); continue it with: "
-        f"{train.resume_command(killed)}"
+        f"{trainkit.resume_command(killed)}"
     )
     assert json.loads((killed / "checkpoint.json").read_text())["step"] == 4
     train.main(tiny(killed, resume=True, **steps))
@@ -389,7 +390,7 @@ def test_a_ctrl_c_python_would_drop_still_ends_the_run():
 
     old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:
-        with train.ctrl_c_between_steps() as check:
+        with trainkit.ctrl_c_between_steps() as check:
             gc.callbacks.append(ctrl_c_in_gc)
             try:
                 gc.collect()
@@ -405,7 +406,7 @@ def test_a_ctrl_c_python_would_drop_still_ends_the_run():
                 time.sleep(1.0)
             with pytest.raises(KeyboardInterrupt):  # still marked, should that one be dropped
                 check()
-        with pytest.raises(KeyboardInterrupt), train.ctrl_c_between_steps():
+        with pytest.raises(KeyboardInterrupt), trainkit.ctrl_c_between_steps():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -831,11 +832,11 @@ def test_a_refused_resume_prints_learning_rates_with_the_digits_that_differ():
     old = train.Config(schedule="cosine", warmup=0, steps=600, lr=3e-3)
     new = dataclasses.replace(old, steps=601)
     with pytest.raises(train.ConfigError) as err:
-        train.check_schedule(old, new, 300)
+        trainkit.check_schedule(old, new, 300, train.make_schedule)
     now, was = re.search(r"would be (\S+), not (\S+)\)", str(err.value)).groups()  # pyright: ignore[reportOptionalMemberAccess]
     assert now != was and float(now) != float(was)
-    assert train.digits(0.003, 0.0030000001) == ["0.003", "0.0030000001"]
-    assert train.digits(0.1, 0.2) == ["0.1", "0.2"]
+    assert trainkit.digits(0.003, 0.0030000001) == ["0.003", "0.0030000001"]
+    assert trainkit.digits(0.1, 0.2) == ["0.1", "0.2"]
 
 
 def test_metrics_log_the_smoothed_noise_scale_and_the_console_shows_it(
@@ -909,7 +910,7 @@ def test_a_task_file_resumes_from_any_directory(
     "optimizer, flags", [("micro_adam_msq", "--eps 0 --eps-root 1e-08"), ("adam", "--lr")]
 )
 def test_a_divergence_names_the_flags_that_fix_it(optimizer: str, flags: str):
-    message = train.divergence_fixes(train.Config(optimizer=optimizer))  # type: ignore[arg-type]
+    message = trainkit.divergence_fixes(train.Config(optimizer=optimizer))  # type: ignore[arg-type]
     assert flags in message and "a smaller --lr (this run: 0.003" in message
 
 
@@ -944,3 +945,86 @@ def test_a_task_written_the_other_way_names_the_fix(tmp_path: Path, source: str,
     cfg = tiny(tmp_path / "run", model="mlp", task=f"{tmp_path / 'task.py'}:make")
     with pytest.raises(train.ConfigError, match=re.escape(message)):
         train.main(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 58: every field of a user's Task checked before any work (SPEC §6.1), one line each.
+
+
+def _mlp_model() -> Any:
+    import equinox as eqx
+
+    return eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))  # holds activation functions
+
+
+BAD_FIELDS: dict[str, Any] = {
+    "params": lambda: {"w": jnp.ones(2), "steps": jnp.arange(2)},
+    "loss_fn": lambda: "mse",
+    "sample": lambda: None,
+    "train_data": _mlp_model,
+    "eval_data": lambda: {"x": jnp.ones(3), "f": jnp.tanh},
+    "unit": lambda: 3,
+    "units_per_example": lambda: 0,
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_FIELDS))
+def test_each_task_field_is_checked_before_any_work_in_one_line(tmp_path: Path, field: str):
+    """A Task from a user's factory with one bad field: one line naming Task.<field>, before
+    --out is created."""
+    assert set(BAD_FIELDS) == set(train.Task._fields)
+
+    def make(cfg: train.Config, *, key: Any) -> train.Task:
+        return _good(cfg, key=key)._replace(**{field: BAD_FIELDS[field]()})
+
+    with pytest.raises(train.ConfigError) as err:
+        train.main(tiny(tmp_path / "run", model="mlp"), task=make)
+    message = str(err.value)
+    assert "\n" not in message and f"Task.{field}" in message, message
+    assert not (tmp_path / "run").exists()
+
+
+MLP_AS_DATA = """
+import equinox as eqx
+import jax
+
+import train
+
+def make(cfg, *, key):
+    task = train.mlp_task(cfg, key=key)
+    teacher = eqx.nn.MLP(32, 8, 16, 1, key=key)
+    return task._replace(train_data=teacher, eval_data=teacher)
+"""
+
+
+def test_an_equinox_mlp_as_train_data_is_one_error_line(tmp_path: Path):
+    """eqx.nn.MLP holds its activation functions as leaves: once a JAX traceback of 22 lines,
+    now one line naming the field and the leaf, and the fix."""
+    (tmp_path / "task.py").write_text(MLP_AS_DATA)
+    small = ["--size", "tiny", "--batch-size", "4", "--steps", "2", "--out", "run"]
+    proc = run_script(str(REPO / "train.py"), "--task", "task.py:make", *small, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "Task.train_data.activation" in lines[0] and "eqx.partition" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_first_minute_says_what_it_does_and_only_the_knobs_that_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Before the compile wait the console says it is compiling; it shows the knobs that differ
+    from the defaults (config.json holds them all) and no line over 300 characters."""
+    cfg = tiny(tmp_path, model="mlp", steps=2)
+    train.main(cfg)
+    console = capsys.readouterr().out
+    lines = console.splitlines()
+    assert max(map(len, lines)) <= 300, max(lines, key=len)
+    assert lines[0].startswith("building ")
+    compiling = next(i for i, line in enumerate(lines) if line.startswith("compiling the training"))
+    assert compiling < next(i for i, line in enumerate(lines) if line.startswith("step 0"))
+    shown = " ".join(line for line in lines if line.startswith(("config", "  ")))
+    assert "model=mlp" in shown and "steps=2" in shown
+    assert "optimizer=" not in shown and "b1=" not in shown  # defaults: not shown
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == {**dataclasses.asdict(cfg), "resume": False}
