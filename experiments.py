@@ -158,9 +158,15 @@ def study_settings(name: str, scale: str, task: str | None) -> tuple[Shared, Any
     """The shared settings of `scale` (with `task`, where given, as its task) and study `name`'s
     own there: batch-scaling's and critical-batch's for the task they run (batch-scaling's
     default task is its first settings'); a task without settings is refused."""
-    shared = SCALES[scale]["shared"]
-    shared = shared if task is None else dataclasses.replace(shared, task=task)
-    return shared, REGISTRY[name].settings(scale, shared, task)
+    studies_at = SCALES[scale]
+    shared = (
+        studies_at["shared"]
+        if task is None
+        else dataclasses.replace(studies_at["shared"], task=task)
+    )
+    settings: Any = studies_at.get(name)
+    pick = REGISTRY[name].pick  # among its settings per task (batch-scaling, critical-batch)
+    return shared, settings if pick is None else pick(settings, shared, task, scale)
 
 
 def run(

@@ -32,8 +32,9 @@ Pick = Callable[[Any, Shared, str | None, str], Any]
 class Entry:
     """A registered study: its name on the command line, its runner, its place in the list of
     studies (`order`: "all" runs them in it, --help lists them in it), its usage lines, its
-    settings per scale (None: it has none of its own), whether it trains seeds (`seeded`:
-    experiments.TRAINING) and whether "all" runs it (`in_all`)."""
+    settings per scale (experiments.SCALES holds them; None: it has none of its own), whether it
+    trains seeds (`seeded`: experiments.TRAINING), whether "all" runs it (`in_all`) and its
+    choice among its settings by task (`pick`: experiments.study_settings applies it)."""
 
     name: str
     runner: Callable[[Context], dict[str, Any]]
@@ -44,13 +45,6 @@ class Entry:
     in_all: bool = True
     pick: Pick | None = None
     module: str = ""
-
-    def settings(self, scale: str, shared: Shared, task: str | None) -> Any:
-        """Its settings at `scale` for `task` (None: it has none of its own)."""
-        if self.presets is None:
-            return None
-        found = self.presets[scale]
-        return found if self.pick is None else self.pick(found, shared, task, scale)
 
 
 REGISTRY: dict[str, Entry] = {}
