@@ -6,7 +6,9 @@ held-out choice where the data say so. Every study runs end to end at --scale sm
 its summary files with its provenance; a committed summary's command parses with today's CLI,
 its commit is in this branch's history and its rows use the seeds it records. A vectorized
 sweep equals the same runs trained one by one by train.main (float64, to ~1e-12). No function
-of experiments.py is longer than FUNCTION_LINES (issue 51: a study is read in pieces)."""
+of experiments.py and studies/ is longer than FUNCTION_LINES (issue 51: a study is read in
+pieces), no file of them longer than FILE_LINES, and every module of studies/ registers one study
+with its usage, its settings at every scale and a test that runs it (issue 58)."""
 
 import ast
 import csv
@@ -17,8 +19,11 @@ import math
 import re
 import shlex
 import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -26,6 +31,9 @@ import numpy as np
 import pytest
 
 import experiments
+import plots
+import studies
+import studies.protocol
 import sweep
 import train
 
@@ -833,6 +841,20 @@ def test_windows_measures_the_mean_to_noise_ratio_per_window_length(tmp_path: Pa
 READY_STUDIES = ("sign", "precond", "msq", "clipping", "batch-scaling")
 
 
+def study_modules() -> list[ModuleType]:
+    """studies/protocol.py and every registered study's module."""
+    return [studies.protocol, *(sys.modules[e.module] for e in experiments.REGISTRY.values())]
+
+
+def patch_studies(monkeypatch: pytest.MonkeyPatch, name: str, value: Any) -> None:
+    """Replace `name` in every module of studies/ that holds it (each study imports the names
+    it uses from protocol, so each holds its own reference)."""
+    holders = [m for m in study_modules() if hasattr(m, name)]
+    assert holders, name
+    for m in holders:
+        monkeypatch.setattr(m, name, value)
+
+
 def abstract_step(cfg: train.Config) -> Any:
     """The shapes of one training step of `cfg`: the model built, the optimizer initialised and
     the step traced (pegrad's plan included), nothing computed."""
@@ -853,16 +875,16 @@ def test_the_accelerator_scales_are_ready_to_run(
     # (both need an accelerator); every config it asks for passes train.check, and each model
     # shape it would train traces one full step.
     asked = fake_sweep(monkeypatch, lambda c: bowl(3e-3)(c.lr, c.seed), max_steps=64)
-    monkeypatch.setattr(experiments.plots, "draw", lambda *_, **__: None)
-    monkeypatch.setattr(
-        experiments,
+    monkeypatch.setattr(plots, "draw", lambda *_, **__: None)
+    patch_studies(
+        monkeypatch,
         "measure_mu_sigma",
         lambda cfg, points, **_: [(np.ones(2), np.full(2, 2.0), 8, [("w", 2)]) for _ in points],
     )
-    monkeypatch.setattr(
-        experiments, "measured_points", lambda cfg, study, seeds: [(s, "init", None) for s in seeds]
+    patch_studies(
+        monkeypatch, "measured_points", lambda cfg, study, seeds: [(s, "init", None) for s in seeds]
     )
-    monkeypatch.setattr(experiments, "frac_mu2_nonpositive", lambda cfg, seeds: [0.5] * len(seeds))
+    patch_studies(monkeypatch, "frac_mu2_nonpositive", lambda cfg, seeds: [0.5] * len(seeds))
     for name in READY_STUDIES:
         summary = experiments.run(name, scale=scale, out=str(tmp_path / name))
         assert summary["scale"] == scale and (tmp_path / name / "summary.md").exists()
@@ -1194,8 +1216,67 @@ def test_the_length_check_flags_a_function_one_line_too_long(lines: int, flagged
     assert long_functions(source) == ([("f", lines)] if flagged else [])
 
 
+def sources() -> list[Path]:
+    """experiments.py and every module of studies/."""
+    return [ROOT / "experiments.py", *sorted((ROOT / "studies").glob("*.py"))]
+
+
 def test_no_function_of_experiments_py_is_longer_than_the_limit():
-    assert long_functions((ROOT / "experiments.py").read_text()) == []
+    assert len(sources()) > 2
+    for path in sources():
+        assert long_functions(path.read_text()) == [], path
+
+
+# --------------------------------------------------------------------------------------------
+# One file per study (issue 58): studies/NAME.py registers itself, no file is long.
+
+FILE_LINES = 1500
+
+
+def long_files(paths: Sequence[Path], limit: int = FILE_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every file of `paths` longer than `limit` lines."""
+    counts = [(p.name, len(p.read_text().splitlines())) for p in paths]
+    return [(name, n) for name, n in counts if n > limit]
+
+
+@pytest.mark.parametrize("lines, flagged", [(FILE_LINES, False), (FILE_LINES + 1, True)])
+def test_the_file_length_check_flags_a_file_one_line_too_long(
+    lines: int, flagged: bool, tmp_path: Path
+):
+    path = tmp_path / "study.py"
+    path.write_text("".join(f"x{i} = {i}\n" for i in range(lines)))
+    assert long_files([path]) == ([("study.py", lines)] if flagged else [])
+
+
+def test_no_study_file_is_longer_than_the_limit():
+    # The protocol module and the entry point included.
+    assert long_files(sources()) == []
+
+
+def test_every_study_is_one_registered_module_with_its_usage_settings_and_test():
+    """Each module of studies/ (but protocol) registers one study; each study has its usage
+    lines (they start with its command), its settings at every scale (or none of its own: it
+    registers presets=None, as noise-floor does), a command line and a test that runs it."""
+    registry = experiments.REGISTRY
+    assert sorted(e.module for e in registry.values()) == [
+        f"studies.{m}" for m in studies.modules()
+    ]
+    assert tuple(registry) == experiments.EXPERIMENTS and set(experiments.RUNNERS) == set(registry)
+    choices = next(a.choices for a in experiments.cli()._actions if a.dest == "name")
+    assert choices is not None and list(choices) == [*registry, "all"]
+    tests = (ROOT / "tests" / "test_experiments.py").read_text()
+    helped = experiments.cli().format_help()
+    for name, entry in registry.items():
+        assert entry.module == f"studies.{name.replace('-', '_')}", name
+        assert entry.usage.startswith(f"python experiments.py {name} "), name
+        assert textwrap.indent(entry.usage, "    ") in helped, name
+        if entry.presets is not None:
+            assert set(entry.presets) == set(experiments.SCALES), name
+        for scale in experiments.SCALES:
+            shared, settings = experiments.study_settings(name, scale, None)
+            assert shared == experiments.SCALES[scale]["shared"]
+            assert (settings is None) == (entry.presets is None), (name, scale)
+        assert re.search(rf'(smoke|experiments\.run)\(\s*"{name}"', tests), f"no test runs {name}"
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@
     python results/recheck/neutral.py DIR --only critical-batch --only critical-batch-lm
                                                        # the studies a change touches (an
                                                        #   output directory's name below)
+    python results/recheck/neutral.py --done DIR       # DIR/digest.json of the studies a run
+                                                       #   into DIR has finished so far
 
 Each study runs through experiments.py's command line, in its own fresh cache (nothing trained
 before is reused), the protocols each exercised once: held-out (the default), fixed
@@ -157,6 +159,31 @@ def run_all(dest: Path, only: list[str] | None = None) -> None:
     print(f"{len(digest)} files digested: {dest / 'digest.json'}")
 
 
+def digest_done(dest: Path) -> None:
+    """DIR/digest.json from the studies a run into DIR has finished so far (DIR/normalised: each
+    study's files are written there as it ends), marked as a subset (`only`) for --compare; the
+    run's own digest.json, when it ends, replaces it."""
+    texts, runs = dest / "normalised", dest / "runs"
+
+    def finished(name: str) -> bool:  # every file it digests written (not one in the writing)
+        wanted = [
+            p.name
+            for p in sorted((runs / name).glob("summary.*"))
+            if normalised(p, str(runs), name) is not None
+        ]
+        return bool(wanted) and all((texts / name / w).exists() for w in wanted)
+
+    done = [name for name, _, _ in STUDIES if (texts / name).is_dir() and finished(name)]
+    digest = {
+        f"{name}/{path.name}": hashlib.sha256(path.read_text().encode()).hexdigest()
+        for name in done
+        for path in sorted((texts / name).iterdir())
+    }
+    record = {"commit": None, "only": done, "partial": True, "files": digest}
+    (dest / "digest.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{len(digest)} files of {len(done)} finished studies digested: {dest / 'digest.json'}")
+
+
 def compare(a: Path, b: Path) -> int:
     """Two digests (each a run's DIR, or a digest's .json such as neutral-digest.json)."""
     da, db = (
@@ -184,7 +211,16 @@ def main() -> None:
     parser.add_argument(
         "--only", action="append", help="run this study (its output directory's name) alone"
     )
+    parser.add_argument(
+        "--done",
+        action="store_true",
+        help="digest what a run into DIR (still going, or stopped) has finished so far",
+    )
     args = parser.parse_args()
+    if args.done:
+        if len(args.dirs) != 1:
+            sys.exit("--done takes one directory")
+        return digest_done(args.dirs[0].resolve())
     if args.compare:
         if len(args.dirs) != 2:
             sys.exit("--compare takes two directories")
