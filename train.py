@@ -562,7 +562,7 @@ def make_optimizer(
 
 
 def diagnostics(
-    stats: dict[str, Any], precondition: PyTree | None = None
+    stats: dict[str, Any], precondition: PyTree | None = None, per_leaf: bool = False
 ) -> dict[str, Float[Array, ""]]:
     """SPEC §4 diagnostics from ḡ ("mean"), q ("sq_mean") and the number of units B, where
     μ̂² > σ̂²/B  ⇔  (B·ḡ² − q)/(B−1) > (q − ḡ²)/(B−1)  ⇔  (B+1)·ḡ² > 2q; and the gradient
@@ -574,27 +574,32 @@ def diagnostics(
     cost; pegrad's per-leaf form cost ~5 % of the default LM's step in small reductions).
     With a diagonal `precondition` P (`adam_preconditioner`), the preconditioned noise scale's
     parts as well, tr(PΣ) and |G|²_P (`pegrad.gradient_noise_scale(stats, P)`): trace_cov_p,
-    grad_sq_p, noise_scale_p_batch."""
-    flat = lambda tree: jnp.concatenate(
-        [x.astype(jnp.float32).ravel() for x in jax.tree.leaves(tree)]
-    )
-    g2, q = flat(stats["mean"]) ** 2, flat(stats["sq_mean"])
+    grad_sq_p, noise_scale_p_batch. `per_leaf`: each leaf reduced on its own and the sums
+    added, where one flat vector would gather the leaves' shards onto every device (FSDP)."""
+    flat = lambda tree: [x.astype(jnp.float32).ravel() for x in jax.tree.leaves(tree)]  # noqa: E731
+    whole = lambda xs: xs if per_leaf else [jnp.concatenate(xs)]  # noqa: E731
+    g2 = [x**2 for x in whole(flat(stats["mean"]))]
+    q = whole(flat(stats["sq_mean"]))
+    total = lambda f, *xs: sum(jnp.sum(f(*x), dtype=jnp.float32) for x in zip(*xs, strict=True))  # noqa: E731
     b = stats["batch_size"].astype(jnp.float32)
-    trace_cov = b / (b - 1.0) * jnp.sum(q - g2)
-    grad_sq = jnp.sum(g2) - trace_cov / b
+    trace_cov = b / (b - 1.0) * total(lambda g, v: v - g, g2, q)
+    grad_sq = total(lambda g: g, g2) - trace_cov / b
     extra = {}
     if precondition is not None:
-        p = flat(precondition)
-        trace_p = b / (b - 1.0) * jnp.sum(p * (q - g2))
-        grad_sq_p = jnp.sum(p * g2) - trace_p / b
+        p = whole(flat(precondition))
+        trace_p = b / (b - 1.0) * total(lambda w, g, v: w * (v - g), p, g2, q)
+        grad_sq_p = total(lambda w, g: w * g, p, g2) - trace_p / b
         extra = {"trace_cov_p": trace_p, "grad_sq_p": grad_sq_p}
         extra["noise_scale_p_batch"] = trace_p / grad_sq_p
+    size = sum(g.size for g in g2)
     return extra | {
-        "grad_norm": jnp.sqrt(jnp.sum(g2)),
-        "frac_snr_gt_1_over_B": jnp.mean((b + 1.0) * g2 > 2.0 * q, dtype=jnp.float32),
+        "grad_norm": jnp.sqrt(total(lambda g: g, g2)),
+        "frac_snr_gt_1_over_B": total(lambda g, v: (b + 1.0) * g > 2.0 * v, g2, q) / size,
         # ḡ² ≤ q always (Jensen); coordinates with q = 0 (no gradient at all) are left out.
-        "nu_adam_over_nu_micro": jnp.sum(jnp.where(q > 0, g2 / jnp.where(q > 0, q, 1.0), 0.0))
-        / jnp.maximum(jnp.sum(q > 0, dtype=jnp.float32), 1.0),
+        "nu_adam_over_nu_micro": total(
+            lambda g, v: jnp.where(v > 0, g / jnp.where(v > 0, v, 1.0), 0.0), g2, q
+        )
+        / jnp.maximum(total(lambda v: v > 0, q), 1.0),
         "trace_cov": trace_cov,
         "grad_sq": grad_sq,
         "noise_scale_batch": trace_cov / grad_sq,
@@ -657,7 +662,9 @@ def make_step(
         params, state, loss, st = core(params, state, batch)
         # An update can overflow while the loss it came from is finite: flag it at its step.
         finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]).all()
-        return params, state, loss, {**diagnostics(st, precondition), "params_finite": finite}
+        per_leaf = cfg.param_sharding == "fsdp"
+        found = diagnostics(st, precondition, per_leaf)
+        return params, state, loss, {**found, "params_finite": finite}
 
     return step
 

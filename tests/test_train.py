@@ -184,6 +184,24 @@ def test_diagnostics_hold_the_gradient_noise_scale():
         np.testing.assert_allclose(diag[ours], want[theirs], rtol=1e-5, err_msg=ours)
 
 
+def test_diagnostics_per_leaf_equal_the_flat_ones():
+    """Under FSDP the step reduces each leaf on its own (one flat vector would gather every
+    shard): the same numbers, to float32's rounding of a sum taken in another order."""
+    rng = np.random.default_rng(1)
+    mean = {"w": rng.normal(size=(3, 4)), "b": rng.normal(size=4), "z": np.zeros(2)}
+    stats = {
+        "mean": jax.tree.map(jnp.asarray, mean),
+        "sq_mean": jax.tree.map(lambda m: jnp.asarray(m**2 + rng.uniform(size=m.shape)), mean),
+        "batch_size": jnp.array(5),
+    }
+    stats["sq_mean"]["z"] = jnp.zeros(2)  # q = 0: left out of ν_adam/ν_micro
+    p = jax.tree.map(lambda m: jnp.asarray(rng.uniform(size=m.shape)), mean)
+    flat, each = train.diagnostics(stats, p), train.diagnostics(stats, p, per_leaf=True)
+    assert flat.keys() == each.keys()
+    for key in flat:
+        np.testing.assert_allclose(each[key], flat[key], rtol=1e-6, err_msg=key)
+
+
 def _rule_divisor_inverse(nu: np.ndarray, t: int, cfg: train.Config) -> np.ndarray:
     """1/(√(⟨v̂⟩ + ε_root) + ε), v̂ = ν/(1 − β₂^t): SPEC §4's preconditioner of each Adam-family
     rule, in numpy (micro_adam_msq: v̂ averaged over its block, then ReLU'd)."""

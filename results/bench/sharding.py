@@ -139,6 +139,46 @@ def measure(
     }
 
 
+def train_step(how: str, impl: str, devices: list) -> dict:
+    """train.py's default step (its Config's defaults: the mini transformer, B 32, MicroAdam,
+    the statistics it asks pegrad for) compiled as train.py jits it (`train.jit_step`), on a
+    mesh of `devices`, parameters `how` ("replicated" or "fsdp")."""
+    import train
+    import trainkit
+
+    cfg = train.Config(impl=cast(Any, impl), param_sharding=cast(Any, how), out="/dev/null")
+    mesh = Mesh(np.array(devices), ("data",))
+    run = train.build(cfg)
+    tree = {"params": run.task.params, "opt_state": run.opt.init(run.task.params)}
+    shardings = trainkit.placement(tree, mesh, cfg.param_sharding)
+    tree = trainkit.place(tree, shardings)
+    batch = trainkit.make_sampler(run.task, mesh)(run.task.train_data, key=run.train_key)
+    step = train.jit_step(run, mesh, shardings)
+    return step.lower(tree["params"], tree["opt_state"], batch).compile(), run.task.params
+
+
+def measure_train(how: str, impl: str) -> dict:
+    many, params = train_step(how, impl, jax.devices())
+    one, _ = train_step(how, impl, jax.devices()[:1])
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    found = collectives(str(many.as_text()))
+    memory: Any = many.memory_analysis(), one.memory_analysis()
+    return {
+        "family": "train.py default",
+        "batch": 32,
+        "params": how,
+        "stats": "its step",
+        "impl": impl,
+        "param_bytes": param_bytes,
+        "ideal": 2,
+        "devices": len(jax.devices()),
+        **{f"{name}_count": found[name][0] for name in COLLECTIVES},
+        **{f"{name}_x": found[name][1] / param_bytes for name in COLLECTIVES},
+        "temp_bytes": memory[0].temp_size_in_bytes,
+        "temp_bytes_one_device": memory[1].temp_size_in_bytes,
+    }
+
+
 SETS = ["mean,sq_mean", "mean,var", "clipped_mean,sq_norms", "sq_norms", "mean,gram"]
 
 
@@ -179,11 +219,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out", default=None, help="OUT.json and OUT.md")
+    parser.add_argument("--train", action="store_true", help="also train.py's default step")
     args = parser.parse_args()
     size = families.Size(width=args.width, seq=args.seq, layers=args.layers, dtype="float32")
     rows = []
     placements = [False, True] if args.fsdp else [False]
-    for family in args.families.split(","):
+    for how in ["replicated", "fsdp"] if args.train else []:
+        for impl in args.impls.split(","):
+            rows.append(measure_train(how, impl))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    for family in args.families.split(",") if args.families else []:
         for batch in [int(b) for b in args.batch.split(",")]:
             for fsdp in placements:
                 jobs = [(("plain",), "plain")] + [
