@@ -30,6 +30,8 @@ SLOW = (
     "tests/test_api.py::test_a_masked_example_counts_nowhere_even_holding_nan",
     "tests/test_api.py::test_dropping_nonfinite_examples_equals_the_loop_over_the_others",
     "tests/test_slicing.py::test_any_slicing_pattern_equals_the_naive_loop",
+    # 8 simulated devices, in a process per case (tests/sharded.py)
+    "tests/test_sharding.py::test_a_sharded_batch_gives_one_devices_statistics_at_the_gradients_traffic",
     "tests/test_bench.py::test_bench_records",
     "tests/test_bench.py::test_the_accelerator_script_writes_measured_time_beside_the_estimate",
     "tests/test_experiments.py::test_batch_scaling_arms_and_its_cache",

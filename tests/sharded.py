@@ -10,8 +10,9 @@ Each case writes "ok" or the first failure's message into OUT.json:
   (its default checks) and merged by `pegrad.merge_shards` equals one device's; "gram" refused;
 - traffic:MODEL:STATS:PARAMS — the optimized HLO's collectives at float32 (d 32, T 16, 2 blocks,
   B 16): every all-reduce together ≤ 1.25× one all-reduce of the parameters per parameter-shaped
-  statistic, no collective-permute or all-to-all, all-gathers ≤ 1 % of the parameters with
-  replicated parameters and ≤ plain grad's (the parameters themselves) under FSDP.
+  statistic, no collective-permute or all-to-all, all-gathers ≤ 1 % of the parameters and 1 kB
+  (a few scalars per device) with replicated parameters, ≤ plain grad's (the parameters
+  themselves) under FSDP.
 """
 
 import os
@@ -158,7 +159,9 @@ def traffic(model: str, stats: str, params_how: str) -> None:
     assert reduced <= 1.25 * sharding.ideal(names) * param_bytes + 1024, where
     assert found["collective-permute"][0] == 0 and found["all-to-all"][0] == 0, where
     gathered = found["all-gather"][1]
-    limit = plain["all-gather"][1] if fsdp else 0.01 * param_bytes
+    # replicated: 1 % of the parameters and a few scalars per device (a gauge's argmax: the
+    # largest b_u of the batch), where one example's activations are kilobytes
+    limit = plain["all-gather"][1] if fsdp else 0.01 * param_bytes + 1024
     assert gathered <= limit, f"{where}; plain grad gathers {plain['all-gather']}"
 
 
