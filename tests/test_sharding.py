@@ -30,7 +30,6 @@ EXACT = [
     "exact:mlp:vmap:24:16:none",
     "exact:transformer:factorized:16:none:none",
     "exact:transformer:factorized:24:16:some",
-    "exact:transformer:vmap:16:4:none",
     "exact:transformer-scan:factorized:16:none:none",
     "exact:cnn:factorized:16:none:some",
     "exact:moe:factorized:16:none:none",
