@@ -3,8 +3,9 @@
 The wheel holds one package, `pegrad`, and nothing else in site-packages: pegrad.py is its
 `__init__` (so `import pegrad` means what it means in a checkout) and the other files of
 PACKAGE below (models.py, optimizers.py, train.py and trainkit.py, its plumbing, plots.py,
-...) are its modules (`from pegrad import models, optimizers, train`; `python -m pegrad.train`, `python -m pegrad.plots`), so that
-a user's own models.py or train.py beside their script never stands in for them;
+...) are its modules (`from pegrad import models, optimizers, train`; `python -m
+pegrad.train`, `python -m pegrad.plots`), so that a user's own models.py or train.py beside
+their script never stands in for them;
 `pegrad/py.typed` tells type checkers to read its annotations (PEP 561).
 
 An editable install (`pip install -e .`) gets none of these copies, which would go stale, and
