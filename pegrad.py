@@ -1496,13 +1496,6 @@ def _scan_varying(scan: Eqn, invals: Sequence[Value]) -> list[Value]:
     return [*carry, *ys]
 
 
-def _alike(tree: PyTree) -> PyTree:
-    """Every leaf cast to vary over the manual axes any leaf varies over, as
-    `optimization_barrier` returns them (identity outside `jax.shard_map`)."""
-    leaves, structure = jax.tree.flatten(tree)
-    return jax.tree.unflatten(structure, _varying_alike(leaves))
-
-
 Bind = Callable[[Eqn, list[Value]], list[Value]]  # evaluates one equation
 
 
@@ -4871,8 +4864,11 @@ def _run_head(
             new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
             live = [v for v in values if last_use.get(v, -1) > cut]
             both = (new, [values[v] for v in live])  # held on XLA:CPU only (docstring)
-            held = lambda b=both: _barrier(b) if mesh == 1 else _alike(b)  # noqa: E731
-            new, kept = _per_platform(cpu=held, accelerator=lambda b=both: _alike(b))
+            # without a barrier, every value varies over the manual axes any does, as a
+            # barrier returns them (jax.shard_map: both branches' types alike)
+            alike = lambda b=both: _varying_as(b, b)  # noqa: E731
+            held = lambda b=both: _barrier(b) if mesh == 1 else _varying_as(b, b)  # noqa: E731
+            new, kept = _per_platform(cpu=held, accelerator=alike)
             values.update(zip(live, kept, strict=True))
             results.update(new)
     each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
