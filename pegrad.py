@@ -2411,8 +2411,11 @@ _DOT_WITH = "dot_with"  # env[_DOT_WITH]: the leaves of "dot"'s v (`_check_dot_w
 @dataclasses.dataclass(frozen=True, eq=False)
 class Route(abc.ABC):
     """One way to compute a leaf's statistics, proven for `leaf`; subclasses document their
-    identities and hold the operands their `match` proved. A method is abstract here and
-    implemented once below (by a route or a mixin), or concrete and never overridden."""
+    identities and hold the operands their `match` proved. Abstract: `match` (the proof),
+    `reads`, `compute` (one factorized ingredient), `clipped`, `per_unit` and `factored_cost`.
+    The rest is each route's unless it says otherwise: an ingredient of a kind in `KINDS` is
+    factorized, the others chunked; ingredients are computed one at a time; the cost is
+    `priced`, from `factored_cost` and `unit_flops` (2 flop an entry of each unit's gradient)."""
 
     name: ClassVar[str]
     # The kinds of ingredient (§2) the route computes from its factors; the others it gives the
@@ -2433,20 +2436,12 @@ class Route(abc.ABC):
         return self.leaf.stat_dtype
 
     @abc.abstractmethod
-    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        """Per ingredient needed, "factorized" or "chunked" (`LeafPlan`)."""
-
-    @abc.abstractmethod
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        """The cost model's estimate of computing the ingredients so."""
-
-    @abc.abstractmethod
     def reads(self) -> list[Var]:
         """The head's values this route reads."""
 
     @abc.abstractmethod
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        """Factorized ingredients: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
+    def compute(self, env: Env, what: str) -> Array:
+        """One factorized ingredient: "sum"/"sq"/"sign" (means), "var", "norms" ([B, U])."""
 
     @abc.abstractmethod
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -2456,16 +2451,25 @@ class Route(abc.ABC):
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
 
-
-class _Priced(Route):
-    """A route costed per factorized ingredient (`factored_cost`) and for the chunk loop."""
-
     @abc.abstractmethod
-    def factored_cost(self, what: str) -> Cost: ...
+    def factored_cost(self, what: str) -> Cost:
+        """The cost model's estimate of one factorized ingredient."""
 
-    @abc.abstractmethod
+    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
+        """Per ingredient needed, "factorized" or "chunked" (`LeafPlan`)."""
+        return {w: "factorized" if _kind(w) in self.KINDS else "chunked" for w in need}
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        """The factorized ingredients `wanted` (a route may share work between them)."""
+        return {what: self.compute(env, what) for what in wanted}
+
+    def cost(self, methods: Mapping[str, str]) -> Cost:
+        """The cost model's estimate of computing the ingredients so."""
+        return self.priced(methods)
+
     def unit_flops(self) -> float:
         """Operations to form one example's per-unit gradients."""
+        return 2.0 * self.graph.per_example * self.leaf.size
 
     def priced(self, methods: Mapping[str, str]) -> Cost:
         """Factorized ingredients each at their own cost; chunked ones share one materialization
@@ -2492,42 +2496,15 @@ class _Priced(Route):
         return total
 
 
-class _Each(Route):
-    """A route computing its ingredients one at a time."""
-
-    @abc.abstractmethod
-    def compute(self, env: Env, what: str) -> Array:
-        """One factorized ingredient (`compute_many`)."""
-
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        return {what: self.compute(env, what) for what in wanted}
-
-
-class _Factorized(Route):
-    """A route that factorizes every ingredient."""
-
-    KINDS = _ALL_KINDS
-
-    def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        return dict.fromkeys(need, "factorized")
-
-
-class _Simple(_Priced):
-    """A route costed by `priced`, forming one example's per-unit gradients at 2 flop an entry."""
-
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        return self.priced(methods)
-
-    def unit_flops(self) -> float:
-        return 2.0 * self.graph.per_example * self.leaf.size
-
-
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class CoreRoute(_Priced):
+class CoreRoute(Route):
     """A route reading the operands of its core, the gradient being `post` (layout,
     batch-independent scalings) after it. Norms factorize where every scaling is by a scalar
     (Π φ(m)² then multiplies ‖g_u‖²); else they are chunked, and so is the sum of a route
-    that forms per-example gradients in the head (`FORMED`): once they exist, it is free."""
+    that forms per-example gradients in the head (`FORMED`): once they exist, it is free.
+    A route may form several ingredients together in the core's coordinates (`sums`,
+    `core_sums`), then replay `post` on each (var(m·g) = m²·var(g); ‖post(g)‖² = Π φ(m)²·‖g‖²,
+    the scalings being scalars where norms are factorized); the rest one at a time."""
 
     cores: ClassVar[frozenset[str]]  # the primitives its core may be (`plan` looks it up by)
     FORMED: ClassVar[tuple[str, ...]] = ()  # the ingredients formed per example in the head
@@ -2591,6 +2568,26 @@ class CoreRoute(_Priced):
             graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound
         )
 
+    def sums(self, wanted: Sequence[str]) -> Container[str]:
+        """The ingredients `core_sums` forms, of those `wanted` together (none: each alone)."""
+        return ()
+
+    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
+        """The means of φ and variance in the core's coordinates, norms [B]."""
+        return {}
+
+    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
+        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.sums(wanted)])
+        out = self.posted(sums, env)
+        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
+
+    def posted(self, core: Mapping[str, Array], env: Env) -> dict[str, Array]:
+        """`post` replayed on sums in the core's coordinates (here or after a scan: InScan)."""
+        sq = lambda w, g: g[:, None] * _scale_sq(self.post, env, self.dtype)  # noqa: E731
+        replay = lambda w, g: self.replay(g, env, _REPLAY[w])  # noqa: E731
+        posted = {"norm": sq, "inner": lambda w, g: g}  # ⟨g, postᵀv⟩: post is in v
+        return {w: posted.get(_kind(w), replay)(w, g) for w, g in core.items()}
+
 
 def _operands(core: Eqn, env: Env, dtype: DTypeLike, tie: bool) -> tuple[Array, Array]:
     """The core's two batched factors in `dtype`; with `tie`, the second made to depend on the
@@ -2629,7 +2626,7 @@ def _formed_sums(
     where a transpose of each sum was a kernel: the Flax list, results/bench/gpu-time.md)."""
     n = route.graph.n_examples
     names = _of_kind([w for w in _INGREDIENT if w in wanted], "mean", "spread", "norm", "inner")
-    a, b = _operands(route.core, env, dtype, tie=isinstance(route, DotCore))
+    a, b = _operands(route.core, env, dtype, tie=route.core.primitive.name == "dot_general")
     c, whole = (route.chunk(a.size + b.size, unit, accelerator) for accelerator in (False, True))
     same = lambda found: found  # noqa: E731
     leaf_form, posted, leaf_posted = in_leaf or (form, same, same)
@@ -2746,64 +2743,6 @@ def _moments(g: Array, names: Sequence[str], r: Array | int, v: Array | None = N
     return out
 
 
-class _Formed(CoreRoute):
-    """A route forming several ingredients together in the core's coordinates (`core_sums`),
-    then replaying `post` on each (var(m·g) = m²·var(g); ‖post(g)‖² = Π φ(m)²·‖g‖², the
-    scalings being scalars where norms are factorized); the rest one at a time (`compute`)."""
-
-    @abc.abstractmethod
-    def sums(self, wanted: Sequence[str]) -> Container[str]:
-        """The ingredients `core_sums` forms, of those `wanted` together."""
-
-    @abc.abstractmethod
-    def core_sums(self, env: Env, dtype: DTypeLike, wanted: Sequence[str]) -> dict[str, Array]:
-        """The means of φ and variance in the core's coordinates, norms [B]."""
-
-    @abc.abstractmethod
-    def compute(self, env: Env, what: str) -> Array: ...
-
-    def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
-        sums = self.core_sums(env, self.dtype, [w for w in wanted if w in self.sums(wanted)])
-        out = self.posted(sums, env)
-        return {**out, **{w: self.compute(env, w) for w in wanted if w not in out}}
-
-    def posted(self, core: Mapping[str, Array], env: Env) -> dict[str, Array]:
-        """`post` replayed on sums in the core's coordinates (here or after a scan: InScan)."""
-        sq = lambda w, g: g[:, None] * _scale_sq(self.post, env, self.dtype)  # noqa: E731
-        replay = lambda w, g: self.replay(g, env, _REPLAY[w])  # noqa: E731
-        posted = {"norm": sq, "inner": lambda w, g: g}  # ⟨g, postᵀv⟩: post is in v
-        return {w: posted.get(_kind(w), replay)(w, g) for w, g in core.items()}
-
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class DotCore(_Formed):
-    """A route whose core is a dot_general and whose means of φ are sums over examples and
-    units of φ(core_u): computed per slice of the dot's batch dims, so that they can also be
-    formed one scan iteration at a time (InScan). `units`: the operands' contracted axes that
-    index units besides the example (rank one: OuterProduct), whose units clipping weighs."""
-
-    cores = frozenset({"dot_general"})
-    units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-
-    def core_sum(
-        self, env: Env, dtype: DTypeLike, what: str, weights: Array | None = None
-    ) -> Array:
-        """(1/N) Σ_u φ(a_u ⊗ b_u) in the core's coordinates (before `post`), as one
-        dot_general contracting the examples and the unit axes (φ = identity when `weights`
-        [B, U] scale the units)."""
-        phi = _PHI[what]
-        a, b = _operands(self.core, env, dtype, tie=weights is None)
-        a = phi(a)
-        if weights is not None:
-            a = a * _unit_weights(weights.astype(dtype), a.ndim, self.units[0])
-        dn = _over_examples(*_dot_dims(self.core))
-        n = self.graph.n_units
-        return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
-
-    def clipped(self, env: Env, weights: Array) -> Array:
-        return self.replay(self.core_sum(env, self.dtype, "sum", weights), env)
-
-
 def _units_layout(x: Array, batch: Sequence[int], units: Sequence[int]) -> Array:
     """[B, ...] -> [B, U, nb, f]: units, batch dims (in order), free dims (in order)."""
     batch1, units1 = _shift(batch), _shift(units)
@@ -2822,10 +2761,11 @@ def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
     return weights.reshape(shape)
 
 
-class Empty(_Each, _Factorized):
+class Empty(Route):
     """A leaf with no entries: every statistic is an empty array."""
 
     name = "empty"
+    KINDS = _ALL_KINDS
 
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "Empty | Refusal":
@@ -2833,7 +2773,7 @@ class Empty(_Each, _Factorized):
             Refusal("the leaf has entries", False) if leaf.size else cls(graph, leaf, "no entries")
         )
 
-    def cost(self, methods: Mapping[str, str]) -> Cost:
+    def factored_cost(self, what: str) -> Cost:
         return Cost()
 
     def reads(self) -> list[Var]:
@@ -2854,12 +2794,13 @@ class Empty(_Each, _Factorized):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Constant(_Each, _Factorized, _Simple):
+class Constant(Route):
     """The gradient does not depend on the example: g_u = g for every unit, so every mean is
     φ(g), the variance is 0 and each unit's norm is ‖g‖². At token granularity only a proven
     zero gradient (an unused parameter) splits over positions."""
 
     name = "constant"
+    KINDS = _ALL_KINDS
     grad: Atom
 
     @classmethod
@@ -2913,7 +2854,7 @@ def _gauge(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class OuterProduct(DotCore, _Simple):
+class OuterProduct(CoreRoute):
     """Rank one per unit: the core is dot_general(a, b) of two example-dependent factors that
     contracts nothing but the unit axes — no axis at example granularity (a dense weight used
     once: g_i = δ_i ⊗ x_i), exactly the traced position axis at token granularity (a weight
@@ -2931,6 +2872,10 @@ class OuterProduct(DotCore, _Simple):
 
     name = "outer-product"
     KINDS = _ALL_KINDS
+    cores = frozenset({"dot_general"})
+    # The operands' contracted axes that index units besides the example, whose units
+    # clipping weighs (none for a contraction, which shares `core_sum` and `clipped`).
+    units: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     @classmethod
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "OuterProduct | Refusal":
@@ -2966,6 +2911,25 @@ class OuterProduct(DotCore, _Simple):
             # on a mesh ḡ = ā⊗b̄ + K/N from the variance's contractions: one all-reduce fewer
             found["sum"] = next(iter(spread.values()))[1]
         return found | {w: var for w, (var, _) in spread.items()}
+
+    def core_sum(
+        self, env: Env, dtype: DTypeLike, what: str, weights: Array | None = None
+    ) -> Array:
+        """(1/N) Σ_u φ(a_u ⊗ b_u) in the core's coordinates (before `post`), as one
+        dot_general contracting the examples and the unit axes (φ = identity when `weights`
+        [B, U] scale the units): per slice of the dot's batch dims, so that it can also be
+        formed one scan iteration at a time (InScan)."""
+        phi = _PHI[what]
+        a, b = _operands(self.core, env, dtype, tie=weights is None)
+        a = phi(a)
+        if weights is not None:
+            a = a * _unit_weights(weights.astype(dtype), a.ndim, self.units[0])
+        dn = _over_examples(*_dot_dims(self.core))
+        n = self.graph.n_units
+        return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
+
+    def clipped(self, env: Env, weights: Array) -> Array:
+        return self.replay(self.core_sum(env, self.dtype, "sum", weights), env)
 
     def factored_cost(self, what: str) -> Cost:
         n, p = self.graph.n_units, self.leaf.size
@@ -3040,7 +3004,7 @@ class OuterProduct(DotCore, _Simple):
         return self.replay(g, env, units=True)
 
 
-class Contraction(DotCore):
+class Contraction(CoreRoute):
     """A dense weight applied at several places per example (example granularity): the core
     contracts K terms, g_i = Σ_k a_ik ⊗ b_ik. Linear ingredients contract over examples too:
     Σ_i g_i = AᵀB over (i, k); so does clipping, (c∘A)ᵀB. Non-linear φ (sq, sign), the variance
@@ -3055,6 +3019,10 @@ class Contraction(DotCore):
     name = "contraction"
     KINDS = _ALL_KINDS
     FORMED: ClassVar[tuple[str, ...]] = _FORMED  # formed per example in the head
+    cores = frozenset({"dot_general"})
+    units: ClassVar[tuple[tuple[int, ...], tuple[int, ...]]] = ((), ())
+    core_sum = OuterProduct.core_sum  # Σ_i g_i = AᵀB over (i, k); clipping (c∘A)ᵀB
+    clipped = OuterProduct.clipped
 
     @classmethod
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "Contraction | Refusal":
@@ -3290,7 +3258,7 @@ def _conv_layout(y: Array, params: Mapping, out: Sequence[int]) -> Array:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Convolution(_Formed):
+class Convolution(CoreRoute):
     """A convolution's kernel (example granularity): the core is conv_general_dilated(x, δ) of
     two example-dependent values, g_i = conv(x_i, δ_i) summing over the example's positions.
     Linear ingredients contract the examples inside one convolution, as plain grad does:
@@ -3406,7 +3374,7 @@ class Convolution(_Formed):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class UnitSum(CoreRoute, _Each):
+class UnitSum(CoreRoute):
     """The core sums an example-dependent value z over some of its axes (a bias or a norm
     layer's scale or shift applied at every position, a per-channel gate): unit u's gradient
     is z summed over those axes, except, at token granularity, the one summed axis traced to
@@ -3444,9 +3412,6 @@ class UnitSum(CoreRoute, _Each):
     def factored_cost(self, what: str) -> Cost:
         return self.cost({what: "factorized"})
 
-    def unit_flops(self) -> float:
-        return 2.0 * self.graph.per_example * self.leaf.size
-
     def _units(self, z: Array) -> Array:
         """[B, ...] -> [B, U, *core output]: each unit's own sum (U = 1 per example)."""
         rest = tuple(a + 1 for a in self.core.params["axes"] if a != self.axis)
@@ -3482,10 +3447,18 @@ class UnitSum(CoreRoute, _Each):
         return self.replay(self._units(z[None])[0], env, units=True)
 
 
-class _Rows(CoreRoute, _Each, _Simple):
-    """Rows of batched updates scattered into a zero table (row-scatter, segment-rows): the
-    statistics from rows (`_units`) such that each entry of a unit's gradient is one row's
-    update or 0."""
+class _Rows:
+    """What the two row routes share (row-scatter, segment-rows; each is `(_Rows, CoreRoute)`):
+    rows of batched updates scattered into a zero table, the statistics from rows (`_units`)
+    such that each entry of a unit's gradient is one row's update or 0."""
+
+    graph: Graph  # what they read of the CoreRoute they are
+    leaf: Leaf
+    core: Eqn
+    post: Posts
+    dtype: jnp.dtype
+    replay: Callable[..., Array]
+    pulled: Callable[[Env], Array]
 
     KINDS = _ALL_KINDS
     cores = frozenset({"scatter-add"})
@@ -3620,7 +3593,7 @@ class _Rows(CoreRoute, _Each, _Simple):
         return self.replay(g, env, units=True)
 
 
-class RowScatter(_Rows):
+class RowScatter(_Rows, CoreRoute):
     """Rows written into a zero table (the backward pass of a lookup `table[indices]`): the core is
     scatter-add(0, idx, upd) with one window per row of `upd` (the leading axes of `idx` but its
     last, in any layout: `x[None]` adds a unit axis). Example granularity: the indices are static
@@ -3660,7 +3633,7 @@ class RowScatter(_Rows):
         return idx, upd, self._in_bounds(idx)
 
 
-class SegmentRows(_Rows):
+class SegmentRows(_Rows, CoreRoute):
     """Example granularity, rows that depend on the example (a token table's lookup): rows with the
     same index add up before φ, so each example's rows are first summed per index — a stable sort of
     the row keys and a segment sum, O(R log R + R·window) per example, never the [B, table]
@@ -3766,7 +3739,7 @@ def _windows_overlap(core: Eqn, indices: np.ndarray, mode: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class _Composite(_Priced):
+class _Composite(Route):
     """A gradient made of `parts`, each proven by a route of its own, then `post`: costs add
     up, and every ingredient is the parts' ingredients combined (`_combine`)."""
 
@@ -3780,6 +3753,9 @@ class _Composite(_Priced):
         """Each part's ingredients at once (a part may share work between them), combined."""
         found = [p.compute_many(env, wanted) for p in self.parts]
         return {w: self._combine([f[w] for f in found], w, env) for w in wanted}
+
+    def compute(self, env: Env, what: str) -> Array:
+        return self.compute_many(env, [what])[what]
 
     def cost(self, methods: Mapping[str, str]) -> Cost:
         """The parts' own costs of the factorized ingredients (with what they share), and the
@@ -4021,7 +3997,7 @@ _MAX_PLACES = 64  # places a routed part may take (one contraction each)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class RoutedPart(_Each, _Priced):
+class RoutedPart(Route):
     """Example granularity: the gradient is one part written into a zero table at a place the
     example chooses (`core`, a dynamic_update_slice whose starts depend on the example), then
     `post`: a mixture of experts reading one expert's matrix per example, experts[choice] @ x.
@@ -4077,9 +4053,6 @@ class RoutedPart(_Each, _Priced):
     def reads(self) -> list[Var]:
         starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
         return list(dict.fromkeys([*self.part.reads(), *starts, *_factor_vars(self.post)]))
-
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        return self.priced(methods)
 
     def factored_cost(self, what: str) -> Cost:
         if _kind(what) == "norm":
@@ -4146,7 +4119,7 @@ _IN_HEAD = "its per-example gradient is a value of the backward pass"
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class HeadValue(_Each, _Factorized):
+class HeadValue(Route):
     """Example granularity: the gradient needs no op of its own after the backward pass (a bias, a
     norm layer's scale used once per example), or only layout and batch-independent scalings (a bias
     added to x[None]: a sum over an axis of size 1): g_i is a value v_i (`grad`) the batched head
@@ -4155,6 +4128,7 @@ class HeadValue(_Each, _Factorized):
     formed again, and the value dies where plain grad's does."""
 
     name = "head-value"
+    KINDS = _ALL_KINDS
     grad: Var
     post: Posts
 
@@ -4180,6 +4154,9 @@ class HeadValue(_Each, _Factorized):
     def cost(self, methods: Mapping[str, str]) -> Cost:
         n = self.graph.n_examples * self.leaf.size
         return Cost(3.0 * n * len(methods), 4.0 * n)
+
+    def factored_cost(self, what: str) -> Cost:
+        return self.cost({what: "factorized"})
 
     def _g(self, env: Env) -> Array:
         """[B, leaf size]: every example's gradient."""
@@ -4214,7 +4191,7 @@ class HeadValue(_Each, _Factorized):
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Fallback(_Each, _Priced):
+class Fallback(Route):
     """Exact for any leaf. Example granularity: the leaf's exclusive gradient `tail` (the ops
     only its gradient needs; empty when the head computes it) evaluated per example, a bounded
     chunk of examples at a time; `linear` when the tail is proven linear in its cotangent
@@ -4249,9 +4226,6 @@ class Fallback(_Each, _Priced):
         if "sum" in methods and looped:
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
-
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        return self.priced(methods)
 
     def factored_cost(self, what: str) -> Cost:
         n = self.graph.n_examples
@@ -4336,11 +4310,12 @@ def _inputs(grad: Atom, tail: Sequence[Eqn]) -> list[Var]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MeanLoss(_Factorized):
+class MeanLoss(Route):
     """The mean alone, every leaf at once, where `_plain_mean` and `_user_backward` allow it:
     plain grad of the mean loss (`_gradient_of_mean_loss`). Not in ROUTES: no leaf's proof."""
 
     name = "mean-loss"
+    KINDS = _ALL_KINDS
     proof: ClassVar[str] = (
         "the mean alone is the gradient of the mean loss (its backward pass is JAX's own, "
         "linear in the cotangent): plain backpropagation, which sums over examples as it "
@@ -4357,7 +4332,7 @@ class MeanLoss(_Factorized):
     def _never(self, *args: Any) -> Any:  # _gradient_of_mean_loss runs instead
         raise AssertionError("mean-loss is plain grad of the mean loss, not a leaf's route")
 
-    cost = compute_many = clipped = per_unit = _never  # type: ignore
+    cost = compute = compute_many = clipped = per_unit = factored_cost = _never  # type: ignore
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
@@ -4398,7 +4373,7 @@ class InScan:
     iterations (a weight every iteration shares) has no such slices, but its sum is linear:
     Σ_t of iteration t's contributions, accumulated in a carry as plain grad does."""
 
-    route: DotCore  # the leaf's
+    route: "OuterProduct | Contraction"  # the leaf's
     scan: Eqn
     operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
     axis: int | None  # the core's output axis over iterations; None: summed over them
@@ -4407,7 +4382,7 @@ class InScan:
 
 def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | None:
     """The proof that `m`'s means of φ, variance and norms can be formed inside a scan, or None."""
-    if not isinstance(m, DotCore) or _of_kind(list(methods), "inner", "pairs"):
+    if not isinstance(m, (OuterProduct, Contraction)) or _of_kind(list(methods), "inner", "pairs"):
         return None
     inside = () if graph.weighted and _of_kind(list(methods), "norm") else m.sums(tuple(methods))
     if any(w not in inside or how != "factorized" for w, how in methods.items()):
@@ -4679,32 +4654,23 @@ def _execute(
     drop: bool = False,
     dot_with: Sequence[Array] | None = None,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The statistics of a plan: the batched head, which computes each leaf's factorized
+    ingredients as soon as its values exist (`_run_head`), and the chunk loop for what is
+    chunked; then, once every unit's norm is known, what waits for it: the examples `drop`
+    discards (`_finite`), the other ingredients (`late`), and the clipped mean by the clip
+    factors; last the means over the kept examples (`_published`)."""
     need = _ingredients((*stats, "sq_norms") if drop else stats)
-    leaves = graph.leaves
     # With `drop`, which examples count is known once every norm is: the other ingredients
     # wait for it (the head's values they read are kept until then, as for clipping).
     early = [w for w in need if _kind(w) == "norm" or (_kind(w) != "weighted" and not drop)]
     late = [w for w in need if _kind(w) != "weighted" and w not in early]
     weighted = _of_kind(need, "weighted")  # after every unit's norm, by the clip factors
-
-    def factorized(
-        ps: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
-    ) -> dict:
-        """The ingredients `wanted` the leaves `ps` compute factorized ("clipped" by `weights`)."""
-        env, out = {**env, _DOT_WITH: dot_with}, {}
-        for p in ps:
-            whats = [w for w in wanted if p.methods[w] == "factorized"]
-            if weights is not None:
-                out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
-            elif whats:
-                found = p.taken.compute_many(env, whats)
-                out.update({(w, p.index): found[w] for w in whats})
-        return out
+    compute = functools.partial(_compute, dot_with=dot_with)
 
     def on_ready(ready: list[int], env: dict) -> dict:
         results = {}
         for i in ready:
-            results.update(factorized([plans[i]], early, _masked(graph, env, keep, reads[i])))
+            results.update(compute([plans[i]], early, _masked(graph, env, keep, reads[i])))
         return results
 
     in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
@@ -4716,58 +4682,101 @@ def _execute(
     for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
         posted = job.route.posted({w: results[w, i] for w in job.means}, env)
         results.update({(w, i): g for w, g in posted.items()})
-
-    def chunked_in(wanted: Sequence[str]) -> dict[int, list[str]]:
-        found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
-        return {i: ws for i, ws in found.items() if ws}
-
     chunk = _loop_chunk(graph, plans)
     loop = functools.partial(
         _chunk_loop, graph, plans, batched, unbatched, batch, params, chunk, dot_with=dot_with
     )
     held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
-    found, looped, kept = loop(chunked_in(early), keep, hold=held)
+    found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
     results.update(found)
     loop = functools.partial(loop, given=kept)
-    dtype = _widest([leaf.dtype for leaf in leaves])
-
-    def added(w: str) -> Array:
-        """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
-        shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
-        parts = [results[w, i] for i in range(len(leaves)) if (w, i) in results]
-        parts += [looped[w]] if w in looped else []
-        return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
-
-    def masked(w: str, x: Array) -> Array:  # units not kept: 0 (NaN there included)
-        if units is None:
-            return x
-        if _kind(w) == "pairs":
-            return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
-        return _where_units(units, x)
-
-    per_unit = {w: added(w) for w in early if _kind(w) in _PER_UNIT}
-    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
+    per_unit = {w: _added(graph, results, looped, w) for w in early if _kind(w) in _PER_UNIT}
     if drop:
-        assert sq_norms is not None
-        by_example = sq_norms.reshape(graph.n_examples, graph.per_example)
-        finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
-        keep = finite if keep is None else keep & finite
+        keep = _finite(graph, losses, per_unit[_of_kind(need, "norm")[0]], keep)
     units = None if keep is None else jnp.repeat(keep, graph.per_example)
-    per_unit = {w: masked(w, x) for w, x in per_unit.items()}
+    per_unit = {w: _masked_units(units, w, x) for w, x in per_unit.items()}
     sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
     env = _masked(graph, env, keep, list(batched))
-    results.update(factorized(plans, late, env))
-    found, looped, _ = loop(chunked_in(late), keep)
+    results.update(compute(plans, late, env))
+    found, looped, _ = loop(_chunked_in(plans, late), keep)
     results.update(found)
-    per_unit |= {w: masked(w, added(w)) for w in late if _kind(w) in _PER_UNIT}
+    for w in _of_kind(late, *_PER_UNIT):
+        per_unit[w] = _masked_units(units, w, _added(graph, results, looped, w))
     if weighted:
         assert clip_norm is not None and sq_norms is not None
         factors = _clip_factors(sq_norms, clip_norm)
         factors = factors if units is None else _where_units(units, factors)
         weights = factors.reshape(graph.n_examples, graph.per_example)
-        results.update(factorized(plans, weighted, env, weights))
-        results.update(loop(chunked_in(weighted), keep, weights)[0])
-    by_leaf = lambda w: [results[w, i] for i in range(len(leaves))]  # noqa: E731
+        results.update(compute(plans, weighted, env, weights))
+        results.update(loop(_chunked_in(plans, weighted), keep, weights)[0])
+    return _published(graph, stats, need, results, per_unit, losses, keep, aux)
+
+
+def _compute(
+    plans: Sequence[LeafPlan],
+    wanted: Sequence[str],
+    env: Mapping,
+    weights: Array | None = None,
+    *,
+    dot_with: Sequence[Array] | None,
+) -> dict:
+    """The ingredients `wanted` the leaves of `plans` compute factorized ("clipped" by
+    `weights`), keyed (ingredient, leaf index)."""
+    env, out = {**env, _DOT_WITH: dot_with}, {}
+    for p in plans:
+        whats = [w for w in wanted if p.methods[w] == "factorized"]
+        if weights is not None:
+            out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
+        elif whats:
+            found = p.taken.compute_many(env, whats)
+            out.update({(w, p.index): found[w] for w in whats})
+    return out
+
+
+def _chunked_in(plans: Sequence[LeafPlan], wanted: Sequence[str]) -> dict[int, list[str]]:
+    """Per leaf that chunks any of `wanted`, those it chunks."""
+    found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
+    return {i: ws for i, ws in found.items() if ws}
+
+
+def _added(graph: Graph, results: Mapping, looped: Mapping[str, Array], w: str) -> Array:
+    """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
+    dtype = _widest([leaf.dtype for leaf in graph.leaves])
+    shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
+    parts = [results[w, i] for i in range(len(graph.leaves)) if (w, i) in results]
+    parts += [looped[w]] if w in looped else []
+    return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
+
+
+def _masked_units(units: Array | None, w: str, x: Array) -> Array:
+    """A per-unit ingredient with 0 at the units not kept (a NaN there included)."""
+    if units is None:
+        return x
+    if _kind(w) == "pairs":
+        return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
+    return _where_units(units, x)
+
+
+def _finite(graph: Graph, losses: Array, sq_norms: Array, keep: Array | None) -> Array:
+    """nonfinite="drop": the examples kept, those whose loss and every unit's ‖g‖² are finite."""
+    by_example = sq_norms.reshape(graph.n_examples, graph.per_example)
+    finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
+    return finite if keep is None else keep & finite
+
+
+def _published(
+    graph: Graph,
+    stats: tuple[str, ...],
+    need: Sequence[str],
+    results: Mapping,
+    per_unit: Mapping[str, Array],
+    losses: Array,
+    keep: Array | None,
+    aux: PyTree,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The mean loss, the statistics (each leaf's means in the parameters' structure) and aux;
+    with `keep`, the means over the kept units: sums over them divided by N_eff, not N."""
+    by_leaf = lambda w: [results[w, i] for i in range(len(graph.leaves))]  # noqa: E731
     means = {
         w: jax.tree.unflatten(graph.param_tree, by_leaf(w))
         for w in need
@@ -5081,39 +5090,15 @@ def _chunk_loop(
         grads, units = jax.vmap(one)(values, examples, unit_k, had)
         out: dict = {("held", i): grads[i] for i in hold if i in grads}
         for i, g in grads.items():
-            g = _merge01(g)  # [chunk·U, ...]
-            for what in chunked[i]:
-                if what in _PHI:
-                    out[what, i] = _sum0(_PHI[what](g)) * (1.0 / n_units)
-                elif _kind(what) == "spread" and keep is None:
-                    mean = jnp.mean(g, 0)
-                    count = jnp.asarray(g.shape[0], g.dtype)
-                    out[what, i] = (count, mean, _sum0((g - mean) ** 2))
-                elif _kind(what) == "spread":  # over the kept units of the chunk (masked: 0)
-                    kept = _merge01(unit_k)
-                    count = jnp.sum(kept).astype(g.dtype)
-                    mean = _sum0(g) / jnp.maximum(count, 1.0)
-                    out[what, i] = (count, mean, _sum0(_where_units(kept, g - mean) ** 2))
-                elif _kind(what) == "weighted":
-                    out[what, i] = (
-                        jnp.tensordot(_merge01(unit_w).astype(g.dtype), g, axes=1) / n_units
-                    )
+            out |= _chunk_sums(_merge01(g), i, chunked[i], unit_w, unit_k, keep, n_units)
         return out, units
-
-    def combine(acc: dict, part: dict) -> dict:
-        merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
-        return {k: merge(k, v) for k, v in part.items()}
-
-    def over(parts: dict) -> dict:  # a device's group each, stacked on axis 0
-        merge = lambda k, v: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0)  # noqa: E731
-        return {k: merge(k, v) for k, v in parts.items()}
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
     xs = ([batched[v] for v in keys], examples, w, k, given)
     looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
     acc, units = {}, {}
     if looped:
-        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, combine, over)
+        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, _combine, _over_groups)
     held = {key[1]: acc.pop(key) for key in [key for key in acc if key[0] == "held"]}
     out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
     units = {} if weights is not None else units
@@ -5125,6 +5110,48 @@ def _chunk_loop(
         ]
         units[u] = _pairs(grads_of, xs, graph.n_examples, chunk)
     return out, units, held
+
+
+def _chunk_sums(
+    g: Array,
+    i: int,
+    wanted: Sequence[str],
+    w: Array,
+    k: Array,
+    keep: Array | None,
+    n_units: int,
+) -> dict:
+    """One chunk's part of leaf i's chunked ingredients from its units' gradients g [c·U, ...]:
+    Σ φ(g)/N per mean; (count, mean, M2) for the variance (with `keep`, over the units kept, k
+    [c, U]); Σ w_u g_u / N for the clipped mean (unit weights w [c, U])."""
+    out: dict = {}
+    for what in wanted:
+        if what in _PHI:
+            out[what, i] = _sum0(_PHI[what](g)) * (1.0 / n_units)
+        elif _kind(what) == "spread" and keep is None:
+            mean = jnp.mean(g, 0)
+            count = jnp.asarray(g.shape[0], g.dtype)
+            out[what, i] = (count, mean, _sum0((g - mean) ** 2))
+        elif _kind(what) == "spread":  # over the kept units of the chunk (masked: 0)
+            kept = _merge01(k)
+            count = jnp.sum(kept).astype(g.dtype)
+            mean = _sum0(g) / jnp.maximum(count, 1.0)
+            out[what, i] = (count, mean, _sum0(_where_units(kept, g - mean) ** 2))
+        elif _kind(what) == "weighted":
+            out[what, i] = jnp.tensordot(_merge01(w).astype(g.dtype), g, axes=1) / n_units
+    return out
+
+
+def _combine(acc: dict, part: dict) -> dict:
+    """The chunk loop's running sums with one more chunk's (variances by Chan's update)."""
+    merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
+    return {k: merge(k, v) for k, v in part.items()}
+
+
+def _over_groups(parts: dict) -> dict:
+    """The chunk loop's sums of the device groups, stacked on axis 0, merged."""
+    merge = lambda k, v: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0)  # noqa: E731
+    return {k: merge(k, v) for k, v in parts.items()}
 
 
 # ============================================================================================
