@@ -1207,18 +1207,15 @@ def _reference(
 
     def first_pass(xs: tuple) -> tuple[dict[str, PyTree], tuple]:
         losses, aux, grads, kept = per_unit(*xs)
-        sums: dict[str, PyTree] = {
-            w: jax.tree.map(lambda g, w=w: _sum0(_PHI[w](g)), grads) for w in sums_of
-        }
+        sums = {w: jax.tree.map(lambda g, w=w: _sum0(_PHI[w](g)), grads) for w in sums_of}
         sums["loss"] = losses.sum()
         sq_norms = _unit_sq_norms(grads)
         dots = sq_norms if dot_with is None else _unit_dots(grads, dot_with)
         for w in _of_kind(need, "weighted"):  # the clip factors weigh the units
             assert clip_norm is not None
             factors = _clip_factors(sq_norms, clip_norm)
-            sums[w] = jax.tree.map(
-                lambda g, c=factors: jnp.tensordot(c.astype(g.dtype), g, axes=1), grads
-            )
+            weigh = lambda g, c=factors: jnp.tensordot(c.astype(g.dtype), g, axes=1)  # noqa: E731
+            sums[w] = jax.tree.map(weigh, grads)
         return sums, (sq_norms, dots, aux, kept)
 
     xs = (batch, rows_kept)
@@ -1238,9 +1235,8 @@ def _reference(
 
         centered, _ = _chunked(second_pass, (batch, rows_kept), n_examples, chunk)
         means[w] = jax.tree.map(lambda s: _over(s, n_units - 1), centered)
-    units = {w: sq_norms for w in _of_kind(need, "norm")} | {
-        w: dots for w in _of_kind(need, "inner")
-    }
+    units = {w: sq_norms for w in _of_kind(need, "norm")}
+    units |= {w: dots for w in _of_kind(need, "inner")}
     for w in _of_kind(need, "pairs"):
         grads_of = lambda xs: jax.tree.leaves(per_unit(*xs)[2])  # noqa: E731
         units[w] = _pairs(grads_of, (batch, rows_kept), n_examples, chunk)
@@ -1769,7 +1765,137 @@ def _axes_of(positions: Mapping[Var, Axes], var: Atom) -> Axes:
 #
 
 
-# §6 The graph: grad of ONE example as a flat jaxpr, and what is proven about its values.
+# §6 The entry point of impl="factorized"; each section below is what the one above calls.
+
+
+Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
+
+
+def _factorized(
+    loss: Callable,
+    params: PyTree,
+    batch: PyTree,
+    per_example: int,
+    stats: tuple[str, ...],
+    options: Options,
+    clip_norm: float | None,
+    keep: Array | None,
+    drop: bool,
+    dot_with: Sequence[Array] | None = None,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """impl="factorized" (an entry point): plain grad of the mean loss where proven, else
+    the graph, its plan and the executor."""
+    wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
+    mean_loss = _mean_loss(loss, params, batch, wanted, options)
+    if mean_loss == "":
+        return _gradient_of_mean_loss(loss, params, batch, keep)
+    weighted = keep is not None or drop  # a mask or dropped examples weigh them 0 or 1
+    graph = _graph(loss, params, batch, per_example, wanted, options, mean_loss, weighted)
+    plans = plan(graph, wanted, choose=options[1])
+    return _execute(graph, plans, stats, clip_norm, params, batch, keep, drop, dot_with)
+
+
+def _mean_loss(
+    loss: Callable, params: PyTree, batch: PyTree, stats: Sequence[str], options: Options
+) -> str | None:
+    """The mean-loss policy, decided once per call of an entry point: None where the statistics
+    are not the mean alone taken as plain backpropagation (`_plain_mean`); else why plain grad
+    of the mean loss is not proven their value, "" where it is (`_user_backward`)."""
+    dtypes = [x.dtype for x in jax.tree.leaves(params)]
+    if not _plain_mean(stats, options[1], options[0], dtypes):
+        return None
+    return _user_backward(loss, params, batch)
+
+
+def _graph(
+    loss: Callable,
+    params: PyTree,
+    batch: PyTree,
+    per_example: int,
+    stats: Sequence[str],
+    options: Options,
+    mean_loss: str | None,
+    weighted: bool = False,
+) -> "Graph":
+    """The graph, with the caller's bounds and the mean-loss policy's answer (`_mean_loss`)."""
+    chunk_size, memory_budget = options[2:]
+    kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
+    inside = all(_kind(w) in kinds for w in _ingredients(stats))
+    graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
+    bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
+    return dataclasses.replace(graph, weighted=weighted, user_backward=mean_loss, **bounds)
+
+
+def _plain_mean(
+    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
+) -> bool:
+    """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
+    loss, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i (no rewrite of that sum is cheaper). Not with
+    choose="first", per-token units (whose split the rewrite proves) or parameters narrower than
+    their statistics; and only where the loss has no backward rule of the user's."""
+    return (
+        _ingredients(stats) == ("sum",)
+        and choose == "cheapest"
+        and granularity == "example"
+        and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
+    )
+
+
+# Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
+# jax.custom_transpose). JAX's own transposes are linear in the cotangent; these need not be.
+_USER_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_transpose_call"})
+
+
+def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
+    """Why plain grad of the mean loss is not proven the mean of the per-example gradients, or
+    "". JAX's own transposes are linear in the cotangent, so ∇ Σ_i ℓ_i = Σ_i g_i; a backward
+    rule the user wrote need not be (clipping in JAX's custom_vjp tutorial: clip(Σ_i c_i) ≠
+    Σ_i clip(c_i)). The one-example jaxpr of `loss_fn` (→ (loss, aux)) is searched, deeply."""
+    closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
+    todo = [closed.jaxpr]  # jax.extend.core.jaxprs_in_params would do: not in JAX 0.7.2
+    while todo:
+        for eqn in todo.pop().eqns:
+            if eqn.primitive.name in _USER_RULES:
+                return (
+                    f"the loss calls a {eqn.primitive.name} ({eqn.params.get('name', '?')}), a "
+                    "backward rule not proven linear in the cotangent: plain grad of the mean "
+                    "loss may differ from the mean of per-example gradients"
+                )
+            todo += _sub_jaxprs(eqn)
+    return ""
+
+
+def _gradient_of_mean_loss(
+    loss: Callable, params: PyTree, batch: PyTree, keep: Array | None
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The mean alone (every leaf "mean-loss"): plain grad of the mean loss over the kept
+    examples. Where 1/N would be rounded in the loss's dtype (a loss narrower than float32) or
+    a mask weighs the examples, the summed loss is differentiated and the gradient divided by
+    the count in its own dtype, as the routes do (no kept example: NaN); a masked example,
+    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss; in
+    `jax.shard_map`, this shard's (`_reference`)."""
+    params = _varying_as(params, batch)
+    summed = [keep is not None]  # set once the loss's dtype is known, inside the trace
+
+    def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
+        losses, aux = jax.vmap(loss, in_axes=(None, 0))(p, batch)
+        summed[0] = summed[0] or jnp.dtype(losses.dtype) != stat_dtype(losses.dtype)
+        if not summed[0]:
+            return jnp.mean(losses), (losses, aux)
+        kept = losses if keep is None else jnp.where(keep, losses, jnp.zeros((), losses.dtype))
+        return jnp.sum(kept), (losses, aux)
+
+    (total, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    n_units: int | Array = losses.shape[0] if keep is None else jnp.sum(keep)
+    if summed[0]:
+        grads = jax.tree.map(lambda g: _over(g, n_units), grads)
+    value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
+    stats = _publish(("mean",), {"sum": grads}, {}, n_units)
+    return value.astype(stat_dtype(losses.dtype)), stats, aux
+
+
+# ============================================================================================
+# §7 The graph: grad of ONE example as a flat jaxpr, and what is proven about its values.
 
 
 def _producers(jaxpr: jcore.Jaxpr) -> dict[Var, Eqn]:
@@ -2182,7 +2308,7 @@ def _factor_vars(post: Sequence[Post]) -> list[Var]:
 
 
 # ============================================================================================
-# §6′ Scan hoisting: weight-gradient contractions moved out of the backward scan.
+# §7′ Scan hoisting: weight-gradient contractions moved out of the backward scan.
 #
 # A weight stacked over layers and consumed by a scan gets its gradient as a stacked output of
 # the backward scan, one dot_general per iteration; a weight shared by all iterations (an RNN
@@ -2372,7 +2498,785 @@ def _scan_hoisted(scan: Eqn, invals: list[Value], hoists: Mapping[int, _Hoist]) 
 
 
 # ============================================================================================
-# §7 Routes. A route is a class whose `match` proves on the jaxpr the mathematics it uses for a
+# §8 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class InScan:
+    """Where a leaf's means of φ (variance, norms) are formed inside a scan: its core is a
+    dot_general of two values the scan stacks (stacked outputs or scanned inputs) that keeps
+    the iterations apart (a batch dim of both operands: stacked layers). Each mean, the variance
+    and each ‖g_i‖²'s part is then a reduction per slice of that axis (norms: summed), so the scan
+    body forms slice t from iteration t's operands of the whole batch, and no stacked operand
+    outlives the loop (plain grad contracts inside it too). A core that contracts the
+    iterations (a weight every iteration shares) has no such slices, but its sum is linear:
+    Σ_t of iteration t's contributions, accumulated in a carry as plain grad does."""
+
+    route: "OuterProduct | Contraction"  # the leaf's
+    scan: Eqn
+    operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
+    axis: int | None  # the core's output axis over iterations; None: summed over them
+    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign", "var", "norms"
+
+
+def _in_scan(graph: Graph, m: "Route", methods: Mapping[str, str]) -> InScan | None:
+    """The proof that `m`'s means of φ, variance and norms can be formed inside a scan, or None."""
+    if not isinstance(m, (OuterProduct, Contraction)) or _of_kind(list(methods), "inner", "pairs"):
+        return None
+    inside = () if graph.weighted and _of_kind(list(methods), "norm") else m.sums(tuple(methods))
+    if any(w not in inside or how != "factorized" for w, how in methods.items()):
+        return None  # clipping waits for every norm; nonfinite="drop" knows its examples by them
+    a, b = m.core.invars[:2]
+    scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
+    scan = next((e for e in scans if e is not None and e.primitive.name == "scan"), None)
+    x, y = (None, None) if scan is None else (_per_iteration(scan, v) for v in (a, b))
+    if scan is None or x is None or y is None:
+        return None
+    lc, rc, lb, rb = _dot_dims(m.core)
+    apart = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
+    summed = any(p == 0 and q == 0 for p, q in zip(lc, rc, strict=True))
+    if not apart and not (summed and set(methods) == {"sum"}):
+        return None  # φ of a sum over iterations is no sum over iterations
+    return InScan(m, scan, (x, y), apart[0] if apart else None, tuple(methods))
+
+
+def _per_iteration(scan: Eqn, var: Atom) -> Atom | None:
+    """The body's value at iteration t of `var`'s slice t (along axis 0): `var` a stacked
+    output of `scan` or one of its scanned inputs; else None."""
+    body = scan.params["jaxpr"].jaxpr
+    nc, ncar = _scan_counts(scan.params)
+    for k, v in enumerate(scan.outvars):
+        if v is var and k >= ncar:
+            return body.outvars[k]
+    for k, v in enumerate(scan.invars):
+        if v is var and k >= nc + ncar:
+            return body.invars[k]
+    return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeafPlan:
+    """How impl="factorized" computes one parameter leaf's statistics (pure data).
+
+    `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
+    route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
+    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized",
+    "chunked" (the route materializes some), or "fallback" (no route proved its identities and
+    per-unit gradients are materialized; exact, slowest). `formed`: where per-unit gradients of
+    this leaf exist, how many examples' at once and their bytes — ("chunk loop", c, bytes), or
+    ("head", c, bytes) for a contraction's per-example φ."""
+
+    leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
+    shape: tuple[int, ...]
+    taken: "Route"  # the route taken, holding what its match proved; it computes the statistics
+    methods: Mapping[str, str]
+    cost: "Cost"
+    refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
+    index: int = dataclasses.field(repr=False, default=0)
+    in_scan: InScan | None = dataclasses.field(repr=False, default=None)
+    formed: tuple[tuple[str, int, int], ...] = ()
+    other_kind: tuple[str, ...] = ()  # refused routes for which the leaf is not of their kind
+    outranked: tuple[tuple[str, "Cost"], ...] = ()  # proven too, not taken: (route, its cost)
+    kept: bool = False  # per-unit gradients kept for the clip factors (`_kept_for_clipping`)
+
+    @property
+    def route(self) -> str:  # the route taken: a name in ROUTES, or "mean-loss"
+        return self.taken.name
+
+    @property
+    def reason(self) -> str:  # what the route's match proved
+        return self.taken.reason
+
+    @property
+    def looped(self) -> bool:  # the chunk loop forms its per-unit gradients (clipping aside)
+        return any(how == "chunked" for w, how in self.methods.items() if _kind(w) != "weighted")
+
+    @property
+    def reads(self) -> list[Var]:  # the head's values its route reads
+        if self.in_scan is not None:  # the operands are consumed inside the scan
+            return _factor_vars(self.in_scan.route.post)
+        return self.taken.reads()
+
+    @property
+    def status(self) -> str:
+        if "chunked" not in self.methods.values():
+            return "factorized"
+        return "fallback" if self.route == "fallback" else "chunked"
+
+    def __str__(self) -> str:
+        methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
+        head = (
+            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
+        )
+        body = f"{self.reason} [{methods}]"
+        if self.in_scan is not None:
+            body += "; formed inside the scan, one iteration at a time"
+        for where, c, size in self.formed:
+            body += f"; per-unit gradients {c} examples at a time in the {where} ({size:,} B)"
+        if self.kept:
+            body += "; kept for the clip factors (formed once, not again for the clipped mean)"
+        # Why each route of the leaf's kind before the one taken lost: its proof failed, or
+        # it was proven and ranked behind (costlier, or later with choose="first").
+        taken = ROUTES.index(type(self.taken)) if type(self.taken) in ROUTES else len(ROUTES)
+        earlier = {r.name for r in ROUTES[:taken]} | {MeanLoss.name}
+        lost = [
+            f"{r}: {why}" for r, why in self.refused if r in earlier and r not in self.other_kind
+        ]
+        lost += [
+            f"{r}: proven, but ~{c.flops:.2g} flop, ~{c.bytes:.2g} B against "
+            f"~{self.cost.flops:.2g} flop, ~{self.cost.bytes:.2g} B"
+            for r, c in self.outranked
+        ]
+        if lost:
+            body += "; not taken: " + "; ".join(lost)
+        wrap = functools.partial(textwrap.wrap, width=100, break_on_hyphens=False)  # names whole
+        lines = wrap(body, initial_indent="    ", subsequent_indent="    ")
+        return "\n".join(wrap(head, subsequent_indent="    ") + lines)
+
+
+class Plan(tuple):
+    """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
+    opens with a one-line summary: leaves per route and the estimated cost against plain grad
+    (floating-point operations from shapes: a rough guide, not a measurement)."""
+
+    plain_flops: float
+
+    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
+        self = super().__new__(cls, leaves)
+        self.plain_flops = plain_flops
+        return self
+
+    @staticmethod
+    def build(
+        loss: Callable,
+        params: PyTree,
+        batch: PyTree,
+        per_example: int,
+        stats: tuple[str, ...],
+        options: "Options",
+    ) -> "Plan":
+        """`explain`'s entry point into the engine: the graph and its plan, nothing run."""
+        mean_loss = _mean_loss(loss, params, batch, stats, options)
+        graph = _graph(loss, params, batch, per_example, stats, options, mean_loss)
+        plans = plan(graph, stats, choose=options[1])
+        return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
+
+    @property
+    def summary(self) -> str:
+        routes = [p.route for p in self]
+        counts = ", ".join(f"{routes.count(r)} {r}" for r in dict.fromkeys(routes))
+        extra = sum(float(p.cost.flops) for p in self)
+        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
+        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary, *map(str, self)])
+
+
+def plan(
+    graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
+) -> tuple[LeafPlan, ...]:
+    """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or with
+    choose="first" the first that matches in precedence order; the mean alone, where `_plain_mean`
+    takes it and the loss has no backward rule of the user's, is every leaf's "mean-loss"."""
+    need = _ingredients(stats)
+    if graph.user_backward == "":  # the mean alone, proven plain grad's (`_mean_loss`)
+        methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
+        return tuple(
+            LeafPlan(
+                leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, Cost(), (), leaf.index
+            )
+            for leaf in graph.leaves
+        )
+    plans = []
+    for leaf in graph.leaves:
+        refused = [(MeanLoss.name, graph.user_backward)] if graph.user_backward else []
+        other_kind: list[str] = []
+        proven: list[tuple[Route, dict[str, str], Cost]] = []
+        best: tuple[float, Route, dict[str, str], Cost] | None = None
+        core, post = graph.core(leaf.grad)  # a CoreRoute is tried where it is one of its cores
+        for route in ROUTES:
+            try:
+                if issubclass(route, CoreRoute):
+                    m = route.at_core(graph, leaf, core, post)
+                else:
+                    m = route.match(graph, leaf)
+            except Exception as error:  # a route that cannot prove its case refuses it
+                m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
+            if isinstance(m, Refusal):
+                refused.append((route.name, m.reason))
+                other_kind += [] if m.kind else [route.name]
+                continue
+            methods = m.methods(need)
+            if graph.weighted and not isinstance(m, Empty):  # Chan merges of kept examples
+                methods |= dict.fromkeys(_of_kind(list(methods), "spread"), "chunked")
+            cost = m.cost(methods)
+            proven.append((m, methods, cost))
+            if best is None or (choose == "cheapest" and cost.seconds < best[0]):
+                best = (cost.seconds, m, methods, cost)
+        assert best is not None  # the fallback always matches
+        _, m, methods, cost = best
+        in_scan = _in_scan(graph, m, methods)
+        rank = lambda r: ROUTES.index(type(r))  # noqa: E731
+        outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
+        p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
+        plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
+    if choose == "cheapest":
+        plans = _kept_for_clipping(graph, plans, need)
+    loop_chunk = _loop_chunk(graph, plans)
+    return tuple(_formed(graph, p, loop_chunk) for p in plans)
+
+
+def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...]) -> list:
+    """With the clipped mean, leaves forming per-unit gradients for the norms anyway (chunk loop;
+    a contraction's, in the head) form them once in the chunk loop and keep them for the clip
+    factors: Σ_u c_u g_u weighs what exists, no second weight-gradient matmul or formation
+    (GPT-2 small: results/bench/gpu-time.md). Only where the loop then holds the whole batch's
+    at once (`_loop_chunk`'s bound): the factors wait for every example's norm."""
+    if not _of_kind(need, "weighted"):
+        return plans
+
+    def forms(p: LeafPlan) -> bool:
+        if p.in_scan is not None:  # (formed inside the scan, one iteration at a time)
+            return False
+        factorized = [w for w, how in p.methods.items() if how == "factorized"]
+        return p.looped or isinstance(p.taken, Contraction) and p.taken.forms(factorized)
+
+    kept = {}
+    for p in filter(forms, plans):
+        methods = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
+        kept[p.index] = dataclasses.replace(
+            p, methods=methods, cost=p.taken.cost(methods), kept=True
+        )
+    trial = [kept.get(p.index, p) for p in plans]
+    return trial if kept and _loop_chunk(graph, trial) == graph.n_examples else plans
+
+
+def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
+    """`p` with where its per-unit gradients are formed, how many examples' at once."""
+    leaf = graph.leaves[p.index]
+    formed = []
+    if p.looped:
+        size = loop_chunk * graph.per_example * leaf.size * leaf.stat_dtype.itemsize
+        formed.append(("chunk loop", loop_chunk, size))
+    m = p.taken
+    factorized = [w for w, how in p.methods.items() if how == "factorized"]
+    in_head = isinstance(m, Convolution) and any(w in m.FORMED for w in factorized)
+    if isinstance(m, Contraction) and m.forms(factorized) or in_head:  # (norms by Grams: none)
+        assert isinstance(m, (Contraction, Convolution))
+        one = m.formed_unit()
+        operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
+        if p.in_scan is not None and p.in_scan.axis is not None:  # one iteration at a time
+            length = p.in_scan.scan.params["length"]
+            one, operands = one // length, operands // length
+        c = m.chunk(operands, one)
+        formed.append(("head", c, c * one * leaf.stat_dtype.itemsize))
+    if isinstance(m, Contraction) and _of_kind(factorized, "pairs"):  # two chunks at a time
+        operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
+        c = m.chunk(operands, m.formed_unit(), accelerator=True)
+        formed.append(("head", c, 2 * c * m.formed_unit() * leaf.stat_dtype.itemsize))
+    return dataclasses.replace(p, formed=tuple(formed))
+
+
+# ============================================================================================
+# §9 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
+
+
+def _execute(
+    graph: Graph,
+    plans: tuple[LeafPlan, ...],
+    stats: tuple[str, ...],
+    clip_norm: float | None,
+    params: PyTree,
+    batch: PyTree,
+    keep: Array | None = None,
+    drop: bool = False,
+    dot_with: Sequence[Array] | None = None,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The statistics of a plan: the batched head, which computes each leaf's factorized
+    ingredients as soon as its values exist (`_run_head`), and the chunk loop; then, once every
+    unit's norm is known, what waits for it: the examples `drop` discards, the other
+    ingredients (`late`) and the clipped mean; last the means over the kept examples."""
+    need = _ingredients((*stats, "sq_norms") if drop else stats)
+    # With `drop`, which examples count is known once every norm is: the other ingredients
+    # wait for it (the head's values they read are kept until then, as for clipping).
+    early = [w for w in need if _kind(w) == "norm" or (_kind(w) != "weighted" and not drop)]
+    late = [w for w in need if _kind(w) != "weighted" and w not in early]
+    weighted = _of_kind(need, "weighted")  # after every unit's norm, by the clip factors
+
+    def on_ready(ready: list[int], env: dict) -> dict:
+        env, results = {**env, _DOT_WITH: dot_with}, {}
+        for i in ready:
+            results.update(_compute([plans[i]], early, _masked(graph, env, keep, reads[i])))
+        return results
+
+    in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
+    reads = [p.reads for p in plans]
+    losses, batched, unbatched, results, aux = _run_head(
+        graph, reads, params, batch, on_ready, in_scan, keep
+    )
+    env = {**batched, **unbatched, _DOT_WITH: dot_with}
+    for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
+        posted = job.route.posted({w: results[w, i] for w in job.means}, env)
+        results.update({(w, i): g for w, g in posted.items()})
+    chunk = _loop_chunk(graph, plans)
+    loop = functools.partial(
+        _chunk_loop, graph, plans, batched, unbatched, batch, params, chunk, dot_with=dot_with
+    )
+    held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
+    found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
+    results.update(found)
+    loop = functools.partial(loop, given=kept)
+    per_unit = {w: _added(graph, results, looped, w) for w in early if _kind(w) in _PER_UNIT}
+    if drop:  # the examples whose loss and every unit's ‖g‖² are finite
+        by_example = per_unit[_of_kind(need, "norm")[0]].reshape(graph.n_examples, -1)
+        finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
+        keep = finite if keep is None else keep & finite
+    units = None if keep is None else jnp.repeat(keep, graph.per_example)
+    per_unit = {w: _masked_units(units, w, x) for w, x in per_unit.items()}
+    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
+    env = _masked(graph, env, keep, list(batched))
+    results.update(_compute(plans, late, env))
+    found, looped, _ = loop(_chunked_in(plans, late), keep)
+    results.update(found)
+    for w in _of_kind(late, *_PER_UNIT):
+        per_unit[w] = _masked_units(units, w, _added(graph, results, looped, w))
+    if weighted:
+        assert clip_norm is not None and sq_norms is not None
+        factors = _clip_factors(sq_norms, clip_norm)
+        factors = factors if units is None else _where_units(units, factors)
+        weights = factors.reshape(graph.n_examples, graph.per_example)
+        results.update(_compute(plans, weighted, env, weights))
+        results.update(loop(_chunked_in(plans, weighted), keep, weights)[0])
+    return _published(graph, stats, need, results, per_unit, losses, keep, aux)
+
+
+def _compute(
+    plans: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
+) -> dict:
+    """The ingredients `wanted` the leaves of `plans` compute factorized ("clipped" by
+    `weights`), keyed (ingredient, leaf index)."""
+    out = {}
+    for p in plans:
+        whats = [w for w in wanted if p.methods[w] == "factorized"]
+        if weights is not None:
+            out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
+        elif whats:
+            found = p.taken.compute_many(env, whats)
+            out.update({(w, p.index): found[w] for w in whats})
+    return out
+
+
+def _chunked_in(plans: Sequence[LeafPlan], wanted: Sequence[str]) -> dict[int, list[str]]:
+    """Per leaf that chunks any of `wanted`, those it chunks."""
+    found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
+    return {i: ws for i, ws in found.items() if ws}
+
+
+def _added(graph: Graph, results: Mapping, looped: Mapping[str, Array], w: str) -> Array:
+    """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
+    dtype = _widest([leaf.dtype for leaf in graph.leaves])
+    shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
+    parts = [results[w, i] for i in range(len(graph.leaves)) if (w, i) in results]
+    parts += [looped[w]] if w in looped else []
+    return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
+
+
+def _masked_units(units: Array | None, w: str, x: Array) -> Array:
+    """A per-unit ingredient with 0 at the units not kept (a NaN there included)."""
+    if units is None:
+        return x
+    if _kind(w) == "pairs":
+        return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
+    return _where_units(units, x)
+
+
+def _published(
+    graph: Graph,
+    stats: tuple[str, ...],
+    need: Sequence[str],
+    results: Mapping,
+    per_unit: Mapping[str, Array],
+    losses: Array,
+    keep: Array | None,
+    aux: PyTree,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The mean loss, the statistics (each leaf's means in the parameters' structure) and aux;
+    with `keep`, the means over the kept units: sums over them divided by N_eff, not N."""
+    by_leaf = lambda w: [results[w, i] for i in range(len(graph.leaves))]  # noqa: E731
+    means = {
+        w: jax.tree.unflatten(graph.param_tree, by_leaf(w))
+        for w in need
+        if _kind(w) not in _PER_UNIT
+    }
+    n_units: int | Array = graph.n_units
+    if keep is None:
+        loss = losses.mean()
+    else:  # the sums above are over kept units, divided by all N
+        kept = jnp.sum(keep)
+        loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
+        n_units = kept * graph.per_example
+        scale = graph.n_units / n_units
+        for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
+            means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
+    loss = loss.astype(stat_dtype(losses.dtype))
+    return loss, _publish(stats, means, per_unit, n_units), aux
+
+
+def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
+    """`env` with the batched values among `names` replaced by 0 at examples not kept: every
+    route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
+    that its sums are over the kept examples — and a NaN there goes nowhere."""
+    if keep is None:
+        return dict(env)
+    masked = {v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env}
+    return {**env, **masked}
+
+
+def _run_head(
+    graph: Graph,
+    reads: list[list[Var]],
+    params: PyTree,
+    batch: PyTree,
+    on_ready: Callable[[list[int], dict], dict],
+    in_scan: Mapping[int, InScan],
+    keep: Array | None,
+) -> tuple[Array, dict, dict, dict, PyTree]:
+    """Losses [B], the values the routes read (batched ones with a leading B, others once),
+    the factorized results and the auxiliary outputs [B, ...].
+
+    The head is every equation those values need, evaluated batched (vmap over examples) in
+    segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
+    factorized ingredients, and (XLA:CPU) an optimization barrier makes the rest of the backward
+    pass wait for them: each leaf's statistics are computed where plain grad computes its
+    gradient, and the activations they read die as early as there. XLA:GPU materializes each
+    value a barrier holds (a transformer: 1.8× plain grad's temporaries, 0.9–1.0× without); on a
+    mesh of devices neither holds one: a barrier keeps the partitioner from reusing a sharded
+    parameter's all-gather (FSDP) on both of its sides. The `in_scan` leaves' sums are formed
+    inside their scans (`_scan_with_sums`)."""
+    _barrier = jax.lax.optimization_barrier
+    jaxpr = graph.jaxpr
+    interface = list(dict.fromkeys(v for vs in reads for v in vs))
+    outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
+    wanted = [v for v in [*outputs, *interface] if isinstance(v, Var)]
+    jobs: dict[int, dict[int, InScan]] = {}
+    for i, job in in_scan.items():
+        jobs.setdefault(id(job.scan), {})[i] = job
+    forced = [job.scan.outvars[0] for job in in_scan.values()]
+    head = _needed_by(jaxpr, [*wanted, *forced])  # the scans run even if nothing else reads them
+    made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
+    ready_at = [
+        -2 if i in in_scan else max((made_at[v] for v in vs if v in made_at), default=-1)
+        for i, vs in enumerate(reads)
+    ]
+    last_use: dict[Var, int] = dict.fromkeys(wanted, len(head))  # kept to the end
+    for k, eqn in enumerate(head):
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                last_use[v] = max(last_use.get(v, -1), k)
+
+    values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
+    seed = jnp.ones((), _dtype(jaxpr.invars[-1]))
+    inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
+    values.update(zip(jaxpr.invars, inputs, strict=True))
+    # Where each batched value holds its examples: a scan's stacked outputs keep them on
+    # axis 1, where vmap leaves them, so that no stacked residual is transposed (copied)
+    # between segments; the routes get every value they read with the examples first.
+    batch_axis: dict[Var, int] = {}
+    leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
+    mesh = max([_devices(x) for x in inputs], default=1)  # on a mesh, no barrier (docstring)
+    start, results = 0, {}
+    for cut in sorted({*ready_at, len(head) - 1} - {-2}):
+        segment = head[start : cut + 1]
+        if segment:
+            found = _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
+            results.update(found)
+        start = max(start, cut + 1)
+        ready = [i for i, r in enumerate(ready_at) if r == cut]
+        if ready:
+            # in order (not a set of variables, whose order is their addresses'): every trace,
+            # every process, lowers to the same program
+            read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
+            new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
+            live = [v for v in values if last_use.get(v, -1) > cut]
+            both = (new, [values[v] for v in live])  # held on XLA:CPU only (docstring)
+            # without a barrier, every value varies over the manual axes any does, as a
+            # barrier returns them (jax.shard_map: both branches' types alike)
+            alike = lambda b=both: _varying_as(b, b)  # noqa: E731
+            held = lambda b=both: _barrier(b) if mesh == 1 else _varying_as(b, b)  # noqa: E731
+            new, kept = _per_platform(cpu=held, accelerator=alike)
+            values.update(zip(live, kept, strict=True))
+            results.update(new)
+    each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
+    losses, *aux = [leading(v) if graph.is_batched(v) else each(_read(values, v)) for v in outputs]
+    batched = {v: leading(v) for v in interface if v in graph.batched}
+    unbatched = {v: _read(values, v) for v in interface if v not in graph.batched}
+    return losses, batched, unbatched, results, jax.tree.unflatten(graph.aux_tree, aux)
+
+
+def _run_segment(
+    graph: Graph,
+    segment: list[Eqn],
+    values: dict,
+    batch_axis: dict[Var, int],
+    end: int,
+    last_use: dict,
+    jobs: Mapping[int, Mapping[int, InScan]],
+    keep: Array | None,
+) -> dict:
+    """Evaluate head equations batched (vmap over examples), adding to `values` every result
+    used after position `end` (its examples on axis `batch_axis[v]`, default 0); the scans
+    with `jobs` form their leaves' sums inside (returned: (ingredient, leaf index) -> the mean
+    in the core's coordinates)."""
+    produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
+    ins = (v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced)
+    reads = list(dict.fromkeys(ins))
+    reads_b = [v for v in reads if v in graph.batched]
+    reads_u = [v for v in reads if v not in graph.batched]
+    outs = [v for v in produced if last_use.get(v, -1) > end]
+    outs_b = [v for v in outs if v in graph.batched]
+    outs_u = [v for v in outs if v not in graph.batched]
+
+    if not reads_b:  # nothing here depends on the example (so no scan with jobs either)
+        env = {v: values[v] for v in reads_u}
+        _evaluate(segment, env)
+        values.update((v, env[v]) for v in outs)
+        return {}
+
+    def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list, dict]:
+        env = dict(zip(reads_b, batched_in, strict=True))
+        env.update(zip(reads_u, unbatched_in, strict=True))
+        sums: dict = {}
+        read = {v for e in segment for v in e.invars if isinstance(v, Var)} | set(outs)
+
+        def bind(eqn: Eqn, invals: list[Value]) -> list[Value | None]:
+            if id(eqn) not in jobs:
+                return _bind(eqn, invals)
+            outs, found = _scan_with_sums(graph, eqn, invals, jobs[id(eqn)], keep, read)
+            sums.update(found)
+            return outs
+
+        _evaluate(segment, env, bind=bind)
+        return [env[v] for v in outs_b], [env[v] for v in outs_u], sums
+
+    stacked = [1 if _stacked_output(graph, v) else 0 for v in outs_b]
+    got_b, got_u, sums = jax.vmap(
+        one_example,
+        in_axes=([batch_axis.get(v, 0) for v in reads_b], None),
+        out_axes=(stacked, None, None),
+        axis_name=_EXAMPLES,
+    )([values[v] for v in reads_b], [values[v] for v in reads_u])
+    batch_axis.update(zip(outs_b, stacked, strict=True))
+    values.update(zip(outs_b, got_b, strict=True))
+    values.update(zip(outs_u, got_u, strict=True))
+    return sums
+
+
+_EXAMPLES = "pegrad_examples"  # the head's vmap axis, over which in-scan sums gather the batch
+
+
+def _stacked_output(graph: Graph, var: Var) -> bool:
+    """A stacked output of a scan (vmap gives it the examples on axis 1)."""
+    eqn = graph.producer.get(var)
+    if eqn is None or eqn.primitive.name != "scan":
+        return False
+    return eqn.outvars.index(var) >= _scan_counts(eqn.params)[1]
+
+
+def _scan_with_sums(
+    graph: Graph,
+    scan: Eqn,
+    invals: list[Value],
+    jobs: Mapping[int, InScan],
+    keep: Array | None,
+    read: Container[Var],
+) -> tuple[list[Value | None], dict]:
+    """`scan` evaluated for one example inside the head's vmap, its body also forming the
+    means of φ of the leaves with `jobs` (leaf index -> InScan): at iteration t the operands
+    of the whole batch are gathered over the vmap's axis (no copy: the batched value itself),
+    and the route reduces them as one slice of its core (the iteration axis of size 1).
+    Returns the scan's outputs and, per (ingredient, leaf index), the stacked means in the
+    core's coordinates (unbatched). Stacked outputs nobody `read`s are not formed (None): the
+    operands hoisting emitted for these leaves, now consumed inside."""
+    params, body = scan.params, scan.params["jaxpr"]
+    nc, ncar = _scan_counts(params)
+    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    stacked = [k for k in range(ncar, len(scan.outvars)) if scan.outvars[k] in read]
+    extra = [v for job in jobs.values() for v in job.operands]
+    wanted = [*body.jaxpr.outvars[:ncar], *(body.jaxpr.outvars[k] for k in stacked), *extra]
+
+    summed = {i: job for i, job in jobs.items() if job.axis is None}
+    totals = {
+        i: jnp.zeros(_shape(job.route.core.outvars[0]), job.route.dtype)
+        for i, job in summed.items()
+    }
+
+    def step(carry: tuple[list, dict], x: list) -> tuple[tuple[list, dict], tuple[list, dict]]:
+        scan_carry, totals = carry
+        outs = _run(body.jaxpr, body.consts, [*consts, *scan_carry, *x], outs=wanted)
+        n_out = ncar + len(stacked)
+        operands, sums = iter(outs[n_out:]), {}
+        for i, job in jobs.items():
+            m, env = job.route, {}
+            for var in m.core.invars[:2]:
+                value = jax.lax.all_gather(next(operands), _EXAMPLES)
+                value = value if keep is None else _where_units(keep, value)
+                env[var] = jnp.expand_dims(value, 1)  # the core's operand, one iteration
+            found = m.core_sums(env, m.dtype, job.means)
+            if job.axis is None:  # the one iteration it contracts: its contribution
+                totals = {**totals, i: totals[i] + found["sum"]}
+            else:
+                for w in job.means:  # norms [B] per iteration, the rest one slice of the core
+                    one = found[w] if _kind(w) == "norm" else found[w].squeeze(job.axis)
+                    sums[w, i, job.axis] = one
+        return (outs[:ncar], totals), (outs[ncar:n_out], sums)
+
+    (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
+    found = {("sum", i): total for i, total in totals.items()}
+    for (w, i, axis), per_iteration in sums.items():  # norms: summed over the iterations
+        norm = _kind(w) == "norm"
+        found[w, i] = per_iteration.sum(0) if norm else jnp.moveaxis(per_iteration, 0, axis)
+    ys = dict(zip(stacked, ys_read, strict=True))
+    return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
+
+
+def _loop_chunk(graph: Graph, plans: Sequence[LeafPlan]) -> int:
+    """Examples per chunk of the chunk loop: the largest number whose materialized per-unit
+    gradients hold no more numbers than the parameters or the batched head values the routes
+    read (activations and their gradients), whichever is larger — memory the step needs
+    anyway — or the caller's bound (chunk_size, memory_budget)."""
+    looped = [graph.leaves[p.index] for p in plans if p.looped]
+    parameters = sum(leaf.size for leaf in graph.leaves)
+    reads = dict.fromkeys(v for p in plans for v in p.reads)
+    activations = sum(graph.n_examples * math.prod(_shape(v)) for v in reads if graph.is_batched(v))
+    materialized = graph.per_example * sum(leaf.size for leaf in looped) or 1
+    unit = graph.per_example * sum(leaf.size * leaf.stat_dtype.itemsize for leaf in looped)
+    bound = max(parameters, activations) // materialized
+    return _examples_per_chunk(graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound)
+
+
+def _chunk_loop(
+    graph: Graph,
+    plans: tuple[LeafPlan, ...],
+    batched: dict,
+    unbatched: dict,
+    batch: PyTree,
+    params: PyTree,
+    chunk: int,
+    chunked: Mapping[int, Sequence[str]],
+    keep: Array | None,
+    weights: Array | None = None,
+    dot_with: Sequence[Array] | None = None,
+    hold: Collection[int] = (),
+    given: Mapping[int, Array] | None = None,
+) -> tuple[dict[tuple[str, int], Array], dict[str, Array], dict[int, Array]]:
+    """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
+    ingredients each needs: means of φ, the variance (chunk by chunk, merged with Chan's
+    update: no cancellation), or — given per-unit `weights` [B, U] — the clipped mean; and,
+    summed over these leaves, the per-unit norms and inner products with v ([B, U]) and the
+    pairs ([N, N], `_pairs`: blocks of two chunks). Leaves in `hold` (one chunk) also return
+    their per-unit gradients [B, U, ...]; a later call `given` them reads, not forms, them."""
+    if not chunked:
+        return {}, {}, {}
+    given = {i: g for i, g in (given or {}).items() if i in chunked}
+    assert not (hold or given) or chunk >= graph.n_examples  # kept whole: one chunk
+    n_units = graph.n_units
+    routes = {i: plans[i].taken for i in chunked}
+    formers = [r for i, r in routes.items() if i not in given]
+    keys = list(dict.fromkeys(v for r in formers for v in r.reads() if v in batched))
+    dtype = _widest([leaf.dtype for leaf in graph.leaves])
+    shape = (graph.n_examples, graph.per_example)
+    w = jnp.ones(shape, dtype) if weights is None else weights
+    k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
+    per = {u: _kind(u) for ws in chunked.values() for u in _of_kind(ws, "norm", "inner")}
+    v = dot_with
+
+    def formed(which: Sequence[int], value: list, example: PyTree, kept: Array, had: dict) -> dict:
+        env = {**unbatched, **dict(zip(keys, value, strict=True))}
+        grads = {i: had[i] if i in had else routes[i].per_unit(env, example, params) for i in which}
+        if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
+            grads = {i: _where_units(kept, g) for i, g in grads.items()}
+        return grads
+
+    def one(value: list, example: PyTree, kept: Array, had: dict) -> tuple[dict, dict]:
+        grads = formed(looped, value, example, kept, had)
+        out = {}
+        for u, kind in per.items():  # [U] each, added over the leaves
+            terms = (
+                jnp.sum(g * g, axis=tuple(range(1, g.ndim)))
+                if kind == "norm"
+                else jnp.tensordot(g, v[i].astype(g.dtype), axes=g.ndim - 1)  # pyright: ignore[reportOptionalSubscript]
+                for i, g in grads.items()
+                if u in chunked[i]
+            )
+            out[u] = sum((t.astype(dtype) for t in terms), jnp.zeros((graph.per_example,), dtype))
+        return grads, out
+
+    def per_chunk(xs: tuple) -> tuple[dict, dict]:
+        values, examples, unit_w, unit_k, had = xs
+        grads, units = jax.vmap(one)(values, examples, unit_k, had)
+        out: dict = {("held", i): grads[i] for i in hold if i in grads}
+        for i, g in grads.items():
+            out |= _chunk_sums(_merge01(g), i, chunked[i], unit_w, unit_k, keep, n_units)
+        return out, units
+
+    examples = batch if graph.token else None  # the untied fallback reads the example itself
+    xs = ([batched[v] for v in keys], examples, w, k, given)
+    looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
+    acc, units = {}, {}
+    if looped:
+        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, _combine, _over_groups)
+    held = {key[1]: acc.pop(key) for key in [key for key in acc if key[0] == "held"]}
+    out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
+    units = {} if weights is not None else units
+    for u in {u for ws in chunked.values() for u in _of_kind(ws, "pairs")}:
+        paired = [i for i, ws in chunked.items() if u in ws]
+        grads_of = lambda xs, p=paired: [  # noqa: E731
+            _merge01(g)
+            for g in jax.vmap(functools.partial(formed, p))(xs[0], xs[1], xs[3], xs[4]).values()
+        ]
+        units[u] = _pairs(grads_of, xs, graph.n_examples, chunk)
+    return out, units, held
+
+
+def _chunk_sums(
+    g: Array, i: int, wanted: Sequence[str], w: Array, k: Array, keep: Array | None, n_units: int
+) -> dict:
+    """One chunk's part of leaf i's chunked ingredients from its units' gradients g [c·U, ...]:
+    Σ φ(g)/N per mean; (count, mean, M2) for the variance (with `keep`, over the units kept, k
+    [c, U]); Σ w_u g_u / N for the clipped mean (unit weights w [c, U])."""
+    out: dict = {}
+    for what in wanted:
+        if what in _PHI:
+            out[what, i] = _sum0(_PHI[what](g)) * (1.0 / n_units)
+        elif _kind(what) == "spread" and keep is None:
+            mean = jnp.mean(g, 0)
+            count = jnp.asarray(g.shape[0], g.dtype)
+            out[what, i] = (count, mean, _sum0((g - mean) ** 2))
+        elif _kind(what) == "spread":  # over the kept units of the chunk (masked: 0)
+            kept = _merge01(k)
+            count = jnp.sum(kept).astype(g.dtype)
+            mean = _sum0(g) / jnp.maximum(count, 1.0)
+            out[what, i] = (count, mean, _sum0(_where_units(kept, g - mean) ** 2))
+        elif _kind(what) == "weighted":
+            out[what, i] = jnp.tensordot(_merge01(w).astype(g.dtype), g, axes=1) / n_units
+    return out
+
+
+def _combine(acc: dict, part: dict) -> dict:
+    """The chunk loop's running sums with one more chunk's (variances by Chan's update)."""
+    merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
+    return {k: merge(k, v) for k, v in part.items()}
+
+
+def _over_groups(parts: dict) -> dict:
+    """The chunk loop's sums of the device groups, stacked on axis 0, merged."""
+    merge = lambda k, v: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0)  # noqa: E731
+    return {k: merge(k, v) for k, v in parts.items()}
+
+
+# ============================================================================================
+# §10 Routes. A route is a class whose `match` proves on the jaxpr the mathematics it uses for a
 # leaf's gradient and returns an instance owning what it proved (its operands), or a Refusal
 # saying why not. The instance computes the leaf's ingredients (§2) from values the batched
 # head provides ("env": a leading axis B on batched values); `per_unit` gives one example's
@@ -2753,14 +3657,6 @@ def _units_layout(x: Array, batch: Sequence[int], units: Sequence[int]) -> Array
     return x.reshape(x.shape[0], nu, nb, -1)
 
 
-def _unit_weights(weights: Array, ndim: int, unit_axes: Sequence[int]) -> Array:
-    """[B, U] unit weights broadcastable against a [B, ...] factor whose unit axes are given."""
-    shape = [weights.shape[0]] + [1] * (ndim - 1)
-    for k in unit_axes:
-        shape[k + 1] = weights.shape[1]
-    return weights.reshape(shape)
-
-
 class Empty(Route):
     """A leaf with no entries: every statistic is an empty array."""
 
@@ -2922,8 +3818,11 @@ class OuterProduct(CoreRoute):
         phi = _PHI[what]
         a, b = _operands(self.core, env, dtype, tie=weights is None)
         a = phi(a)
-        if weights is not None:
-            a = a * _unit_weights(weights.astype(dtype), a.ndim, self.units[0])
+        if weights is not None:  # [B, U] broadcast against a's unit axes
+            shape = [len(a)] + [1] * (a.ndim - 1)
+            for k in self.units[0]:
+                shape[k + 1] = weights.shape[1]
+            a = a * weights.astype(dtype).reshape(shape)
         dn = _over_examples(*_dot_dims(self.core))
         n = self.graph.n_units
         return jax.lax.dot_general(a * (1.0 / n), phi(b), dn, preferred_element_type=dtype)
@@ -4356,932 +5255,6 @@ _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolut
 #   fallback        anything -> the leaf's gradient tail per example in chunks (exact, slowest)
 ROUTES: tuple[type[Route], ...] = (Empty, Constant, OuterProduct, Contraction, Convolution)
 ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, HeadValue, Fallback)
-
-
-# ============================================================================================
-# §8 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class InScan:
-    """Where a leaf's means of φ (variance, norms) are formed inside a scan: its core is a
-    dot_general of two values the scan stacks (stacked outputs or scanned inputs) that keeps
-    the iterations apart (a batch dim of both operands: stacked layers). Each mean, the variance
-    and each ‖g_i‖²'s part is then a reduction per slice of that axis (norms: summed), so the scan
-    body forms slice t from iteration t's operands of the whole batch, and no stacked operand
-    outlives the loop (plain grad contracts inside it too). A core that contracts the
-    iterations (a weight every iteration shares) has no such slices, but its sum is linear:
-    Σ_t of iteration t's contributions, accumulated in a carry as plain grad does."""
-
-    route: "OuterProduct | Contraction"  # the leaf's
-    scan: Eqn
-    operands: tuple[Atom, Atom]  # the body's values of the core's operands at one iteration
-    axis: int | None  # the core's output axis over iterations; None: summed over them
-    means: tuple[str, ...]  # the ingredients formed inside: "sum", "sq", "sign", "var", "norms"
-
-
-def _in_scan(graph: Graph, m: Route, methods: Mapping[str, str]) -> InScan | None:
-    """The proof that `m`'s means of φ, variance and norms can be formed inside a scan, or None."""
-    if not isinstance(m, (OuterProduct, Contraction)) or _of_kind(list(methods), "inner", "pairs"):
-        return None
-    inside = () if graph.weighted and _of_kind(list(methods), "norm") else m.sums(tuple(methods))
-    if any(w not in inside or how != "factorized" for w, how in methods.items()):
-        return None  # clipping waits for every norm; nonfinite="drop" knows its examples by them
-    a, b = m.core.invars[:2]
-    scans = [graph.producer.get(v) for v in (a, b) if isinstance(v, Var)]
-    scan = next((e for e in scans if e is not None and e.primitive.name == "scan"), None)
-    x, y = (None, None) if scan is None else (_per_iteration(scan, v) for v in (a, b))
-    if scan is None or x is None or y is None:
-        return None
-    lc, rc, lb, rb = _dot_dims(m.core)
-    apart = [j for j, (p, q) in enumerate(zip(lb, rb, strict=True)) if p == 0 and q == 0]
-    summed = any(p == 0 and q == 0 for p, q in zip(lc, rc, strict=True))
-    if not apart and not (summed and set(methods) == {"sum"}):
-        return None  # φ of a sum over iterations is no sum over iterations
-    return InScan(m, scan, (x, y), apart[0] if apart else None, tuple(methods))
-
-
-def _per_iteration(scan: Eqn, var: Atom) -> Atom | None:
-    """The body's value at iteration t of `var`'s slice t (along axis 0): `var` a stacked
-    output of `scan` or one of its scanned inputs; else None."""
-    body = scan.params["jaxpr"].jaxpr
-    nc, ncar = _scan_counts(scan.params)
-    for k, v in enumerate(scan.outvars):
-        if v is var and k >= ncar:
-            return body.outvars[k]
-    for k, v in enumerate(scan.invars):
-        if v is var and k >= nc + ncar:
-            return body.invars[k]
-    return None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LeafPlan:
-    """How impl="factorized" computes one parameter leaf's statistics (pure data).
-
-    `methods` maps each ingredient the statistics need (§2) to "factorized" (computed from the
-    route's factors, no per-unit gradient exists) or "chunked" (per-unit gradients of this leaf
-    materialized a bounded chunk of examples at a time). `status` sums it up: "factorized",
-    "chunked" (the route materializes some), or "fallback" (no route proved its identities and
-    per-unit gradients are materialized; exact, slowest). `formed`: where per-unit gradients of
-    this leaf exist, how many examples' at once and their bytes — ("chunk loop", c, bytes), or
-    ("head", c, bytes) for a contraction's per-example φ."""
-
-    leaf: str  # key path of the parameter leaf, e.g. "['layers'][0]['w']"
-    shape: tuple[int, ...]
-    taken: Route  # the route taken, holding what its match proved; it computes the statistics
-    methods: Mapping[str, str]
-    cost: "Cost"
-    refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
-    index: int = dataclasses.field(repr=False, default=0)
-    in_scan: InScan | None = dataclasses.field(repr=False, default=None)
-    formed: tuple[tuple[str, int, int], ...] = ()
-    other_kind: tuple[str, ...] = ()  # refused routes for which the leaf is not of their kind
-    outranked: tuple[tuple[str, "Cost"], ...] = ()  # proven too, not taken: (route, its cost)
-    kept: bool = False  # per-unit gradients kept for the clip factors (`_kept_for_clipping`)
-
-    @property
-    def route(self) -> str:  # the route taken: a name in ROUTES, or "mean-loss"
-        return self.taken.name
-
-    @property
-    def reason(self) -> str:  # what the route's match proved
-        return self.taken.reason
-
-    @property
-    def looped(self) -> bool:  # the chunk loop forms its per-unit gradients (clipping aside)
-        return any(how == "chunked" for w, how in self.methods.items() if _kind(w) != "weighted")
-
-    @property
-    def reads(self) -> list[Var]:  # the head's values its route reads
-        if self.in_scan is not None:  # the operands are consumed inside the scan
-            return _factor_vars(self.in_scan.route.post)
-        return self.taken.reads()
-
-    @property
-    def status(self) -> str:
-        if "chunked" not in self.methods.values():
-            return "factorized"
-        return "fallback" if self.route == "fallback" else "chunked"
-
-    def __str__(self) -> str:
-        methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
-        head = (
-            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
-        )
-        body = f"{self.reason} [{methods}]"
-        if self.in_scan is not None:
-            body += "; formed inside the scan, one iteration at a time"
-        for where, c, size in self.formed:
-            body += f"; per-unit gradients {c} examples at a time in the {where} ({size:,} B)"
-        if self.kept:
-            body += "; kept for the clip factors (formed once, not again for the clipped mean)"
-        # Why each route of the leaf's kind before the one taken lost: its proof failed, or
-        # it was proven and ranked behind (costlier, or later with choose="first").
-        taken = ROUTES.index(type(self.taken)) if type(self.taken) in ROUTES else len(ROUTES)
-        earlier = {r.name for r in ROUTES[:taken]} | {MeanLoss.name}
-        lost = [
-            f"{r}: {why}" for r, why in self.refused if r in earlier and r not in self.other_kind
-        ]
-        lost += [
-            f"{r}: proven, but ~{c.flops:.2g} flop, ~{c.bytes:.2g} B against "
-            f"~{self.cost.flops:.2g} flop, ~{self.cost.bytes:.2g} B"
-            for r, c in self.outranked
-        ]
-        if lost:
-            body += "; not taken: " + "; ".join(lost)
-        wrap = functools.partial(textwrap.wrap, width=100, break_on_hyphens=False)  # names whole
-        lines = wrap(body, initial_indent="    ", subsequent_indent="    ")
-        return "\n".join(wrap(head, subsequent_indent="    ") + lines)
-
-
-class Plan(tuple):
-    """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
-    opens with a one-line summary: leaves per route and the estimated cost against plain grad
-    (floating-point operations from shapes: a rough guide, not a measurement)."""
-
-    plain_flops: float
-
-    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
-        self = super().__new__(cls, leaves)
-        self.plain_flops = plain_flops
-        return self
-
-    @staticmethod
-    def build(
-        loss: Callable,
-        params: PyTree,
-        batch: PyTree,
-        per_example: int,
-        stats: tuple[str, ...],
-        options: "Options",
-    ) -> "Plan":
-        """`explain`'s entry point into the engine: the graph and its plan, nothing run."""
-        mean_loss = _mean_loss(loss, params, batch, stats, options)
-        graph = _graph(loss, params, batch, per_example, stats, options, mean_loss)
-        plans = plan(graph, stats, choose=options[1])
-        return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
-
-    @property
-    def summary(self) -> str:
-        routes = [p.route for p in self]
-        counts = ", ".join(f"{routes.count(r)} {r}" for r in dict.fromkeys(routes))
-        extra = sum(float(p.cost.flops) for p in self)
-        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
-        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
-
-    def __str__(self) -> str:
-        return "\n".join([self.summary, *map(str, self)])
-
-
-def plan(
-    graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
-) -> tuple[LeafPlan, ...]:
-    """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or with
-    choose="first" the first that matches in precedence order; the mean alone, where `_plain_mean`
-    takes it and the loss has no backward rule of the user's, is every leaf's "mean-loss"."""
-    need = _ingredients(stats)
-    if graph.user_backward == "":  # the mean alone, proven plain grad's (`_mean_loss`)
-        methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
-        return tuple(
-            LeafPlan(
-                leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, Cost(), (), leaf.index
-            )
-            for leaf in graph.leaves
-        )
-    plans = []
-    for leaf in graph.leaves:
-        refused = [(MeanLoss.name, graph.user_backward)] if graph.user_backward else []
-        other_kind: list[str] = []
-        proven: list[tuple[Route, dict[str, str], Cost]] = []
-        best: tuple[float, Route, dict[str, str], Cost] | None = None
-        core, post = graph.core(leaf.grad)  # a CoreRoute is tried where it is one of its cores
-        for route in ROUTES:
-            try:
-                if issubclass(route, CoreRoute):
-                    m = route.at_core(graph, leaf, core, post)
-                else:
-                    m = route.match(graph, leaf)
-            except Exception as error:  # a route that cannot prove its case refuses it
-                m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
-            if isinstance(m, Refusal):
-                refused.append((route.name, m.reason))
-                other_kind += [] if m.kind else [route.name]
-                continue
-            methods = m.methods(need)
-            if graph.weighted and not isinstance(m, Empty):  # Chan merges of kept examples
-                methods |= dict.fromkeys(_of_kind(list(methods), "spread"), "chunked")
-            cost = m.cost(methods)
-            proven.append((m, methods, cost))
-            if best is None or (choose == "cheapest" and cost.seconds < best[0]):
-                best = (cost.seconds, m, methods, cost)
-        assert best is not None  # the fallback always matches
-        _, m, methods, cost = best
-        in_scan = _in_scan(graph, m, methods)
-        rank = lambda r: ROUTES.index(type(r))  # noqa: E731
-        outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
-        p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
-        plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
-    if choose == "cheapest":
-        plans = _kept_for_clipping(graph, plans, need)
-    loop_chunk = _loop_chunk(graph, plans)
-    return tuple(_formed(graph, p, loop_chunk) for p in plans)
-
-
-def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...]) -> list:
-    """With the clipped mean, leaves forming per-unit gradients for the norms anyway (chunk loop;
-    a contraction's, in the head) form them once in the chunk loop and keep them for the clip
-    factors: Σ_u c_u g_u weighs what exists, no second weight-gradient matmul or formation
-    (GPT-2 small: results/bench/gpu-time.md). Only where the loop then holds the whole batch's
-    at once (`_loop_chunk`'s bound): the factors wait for every example's norm."""
-    if not _of_kind(need, "weighted"):
-        return plans
-
-    def forms(p: LeafPlan) -> bool:
-        if p.in_scan is not None:  # (formed inside the scan, one iteration at a time)
-            return False
-        factorized = [w for w, how in p.methods.items() if how == "factorized"]
-        return p.looped or isinstance(p.taken, Contraction) and p.taken.forms(factorized)
-
-    kept = {}
-    for p in filter(forms, plans):
-        methods = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
-        kept[p.index] = dataclasses.replace(
-            p, methods=methods, cost=p.taken.cost(methods), kept=True
-        )
-    trial = [kept.get(p.index, p) for p in plans]
-    return trial if kept and _loop_chunk(graph, trial) == graph.n_examples else plans
-
-
-def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
-    """`p` with where its per-unit gradients are formed, how many examples' at once."""
-    leaf = graph.leaves[p.index]
-    formed = []
-    if p.looped:
-        size = loop_chunk * graph.per_example * leaf.size * leaf.stat_dtype.itemsize
-        formed.append(("chunk loop", loop_chunk, size))
-    m = p.taken
-    factorized = [w for w, how in p.methods.items() if how == "factorized"]
-    in_head = isinstance(m, Convolution) and any(w in m.FORMED for w in factorized)
-    if isinstance(m, Contraction) and m.forms(factorized) or in_head:  # (norms by Grams: none)
-        assert isinstance(m, (Contraction, Convolution))
-        one = m.formed_unit()
-        operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
-        if p.in_scan is not None and p.in_scan.axis is not None:  # one iteration at a time
-            length = p.in_scan.scan.params["length"]
-            one, operands = one // length, operands // length
-        c = m.chunk(operands, one)
-        formed.append(("head", c, c * one * leaf.stat_dtype.itemsize))
-    if isinstance(m, Contraction) and _of_kind(factorized, "pairs"):  # two chunks at a time
-        operands = graph.n_examples * sum(math.prod(_shape(v)) for v in m.core.invars[:2])
-        c = m.chunk(operands, m.formed_unit(), accelerator=True)
-        formed.append(("head", c, 2 * c * m.formed_unit() * leaf.stat_dtype.itemsize))
-    return dataclasses.replace(p, formed=tuple(formed))
-
-
-# ============================================================================================
-# §9 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
-
-
-def _execute(
-    graph: Graph,
-    plans: tuple[LeafPlan, ...],
-    stats: tuple[str, ...],
-    clip_norm: float | None,
-    params: PyTree,
-    batch: PyTree,
-    keep: Array | None = None,
-    drop: bool = False,
-    dot_with: Sequence[Array] | None = None,
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """The statistics of a plan: the batched head, which computes each leaf's factorized
-    ingredients as soon as its values exist (`_run_head`), and the chunk loop for what is
-    chunked; then, once every unit's norm is known, what waits for it: the examples `drop`
-    discards (`_finite`), the other ingredients (`late`), and the clipped mean by the clip
-    factors; last the means over the kept examples (`_published`)."""
-    need = _ingredients((*stats, "sq_norms") if drop else stats)
-    # With `drop`, which examples count is known once every norm is: the other ingredients
-    # wait for it (the head's values they read are kept until then, as for clipping).
-    early = [w for w in need if _kind(w) == "norm" or (_kind(w) != "weighted" and not drop)]
-    late = [w for w in need if _kind(w) != "weighted" and w not in early]
-    weighted = _of_kind(need, "weighted")  # after every unit's norm, by the clip factors
-    compute = functools.partial(_compute, dot_with=dot_with)
-
-    def on_ready(ready: list[int], env: dict) -> dict:
-        results = {}
-        for i in ready:
-            results.update(compute([plans[i]], early, _masked(graph, env, keep, reads[i])))
-        return results
-
-    in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
-    reads = [p.reads for p in plans]
-    losses, batched, unbatched, results, aux = _run_head(
-        graph, reads, params, batch, on_ready, in_scan, keep
-    )
-    env = {**batched, **unbatched}
-    for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
-        posted = job.route.posted({w: results[w, i] for w in job.means}, env)
-        results.update({(w, i): g for w, g in posted.items()})
-    chunk = _loop_chunk(graph, plans)
-    loop = functools.partial(
-        _chunk_loop, graph, plans, batched, unbatched, batch, params, chunk, dot_with=dot_with
-    )
-    held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
-    found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
-    results.update(found)
-    loop = functools.partial(loop, given=kept)
-    per_unit = {w: _added(graph, results, looped, w) for w in early if _kind(w) in _PER_UNIT}
-    if drop:
-        keep = _finite(graph, losses, per_unit[_of_kind(need, "norm")[0]], keep)
-    units = None if keep is None else jnp.repeat(keep, graph.per_example)
-    per_unit = {w: _masked_units(units, w, x) for w, x in per_unit.items()}
-    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
-    env = _masked(graph, env, keep, list(batched))
-    results.update(compute(plans, late, env))
-    found, looped, _ = loop(_chunked_in(plans, late), keep)
-    results.update(found)
-    for w in _of_kind(late, *_PER_UNIT):
-        per_unit[w] = _masked_units(units, w, _added(graph, results, looped, w))
-    if weighted:
-        assert clip_norm is not None and sq_norms is not None
-        factors = _clip_factors(sq_norms, clip_norm)
-        factors = factors if units is None else _where_units(units, factors)
-        weights = factors.reshape(graph.n_examples, graph.per_example)
-        results.update(compute(plans, weighted, env, weights))
-        results.update(loop(_chunked_in(plans, weighted), keep, weights)[0])
-    return _published(graph, stats, need, results, per_unit, losses, keep, aux)
-
-
-def _compute(
-    plans: Sequence[LeafPlan],
-    wanted: Sequence[str],
-    env: Mapping,
-    weights: Array | None = None,
-    *,
-    dot_with: Sequence[Array] | None,
-) -> dict:
-    """The ingredients `wanted` the leaves of `plans` compute factorized ("clipped" by
-    `weights`), keyed (ingredient, leaf index)."""
-    env, out = {**env, _DOT_WITH: dot_with}, {}
-    for p in plans:
-        whats = [w for w in wanted if p.methods[w] == "factorized"]
-        if weights is not None:
-            out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
-        elif whats:
-            found = p.taken.compute_many(env, whats)
-            out.update({(w, p.index): found[w] for w in whats})
-    return out
-
-
-def _chunked_in(plans: Sequence[LeafPlan], wanted: Sequence[str]) -> dict[int, list[str]]:
-    """Per leaf that chunks any of `wanted`, those it chunks."""
-    found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
-    return {i: ws for i, ws in found.items() if ws}
-
-
-def _added(graph: Graph, results: Mapping, looped: Mapping[str, Array], w: str) -> Array:
-    """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
-    dtype = _widest([leaf.dtype for leaf in graph.leaves])
-    shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
-    parts = [results[w, i] for i in range(len(graph.leaves)) if (w, i) in results]
-    parts += [looped[w]] if w in looped else []
-    return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
-
-
-def _masked_units(units: Array | None, w: str, x: Array) -> Array:
-    """A per-unit ingredient with 0 at the units not kept (a NaN there included)."""
-    if units is None:
-        return x
-    if _kind(w) == "pairs":
-        return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
-    return _where_units(units, x)
-
-
-def _finite(graph: Graph, losses: Array, sq_norms: Array, keep: Array | None) -> Array:
-    """nonfinite="drop": the examples kept, those whose loss and every unit's ‖g‖² are finite."""
-    by_example = sq_norms.reshape(graph.n_examples, graph.per_example)
-    finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
-    return finite if keep is None else keep & finite
-
-
-def _published(
-    graph: Graph,
-    stats: tuple[str, ...],
-    need: Sequence[str],
-    results: Mapping,
-    per_unit: Mapping[str, Array],
-    losses: Array,
-    keep: Array | None,
-    aux: PyTree,
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """The mean loss, the statistics (each leaf's means in the parameters' structure) and aux;
-    with `keep`, the means over the kept units: sums over them divided by N_eff, not N."""
-    by_leaf = lambda w: [results[w, i] for i in range(len(graph.leaves))]  # noqa: E731
-    means = {
-        w: jax.tree.unflatten(graph.param_tree, by_leaf(w))
-        for w in need
-        if _kind(w) not in _PER_UNIT
-    }
-    n_units: int | Array = graph.n_units
-    if keep is None:
-        loss = losses.mean()
-    else:  # the sums above are over kept units, divided by all N
-        kept = jnp.sum(keep)
-        loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
-        n_units = kept * graph.per_example
-        scale = graph.n_units / n_units
-        for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
-            means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
-    loss = loss.astype(stat_dtype(losses.dtype))
-    return loss, _publish(stats, means, per_unit, n_units), aux
-
-
-def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
-    """`env` with the batched values among `names` replaced by 0 at examples not kept: every
-    route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
-    that its sums are over the kept examples — and a NaN there goes nowhere."""
-    if keep is None:
-        return dict(env)
-    masked = {v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env}
-    return {**env, **masked}
-
-
-def _run_head(
-    graph: Graph,
-    reads: list[list[Var]],
-    params: PyTree,
-    batch: PyTree,
-    on_ready: Callable[[list[int], dict], dict],
-    in_scan: Mapping[int, InScan],
-    keep: Array | None,
-) -> tuple[Array, dict, dict, dict, PyTree]:
-    """Losses [B], the values the routes read (batched ones with a leading B, others once),
-    the factorized results and the auxiliary outputs [B, ...].
-
-    The head is every equation those values need, evaluated batched (vmap over examples) in
-    segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
-    factorized ingredients, and (XLA:CPU) an optimization barrier makes the rest of the backward
-    pass wait for them: each leaf's statistics are computed where plain grad computes its
-    gradient, and the activations they read die as early as there. XLA:GPU materializes each
-    value a barrier holds (a transformer: 1.8× plain grad's temporaries, 0.9–1.0× without); on a
-    mesh of devices neither holds one: a barrier keeps the partitioner from reusing a sharded
-    parameter's all-gather (FSDP) on both of its sides. The `in_scan` leaves' sums are formed
-    inside their scans (`_scan_with_sums`)."""
-    _barrier = jax.lax.optimization_barrier
-    jaxpr = graph.jaxpr
-    interface = list(dict.fromkeys(v for vs in reads for v in vs))
-    outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
-    wanted = [v for v in [*outputs, *interface] if isinstance(v, Var)]
-    jobs: dict[int, dict[int, InScan]] = {}
-    for i, job in in_scan.items():
-        jobs.setdefault(id(job.scan), {})[i] = job
-    forced = [job.scan.outvars[0] for job in in_scan.values()]
-    head = _needed_by(jaxpr, [*wanted, *forced])  # the scans run even if nothing else reads them
-    made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
-    ready_at = [
-        -2 if i in in_scan else max((made_at[v] for v in vs if v in made_at), default=-1)
-        for i, vs in enumerate(reads)
-    ]
-    last_use: dict[Var, int] = dict.fromkeys(wanted, len(head))  # kept to the end
-    for k, eqn in enumerate(head):
-        for v in eqn.invars:
-            if isinstance(v, Var):
-                last_use[v] = max(last_use.get(v, -1), k)
-
-    values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
-    seed = jnp.ones((), _dtype(jaxpr.invars[-1]))
-    inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
-    values.update(zip(jaxpr.invars, inputs, strict=True))
-    # Where each batched value holds its examples: a scan's stacked outputs keep them on
-    # axis 1, where vmap leaves them, so that no stacked residual is transposed (copied)
-    # between segments; the routes get every value they read with the examples first.
-    batch_axis: dict[Var, int] = {}
-    leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
-    mesh = max([_devices(x) for x in inputs], default=1)  # on a mesh, no barrier (docstring)
-    start, results = 0, {}
-    for cut in sorted({*ready_at, len(head) - 1} - {-2}):
-        segment = head[start : cut + 1]
-        if segment:
-            found = _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
-            results.update(found)
-        start = max(start, cut + 1)
-        ready = [i for i, r in enumerate(ready_at) if r == cut]
-        if ready:
-            # in order (not a set of variables, whose order is their addresses'): every trace,
-            # every process, lowers to the same program
-            read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
-            new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
-            live = [v for v in values if last_use.get(v, -1) > cut]
-            both = (new, [values[v] for v in live])  # held on XLA:CPU only (docstring)
-            # without a barrier, every value varies over the manual axes any does, as a
-            # barrier returns them (jax.shard_map: both branches' types alike)
-            alike = lambda b=both: _varying_as(b, b)  # noqa: E731
-            held = lambda b=both: _barrier(b) if mesh == 1 else _varying_as(b, b)  # noqa: E731
-            new, kept = _per_platform(cpu=held, accelerator=alike)
-            values.update(zip(live, kept, strict=True))
-            results.update(new)
-    each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
-    losses, *aux = [leading(v) if graph.is_batched(v) else each(_read(values, v)) for v in outputs]
-    batched = {v: leading(v) for v in interface if v in graph.batched}
-    unbatched = {v: _read(values, v) for v in interface if v not in graph.batched}
-    return losses, batched, unbatched, results, jax.tree.unflatten(graph.aux_tree, aux)
-
-
-def _run_segment(
-    graph: Graph,
-    segment: list[Eqn],
-    values: dict,
-    batch_axis: dict[Var, int],
-    end: int,
-    last_use: dict,
-    jobs: Mapping[int, Mapping[int, InScan]],
-    keep: Array | None,
-) -> dict:
-    """Evaluate head equations batched (vmap over examples), adding to `values` every result
-    used after position `end` (its examples on axis `batch_axis[v]`, default 0); the scans
-    with `jobs` form their leaves' sums inside (returned: (ingredient, leaf index) -> the mean
-    in the core's coordinates)."""
-    produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
-    ins = (v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced)
-    reads = list(dict.fromkeys(ins))
-    reads_b = [v for v in reads if v in graph.batched]
-    reads_u = [v for v in reads if v not in graph.batched]
-    outs = [v for v in produced if last_use.get(v, -1) > end]
-    outs_b = [v for v in outs if v in graph.batched]
-    outs_u = [v for v in outs if v not in graph.batched]
-
-    if not reads_b:  # nothing here depends on the example (so no scan with jobs either)
-        env = {v: values[v] for v in reads_u}
-        _evaluate(segment, env)
-        values.update((v, env[v]) for v in outs)
-        return {}
-
-    def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list, dict]:
-        env = dict(zip(reads_b, batched_in, strict=True))
-        env.update(zip(reads_u, unbatched_in, strict=True))
-        sums: dict = {}
-        read = {v for e in segment for v in e.invars if isinstance(v, Var)} | set(outs)
-
-        def bind(eqn: Eqn, invals: list[Value]) -> list[Value | None]:
-            if id(eqn) not in jobs:
-                return _bind(eqn, invals)
-            outs, found = _scan_with_sums(graph, eqn, invals, jobs[id(eqn)], keep, read)
-            sums.update(found)
-            return outs
-
-        _evaluate(segment, env, bind=bind)
-        return [env[v] for v in outs_b], [env[v] for v in outs_u], sums
-
-    stacked = [1 if _stacked_output(graph, v) else 0 for v in outs_b]
-    got_b, got_u, sums = jax.vmap(
-        one_example,
-        in_axes=([batch_axis.get(v, 0) for v in reads_b], None),
-        out_axes=(stacked, None, None),
-        axis_name=_EXAMPLES,
-    )([values[v] for v in reads_b], [values[v] for v in reads_u])
-    batch_axis.update(zip(outs_b, stacked, strict=True))
-    values.update(zip(outs_b, got_b, strict=True))
-    values.update(zip(outs_u, got_u, strict=True))
-    return sums
-
-
-_EXAMPLES = "pegrad_examples"  # the head's vmap axis, over which in-scan sums gather the batch
-
-
-def _stacked_output(graph: Graph, var: Var) -> bool:
-    """A stacked output of a scan (vmap gives it the examples on axis 1)."""
-    eqn = graph.producer.get(var)
-    if eqn is None or eqn.primitive.name != "scan":
-        return False
-    return eqn.outvars.index(var) >= _scan_counts(eqn.params)[1]
-
-
-def _scan_with_sums(
-    graph: Graph,
-    scan: Eqn,
-    invals: list[Value],
-    jobs: Mapping[int, InScan],
-    keep: Array | None,
-    read: Container[Var],
-) -> tuple[list[Value | None], dict]:
-    """`scan` evaluated for one example inside the head's vmap, its body also forming the
-    means of φ of the leaves with `jobs` (leaf index -> InScan): at iteration t the operands
-    of the whole batch are gathered over the vmap's axis (no copy: the batched value itself),
-    and the route reduces them as one slice of its core (the iteration axis of size 1).
-    Returns the scan's outputs and, per (ingredient, leaf index), the stacked means in the
-    core's coordinates (unbatched). Stacked outputs nobody `read`s are not formed (None): the
-    operands hoisting emitted for these leaves, now consumed inside."""
-    params, body = scan.params, scan.params["jaxpr"]
-    nc, ncar = _scan_counts(params)
-    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
-    stacked = [k for k in range(ncar, len(scan.outvars)) if scan.outvars[k] in read]
-    extra = [v for job in jobs.values() for v in job.operands]
-    wanted = [*body.jaxpr.outvars[:ncar], *(body.jaxpr.outvars[k] for k in stacked), *extra]
-
-    summed = {i: job for i, job in jobs.items() if job.axis is None}
-    totals = {
-        i: jnp.zeros(_shape(job.route.core.outvars[0]), job.route.dtype)
-        for i, job in summed.items()
-    }
-
-    def step(carry: tuple[list, dict], x: list) -> tuple[tuple[list, dict], tuple[list, dict]]:
-        scan_carry, totals = carry
-        outs = _run(body.jaxpr, body.consts, [*consts, *scan_carry, *x], outs=wanted)
-        n_out = ncar + len(stacked)
-        operands, sums = iter(outs[n_out:]), {}
-        for i, job in jobs.items():
-            m, env = job.route, {}
-            for var in m.core.invars[:2]:
-                value = jax.lax.all_gather(next(operands), _EXAMPLES)
-                value = value if keep is None else _where_units(keep, value)
-                env[var] = jnp.expand_dims(value, 1)  # the core's operand, one iteration
-            found = m.core_sums(env, m.dtype, job.means)
-            if job.axis is None:  # the one iteration it contracts: its contribution
-                totals = {**totals, i: totals[i] + found["sum"]}
-            else:
-                for w in job.means:  # norms [B] per iteration, the rest one slice of the core
-                    one = found[w] if _kind(w) == "norm" else found[w].squeeze(job.axis)
-                    sums[w, i, job.axis] = one
-        return (outs[:ncar], totals), (outs[ncar:n_out], sums)
-
-    (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
-    found = {("sum", i): total for i, total in totals.items()}
-    for (w, i, axis), per_iteration in sums.items():  # norms: summed over the iterations
-        norm = _kind(w) == "norm"
-        found[w, i] = per_iteration.sum(0) if norm else jnp.moveaxis(per_iteration, 0, axis)
-    ys = dict(zip(stacked, ys_read, strict=True))
-    return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
-
-
-def _loop_chunk(graph: Graph, plans: Sequence[LeafPlan]) -> int:
-    """Examples per chunk of the chunk loop: the largest number whose materialized per-unit
-    gradients hold no more numbers than the parameters or the batched head values the routes
-    read (activations and their gradients), whichever is larger — memory the step needs
-    anyway — or the caller's bound (chunk_size, memory_budget)."""
-    looped = [graph.leaves[p.index] for p in plans if p.looped]
-    parameters = sum(leaf.size for leaf in graph.leaves)
-    reads = dict.fromkeys(v for p in plans for v in p.reads)
-    activations = sum(graph.n_examples * math.prod(_shape(v)) for v in reads if graph.is_batched(v))
-    materialized = graph.per_example * sum(leaf.size for leaf in looped) or 1
-    unit = graph.per_example * sum(leaf.size * leaf.stat_dtype.itemsize for leaf in looped)
-    bound = max(parameters, activations) // materialized
-    return _examples_per_chunk(graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound)
-
-
-def _chunk_loop(
-    graph: Graph,
-    plans: tuple[LeafPlan, ...],
-    batched: dict,
-    unbatched: dict,
-    batch: PyTree,
-    params: PyTree,
-    chunk: int,
-    chunked: Mapping[int, Sequence[str]],
-    keep: Array | None,
-    weights: Array | None = None,
-    dot_with: Sequence[Array] | None = None,
-    hold: Collection[int] = (),
-    given: Mapping[int, Array] | None = None,
-) -> tuple[dict[tuple[str, int], Array], dict[str, Array], dict[int, Array]]:
-    """Per-unit gradients of the `chunked` leaves, `chunk` examples at a time, reduced to the
-    ingredients each needs: means of φ, the variance (chunk by chunk, merged with Chan's
-    update: no cancellation), or — given per-unit `weights` [B, U] — the clipped mean; and,
-    summed over these leaves, the per-unit norms and inner products with v ([B, U]) and the
-    pairs ([N, N], `_pairs`: blocks of two chunks). Leaves in `hold` (one chunk) also return
-    their per-unit gradients [B, U, ...]; a later call `given` them reads, not forms, them."""
-    if not chunked:
-        return {}, {}, {}
-    given = {i: g for i, g in (given or {}).items() if i in chunked}
-    assert not (hold or given) or chunk >= graph.n_examples  # kept whole: one chunk
-    n_units = graph.n_units
-    routes = {i: plans[i].taken for i in chunked}
-    formers = [r for i, r in routes.items() if i not in given]
-    keys = list(dict.fromkeys(v for r in formers for v in r.reads() if v in batched))
-    dtype = _widest([leaf.dtype for leaf in graph.leaves])
-    shape = (graph.n_examples, graph.per_example)
-    w = jnp.ones(shape, dtype) if weights is None else weights
-    k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
-    per = {u: _kind(u) for ws in chunked.values() for u in _of_kind(ws, "norm", "inner")}
-    v = dot_with
-
-    def formed(which: Sequence[int], value: list, example: PyTree, kept: Array, had: dict) -> dict:
-        env = {**unbatched, **dict(zip(keys, value, strict=True))}
-        grads = {i: had[i] if i in had else routes[i].per_unit(env, example, params) for i in which}
-        if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
-            grads = {i: _where_units(kept, g) for i, g in grads.items()}
-        return grads
-
-    def one(value: list, example: PyTree, kept: Array, had: dict) -> tuple[dict, dict]:
-        grads = formed(looped, value, example, kept, had)
-        out = {}
-        for u, kind in per.items():  # [U] each, added over the leaves
-            terms = (
-                jnp.sum(g * g, axis=tuple(range(1, g.ndim)))
-                if kind == "norm"
-                else jnp.tensordot(g, v[i].astype(g.dtype), axes=g.ndim - 1)  # pyright: ignore[reportOptionalSubscript]
-                for i, g in grads.items()
-                if u in chunked[i]
-            )
-            out[u] = sum((t.astype(dtype) for t in terms), jnp.zeros((graph.per_example,), dtype))
-        return grads, out
-
-    def per_chunk(xs: tuple) -> tuple[dict, dict]:
-        values, examples, unit_w, unit_k, had = xs
-        grads, units = jax.vmap(one)(values, examples, unit_k, had)
-        out: dict = {("held", i): grads[i] for i in hold if i in grads}
-        for i, g in grads.items():
-            out |= _chunk_sums(_merge01(g), i, chunked[i], unit_w, unit_k, keep, n_units)
-        return out, units
-
-    examples = batch if graph.token else None  # the untied fallback reads the example itself
-    xs = ([batched[v] for v in keys], examples, w, k, given)
-    looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
-    acc, units = {}, {}
-    if looped:
-        acc, units = _chunked(per_chunk, xs, graph.n_examples, chunk, _combine, _over_groups)
-    held = {key[1]: acc.pop(key) for key in [key for key in acc if key[0] == "held"]}
-    out = {key: v[2] / (v[0] - 1) if _kind(key[0]) == "spread" else v for key, v in acc.items()}
-    units = {} if weights is not None else units
-    for u in {u for ws in chunked.values() for u in _of_kind(ws, "pairs")}:
-        paired = [i for i, ws in chunked.items() if u in ws]
-        grads_of = lambda xs, p=paired: [  # noqa: E731
-            _merge01(g)
-            for g in jax.vmap(functools.partial(formed, p))(xs[0], xs[1], xs[3], xs[4]).values()
-        ]
-        units[u] = _pairs(grads_of, xs, graph.n_examples, chunk)
-    return out, units, held
-
-
-def _chunk_sums(
-    g: Array,
-    i: int,
-    wanted: Sequence[str],
-    w: Array,
-    k: Array,
-    keep: Array | None,
-    n_units: int,
-) -> dict:
-    """One chunk's part of leaf i's chunked ingredients from its units' gradients g [c·U, ...]:
-    Σ φ(g)/N per mean; (count, mean, M2) for the variance (with `keep`, over the units kept, k
-    [c, U]); Σ w_u g_u / N for the clipped mean (unit weights w [c, U])."""
-    out: dict = {}
-    for what in wanted:
-        if what in _PHI:
-            out[what, i] = _sum0(_PHI[what](g)) * (1.0 / n_units)
-        elif _kind(what) == "spread" and keep is None:
-            mean = jnp.mean(g, 0)
-            count = jnp.asarray(g.shape[0], g.dtype)
-            out[what, i] = (count, mean, _sum0((g - mean) ** 2))
-        elif _kind(what) == "spread":  # over the kept units of the chunk (masked: 0)
-            kept = _merge01(k)
-            count = jnp.sum(kept).astype(g.dtype)
-            mean = _sum0(g) / jnp.maximum(count, 1.0)
-            out[what, i] = (count, mean, _sum0(_where_units(kept, g - mean) ** 2))
-        elif _kind(what) == "weighted":
-            out[what, i] = jnp.tensordot(_merge01(w).astype(g.dtype), g, axes=1) / n_units
-    return out
-
-
-def _combine(acc: dict, part: dict) -> dict:
-    """The chunk loop's running sums with one more chunk's (variances by Chan's update)."""
-    merge = lambda k, v: _chan(acc[k], v) if _kind(k[0]) == "spread" else acc[k] + v  # noqa: E731
-    return {k: merge(k, v) for k, v in part.items()}
-
-
-def _over_groups(parts: dict) -> dict:
-    """The chunk loop's sums of the device groups, stacked on axis 0, merged."""
-    merge = lambda k, v: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0)  # noqa: E731
-    return {k: merge(k, v) for k, v in parts.items()}
-
-
-# ============================================================================================
-# §10 The mean alone as plain backpropagation, and the entry point of impl="factorized".
-
-
-def _plain_mean(
-    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
-) -> bool:
-    """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
-    loss, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i (no rewrite of that sum is cheaper). Not with
-    choose="first", per-token units (whose split the rewrite proves) or parameters narrower than
-    their statistics; and only where the loss has no backward rule of the user's."""
-    return (
-        _ingredients(stats) == ("sum",)
-        and choose == "cheapest"
-        and granularity == "example"
-        and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
-    )
-
-
-# Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
-# jax.custom_transpose). JAX's own transposes are linear in the cotangent; these need not be.
-_USER_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_transpose_call"})
-
-
-def _user_backward(loss_fn: Callable, params: PyTree, batch: PyTree) -> str:
-    """Why plain grad of the mean loss is not proven the mean of the per-example gradients, or
-    "". JAX's own transposes are linear in the cotangent, so ∇ Σ_i ℓ_i = Σ_i g_i; a backward
-    rule the user wrote need not be (clipping in JAX's custom_vjp tutorial: clip(Σ_i c_i) ≠
-    Σ_i clip(c_i)). The one-example jaxpr of `loss_fn` (→ (loss, aux)) is searched, deeply."""
-    closed = jax.make_jaxpr(lambda p, e: loss_fn(p, e)[0])(params, _one_example(batch))
-    todo = [closed.jaxpr]  # jax.extend.core.jaxprs_in_params would do: not in JAX 0.7.2
-    while todo:
-        for eqn in todo.pop().eqns:
-            if eqn.primitive.name in _USER_RULES:
-                return (
-                    f"the loss calls a {eqn.primitive.name} ({eqn.params.get('name', '?')}), a "
-                    "backward rule not proven linear in the cotangent: plain grad of the mean "
-                    "loss may differ from the mean of per-example gradients"
-                )
-            todo += _sub_jaxprs(eqn)
-    return ""
-
-
-def _gradient_of_mean_loss(
-    loss: Callable, params: PyTree, batch: PyTree, keep: Array | None
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """The mean alone (every leaf "mean-loss"): plain grad of the mean loss over the kept
-    examples. Where 1/N would be rounded in the loss's dtype (a loss narrower than float32) or
-    a mask weighs the examples, the summed loss is differentiated and the gradient divided by
-    the count in its own dtype, as the routes do (no kept example: NaN); a masked example,
-    whose inputs are a kept one's, contributes 0. The loss is the routes' mean loss; in
-    `jax.shard_map`, this shard's (`_reference`)."""
-    params = _varying_as(params, batch)
-    summed = [keep is not None]  # set once the loss's dtype is known, inside the trace
-
-    def mean_loss(p: PyTree) -> tuple[Array, tuple[Array, PyTree]]:
-        losses, aux = jax.vmap(loss, in_axes=(None, 0))(p, batch)
-        summed[0] = summed[0] or jnp.dtype(losses.dtype) != stat_dtype(losses.dtype)
-        if not summed[0]:
-            return jnp.mean(losses), (losses, aux)
-        kept = losses if keep is None else jnp.where(keep, losses, jnp.zeros((), losses.dtype))
-        return jnp.sum(kept), (losses, aux)
-
-    (total, (losses, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    n_units: int | Array = losses.shape[0] if keep is None else jnp.sum(keep)
-    if summed[0]:
-        grads = jax.tree.map(lambda g: _over(g, n_units), grads)
-    value = losses.mean() if keep is None else _over(total, n_units)  # the routes' mean loss
-    stats = _publish(("mean",), {"sum": grads}, {}, n_units)
-    return value.astype(stat_dtype(losses.dtype)), stats, aux
-
-
-Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
-
-
-def _graph(
-    loss: Callable,
-    params: PyTree,
-    batch: PyTree,
-    per_example: int,
-    stats: Sequence[str],
-    options: Options,
-    mean_loss: str | None,
-    weighted: bool = False,
-) -> Graph:
-    """The graph, with the caller's bounds and the mean-loss policy's answer (`_mean_loss`)."""
-    chunk_size, memory_budget = options[2:]
-    kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
-    inside = all(_kind(w) in kinds for w in _ingredients(stats))
-    graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
-    bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
-    return dataclasses.replace(graph, weighted=weighted, user_backward=mean_loss, **bounds)
-
-
-def _mean_loss(
-    loss: Callable, params: PyTree, batch: PyTree, stats: Sequence[str], options: Options
-) -> str | None:
-    """The mean-loss policy, decided once per call of an entry point: None where the statistics
-    are not the mean alone taken as plain backpropagation (`_plain_mean`); else why plain grad
-    of the mean loss is not proven their value, "" where it is (`_user_backward`)."""
-    dtypes = [x.dtype for x in jax.tree.leaves(params)]
-    if not _plain_mean(stats, options[1], options[0], dtypes):
-        return None
-    return _user_backward(loss, params, batch)
-
-
-def _factorized(
-    loss: Callable,
-    params: PyTree,
-    batch: PyTree,
-    per_example: int,
-    stats: tuple[str, ...],
-    options: Options,
-    clip_norm: float | None,
-    keep: Array | None,
-    drop: bool,
-    dot_with: Sequence[Array] | None = None,
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """impl="factorized" (an entry point): plain grad of the mean loss where proven, else
-    the graph, its plan and the executor."""
-    wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
-    mean_loss = _mean_loss(loss, params, batch, wanted, options)
-    if mean_loss == "":
-        return _gradient_of_mean_loss(loss, params, batch, keep)
-    weighted = keep is not None or drop  # a mask or dropped examples weigh them 0 or 1
-    graph = _graph(loss, params, batch, per_example, wanted, options, mean_loss, weighted)
-    plans = plan(graph, wanted, choose=options[1])
-    return _execute(graph, plans, stats, clip_norm, params, batch, keep, drop, dot_with)
 
 
 # ============================================================================================

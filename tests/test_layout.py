@@ -84,3 +84,53 @@ def test_within_line_budget(part: str, budget: int) -> None:
     _, _, banner, total = _parts()
     size = banner if part == "Part I" else total
     assert size <= budget, f"{part} has {size} lines, budget {budget}"
+
+
+ROUTE_DEPTH = 2  # issue 57: a route is Route's child, or the child of one shared base under it
+FUNCTION_LINES = 60  # issue 57: lines of code of any function, its docstring aside
+
+
+def _classes() -> dict[str, list[str]]:
+    body = ast.parse(SOURCE.read_text()).body
+    return {n.name: [ast.unparse(b) for b in n.bases] for n in body if isinstance(n, ast.ClassDef)}
+
+
+def _depth(name: str, classes: dict[str, list[str]]) -> int | None:
+    """How far below Route the class is (None: not a route)."""
+    if name == "Route":
+        return 0
+    below = [_depth(b, classes) for b in classes.get(name, []) if b in classes]
+    found = [d for d in below if d is not None]
+    return 1 + max(found) if found else None
+
+
+def test_no_route_class_is_more_than_two_levels_below_route() -> None:
+    classes = _classes()
+    depths = {name: _depth(name, classes) for name in classes}
+    routes = {name: d for name, d in depths.items() if d is not None}
+    assert len(routes) > 10, sorted(routes)  # the routes were found
+    deep = {name: d for name, d in routes.items() if d > ROUTE_DEPTH}
+    assert not deep, deep
+
+
+def _code_lines(fn: ast.FunctionDef, lines: list[str]) -> int:
+    """Lines of code of `fn` (nested functions included), its docstring, comments and blank
+    lines aside."""
+    body = fn.body
+    has_doc = isinstance(body[0], ast.Expr) and isinstance(
+        getattr(body[0], "value", None), ast.Constant
+    )
+    start = body[0].end_lineno if has_doc else body[0].lineno - 1
+    assert start is not None and fn.end_lineno is not None
+    text = [line.strip() for line in lines[start : fn.end_lineno]]
+    return sum(1 for line in text if line and not line.startswith("#"))
+
+
+def test_no_function_has_more_than_sixty_lines_of_code() -> None:
+    text = SOURCE.read_text()
+    lines = text.splitlines()
+    functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)]
+    long = {f"{f.name} (line {f.lineno})": _code_lines(f, lines) for f in functions}
+    assert len(long) > 100  # the functions were found
+    long = {name: n for name, n in long.items() if n > FUNCTION_LINES}
+    assert not long, long

@@ -1,0 +1,116 @@
+"""First-compile time of pegrad against plain grad, in one process (issue 57).
+
+The README transformer (families "transformer" at BENCH: d 256, T 64, 4 blocks, float32), B 32:
+for plain `jax.grad` of the mean loss and for `pegrad.value_and_grad_stats` (impl="factorized")
+with each statistic set, a fresh function is traced, lowered and compiled (XLA:CPU), in
+alternating rounds so that load on the machine falls on both alike. Each program's phases are
+timed apart: trace (Python: pegrad's graph, planner and executor run here), lower (to
+StableHLO) and compile (XLA). The ratio is pegrad's total over plain grad's, the median of the
+rounds. `--profile` prints cProfile's top functions of pegrad's trace (where its Python goes).
+
+    python results/bench/compile_time.py --rounds 3 --out results/bench/compile-time.json
+"""
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "..")]
+
+import families  # noqa: E402
+import pegrad  # noqa: E402
+
+SETS = {"mean+sq_mean": ("mean", "sq_mean"), "clipped_mean+sq_norms": ("clipped_mean", "sq_norms")}
+
+
+def programs(family: str, batch: int) -> dict:
+    fam = families.FAMILIES[family]
+    key = jax.random.key(0)
+    params, loss_fn = fam.build(families.BENCH, key)
+    data = fam.batch(families.BENCH, key, batch)
+
+    def plain() -> object:
+        def mean_loss(p: object, b: object) -> jax.Array:
+            return jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0))(p, b))
+
+        return jax.jit(jax.grad(mean_loss))
+
+    def stats(names: tuple[str, ...]) -> object:
+        def step(p: object, b: object) -> object:
+            clip = 1.0 if "clipped_mean" in names else None
+            return pegrad.value_and_grad_stats(loss_fn, names, clip_norm=clip)(p, b)
+
+        return jax.jit(step)
+
+    made = {"plain grad": plain} | {k: (lambda n=n: stats(n)) for k, n in SETS.items()}
+    return {"make": made, "args": (params, data)}
+
+
+def phases(fn: object, args: tuple) -> dict[str, float]:
+    t0 = time.perf_counter()
+    traced = fn.trace(*args)  # type: ignore[attr-defined]
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="transformer")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    built = programs(args.family, args.batch)
+    make, call_args = built["make"], built["args"]
+    phases(make["plain grad"](), call_args)  # warm JAX's own caches (not pegrad's)
+    if args.profile:
+        for name in SETS:
+            prof = cProfile.Profile()
+            prof.enable()
+            make[name]().trace(*call_args)
+            prof.disable()
+            print(f"== {name}: trace profile")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in make}
+    for r in range(args.rounds):
+        for name in make:
+            jax.clear_caches()
+            rows[name].append(phases(make[name](), call_args))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]['total']:.2f}s" for k, v in rows.items()))
+    median = {
+        name: {ph: statistics.median(x[ph] for x in got) for ph in got[0]}
+        for name, got in rows.items()
+    }
+    base = median["plain grad"]["total"]
+    for name, m in median.items():
+        parts = ", ".join(f"{ph} {m[ph]:.2f}s" for ph in ("trace", "lower", "compile"))
+        print(f"{name:24s} {m['total']:.2f}s ({parts}) = {m['total'] / base:.2f}x plain grad")
+    if args.out:
+        record = {
+            "family": args.family,
+            "batch": args.batch,
+            "jax": jax.__version__,
+            "rounds": rows,
+            "median": median,
+            "ratio": {name: m["total"] / base for name, m in median.items()},
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
