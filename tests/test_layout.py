@@ -2,7 +2,9 @@
 checks, the exact references and the interpreter they run on — is closed: it names nothing
 defined in Part II (the engine, below the banner line containing "Part II") but the two entry
 points, and it stays within its line budget, so that a reader can check the definition
-without reading the engine. Pure parsing, no JAX."""
+without reading the engine. Issue 57's reading rules: no route class more than two levels below
+`Route`, no function over 60 lines of code (each check shown to flag a case one past it).
+Pure parsing, no JAX."""
 
 import ast
 from pathlib import Path
@@ -134,3 +136,27 @@ def test_no_function_has_more_than_sixty_lines_of_code() -> None:
     assert len(long) > 100  # the functions were found
     long = {name: n for name, n in long.items() if n > FUNCTION_LINES}
     assert not long, long
+
+
+def test_the_depth_check_flags_a_route_three_levels_down():
+    classes = {
+        "Route": ["abc.ABC"],
+        "A": ["Route"],
+        "B": ["A"],
+        "C": ["B"],
+        "M": [],
+        "D": ["M", "A"],
+    }
+    assert {k: _depth(k, classes) for k in classes} == {
+        "Route": 0, "A": 1, "B": 2, "C": 3, "M": None, "D": 2
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("lines, flagged", [(FUNCTION_LINES, False), (FUNCTION_LINES + 1, True)])
+def test_the_length_check_flags_a_function_one_line_too_long(lines: int, flagged: bool):
+    # a docstring, comments and blank lines are not code
+    body = "".join(f"    x{i} = {i}\n    # a comment\n\n" for i in range(lines))
+    source = f'def f():\n    """A docstring\n    of two lines."""\n{body}'
+    fn = ast.parse(source).body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    assert (_code_lines(fn, source.splitlines()) > FUNCTION_LINES) == flagged
