@@ -27,13 +27,16 @@ SOURCE = os.path.abspath(pegrad.__file__)
 def spans() -> dict[int, tuple[str, int, int]]:
     """First line of each function of pegrad.py -> (name, first line, last line) of the
     outermost function that holds it."""
-    tree = ast.parse(open(SOURCE).read())
+    with open(SOURCE) as f:
+        tree = ast.parse(f.read())
     out: dict[int, tuple[str, int, int]] = {}
 
     def visit(node: ast.AST, outer: tuple[str, int, int] | None) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-                first = min([child.lineno, *(d.lineno for d in getattr(child, "decorator_list", []))])
+                first = min(
+                    [child.lineno, *(d.lineno for d in getattr(child, "decorator_list", []))]
+                )
                 name = getattr(child, "name", "<lambda>")
                 mine = outer or (name, first, child.end_lineno or child.lineno)
                 out[child.lineno] = mine

@@ -54,8 +54,10 @@ def statements(text: str) -> collections.Counter:
 def main() -> None:
     a, b = (statements(source(w)) for w in sys.argv[1:3])
     only_a, only_b = a - b, b - a
-    print(f"{sum(a.values())} and {sum(b.values())} top-level statements; "
-          f"{sum(only_a.values())} only in the first, {sum(only_b.values())} only in the second")
+    print(
+        f"{sum(a.values())} and {sum(b.values())} top-level statements; "
+        f"{sum(only_a.values())} only in the first, {sum(only_b.values())} only in the second"
+    )
     for dumped in [*only_a, *only_b]:
         print("  differs:", dumped[:160])
     sys.exit(1 if only_a or only_b else 0)
