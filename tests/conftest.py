@@ -10,9 +10,13 @@ from collections.abc import Sequence
 
 import pytest
 
-# Tests compile hundreds of tiny programs; XLA's optimizing passes cost more than they save here.
+# Tests compile hundreds of tiny programs; XLA's optimizing passes cost more than they save here,
+# and XLA:CPU's new fusion emitters compile them up to twice as slowly (results/ci/README.md).
+# Subprocesses (tests/sharded.py, the train.py runs) inherit these flags.
 os.environ.setdefault(
-    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    "XLA_FLAGS",
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_cpu_use_fusion_emitters=false",
 )
 
 import jax  # noqa: E402

@@ -37,8 +37,8 @@ import train
 import trainkit
 
 REPO = Path(__file__).resolve().parent.parent
-# Tiny programs, compiled in every process: XLA's optimizing passes cost more than they save.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Tiny programs, compiled in every process: tests/conftest.py's compile flags, as in this one.
+FAST_COMPILE = os.environ.get("XLA_FLAGS", "")
 KEYS = ("loss", "eval_loss", "grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro")
 
 

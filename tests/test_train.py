@@ -82,7 +82,7 @@ def checkpoint(out: Path) -> dict[str, np.ndarray]:
 
 
 def script_env(devices: int = 1) -> dict[str, str]:
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
 
 
