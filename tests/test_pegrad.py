@@ -228,6 +228,26 @@ def _heads_over_positions(b: int, seq: int = 3, d: int = 6, heads: int = 2):
     )
 
 
+@pytest.mark.parametrize("batch_size", [5, 40])
+def test_sums_over_examples_on_each_side_of_the_32_row_bound_equal_the_naive_loop(
+    batch_size: int,
+):
+    """The per-example gradients' sums over examples (every statistic, vmap whole and in chunks
+    of 8): up to 32 rows added pairwise (B 5, the chunks), more rows a vector of ones (B 40),
+    for the kernel's rows and the bias's: each equals the naive loop."""
+    k = jax.random.split(jax.random.key(batch_size), 4)
+    params = {"w": jax.random.normal(k[0], (128, 64)), "b": jax.random.normal(k[1], (64,))}
+
+    def loss(p: dict, ex: tuple) -> jax.Array:
+        x, y = ex
+        return jnp.sum((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+    batch = (jax.random.normal(k[2], (batch_size, 128)), jax.random.normal(k[3], (batch_size, 64)))
+    expected = naive_unit_grads(loss, params, batch)
+    impls = [("vmap", None, "cheapest"), ("vmap", 8, "cheapest")]
+    check_every_implementation(loss, params, batch, expected, "sum0", impls=impls)
+
+
 @pytest.mark.parametrize("model", [_wide_over_positions, _heads_over_positions])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 def test_on_an_accelerator_the_gradients_formed_at_once_equal_the_naive_loop(
