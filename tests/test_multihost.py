@@ -36,9 +36,8 @@ from test_train import argv, checkpoint, metrics, run_script, tiny
 import train
 import trainkit
 
+# The processes started here inherit tests/conftest.py's compile flags (XLA_FLAGS).
 REPO = Path(__file__).resolve().parent.parent
-# Tiny programs, compiled in every process: tests/conftest.py's compile flags, as in this one.
-FAST_COMPILE = os.environ.get("XLA_FLAGS", "")
 KEYS = ("loss", "eval_loss", "grad_norm", "frac_snr_gt_1_over_B", "nu_adam_over_nu_micro")
 
 
@@ -96,7 +95,7 @@ def launch(
     `perturb`: the last process runs this file as a script that first changes its own
     `perturb` (see PERTURB below); processes may then fail: their exit codes are not checked."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     logs.mkdir(parents=True, exist_ok=True)
     running, files = [], []
     deadline = time.monotonic() + timeout
@@ -207,7 +206,7 @@ def test_every_process_traces_the_step_to_the_same_program(tmp_path: Path):
     """The cause of the wrong step-0 losses this file once saw with fsdp: two processes traced
     the step to programs whose all-gathers came in another order. Two fresh interpreters
     (other string hashes, other addresses) must lower each config's step to the same text."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     texts = []
     for seed in ("1", "2"):
         proc = subprocess.run(
@@ -233,7 +232,7 @@ def fake_two_devices(one: train.Config, tmp_path_factory: pytest.TempPathFactory
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     config = json.dumps(dataclasses.asdict(cfg))

@@ -1,4 +1,4 @@
-"""`_sum0` (pegrad's sum over the examples) three ways, for the first compile and the run time.
+"""`_sum0` (pegrad's sum over the examples) four ways, for the first compile and the run time.
 
 The README transformer (families "transformer" at BENCH: d 256, T 64, 4 blocks, float32), B 32,
 mean + sq_mean and clipped_mean + sq_norms (impl="factorized"), with pegrad's `_sum0` replaced
