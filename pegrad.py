@@ -148,7 +148,8 @@ def value_and_grad_stats(
         floats, loss = _as_parameters(params, loss_fn, has_aux)
         per_example = _check_inputs(loss, floats, batch, stats, granularity)
         keep = _check_mask(mask, batch, stats, per_example)
-        v = _check_dot_with(stats, floats, dot_with)
+        inner = dot_with is not None or _of_kind(_ingredients(stats), "inner")  # "dot", or v
+        v = _check_dot_with(stats, floats, dot_with) if inner else None
         if drop:  # one batched forward pass: examples with a non-finite loss
             losses = jax.vmap(lambda example: loss(floats, example)[0])(batch)
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
@@ -2060,7 +2061,8 @@ class Graph:
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
         n = jax.tree.leaves(batch)[0].shape[0]
         budget = None if memory_budget is None else memory_budget // n
-        closed = _hoist_scans(closed, args, hoist, budget)
+        if any(e.primitive.name == "scan" for e in closed.jaxpr.eqns):
+            closed = _hoist_scans(closed, args, hoist, budget)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         producer, users = _producers(jaxpr), _users(jaxpr)
@@ -2721,7 +2723,7 @@ def plan(
         outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
         p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
         plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
-    if choose == "cheapest":
+    if choose == "cheapest" and _of_kind(need, "weighted"):
         plans = _kept_for_clipping(graph, plans, need)
     loop_chunk = _loop_chunk(graph, plans)
     return tuple(_formed(graph, p, loop_chunk) for p in plans)
@@ -2733,8 +2735,6 @@ def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...
     factors: Σ_u c_u g_u weighs what exists, no second weight-gradient matmul or formation
     (GPT-2 small: results/bench/gpu-time.md). Only where the loop then holds the whole batch's
     at once (`_loop_chunk`'s bound): the factors wait for every example's norm."""
-    if not _of_kind(need, "weighted"):
-        return plans
 
     def forms(p: LeafPlan) -> bool:
         if p.in_scan is not None:  # (formed inside the scan, one iteration at a time)
@@ -2820,9 +2820,11 @@ def _execute(
         posted = job.route.posted({w: results[w, i] for w in job.means}, env)
         results.update({(w, i): g for w, g in posted.items()})
     chunk = _loop_chunk(graph, plans)
-    loop = functools.partial(
-        _chunk_loop, graph, plans, batched, unbatched, batch, params, chunk, dot_with=dot_with
-    )
+
+    def loop(chunked: Mapping[int, Sequence[str]], *args: Any, **kwargs: Any) -> tuple:
+        head = (graph, plans, batched, unbatched, batch, params, chunk, chunked)  # where formed
+        return _chunk_loop(*head, *args, dot_with=dot_with, **kwargs) if chunked else ({}, {}, {})
+
     held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
     found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
     results.update(found)
@@ -3176,8 +3178,6 @@ def _chunk_loop(
     summed over these leaves, the per-unit norms and inner products with v ([B, U]) and the
     pairs ([N, N], `_pairs`: blocks of two chunks). Leaves in `hold` (one chunk) also return
     their per-unit gradients [B, U, ...]; a later call `given` them reads, not forms, them."""
-    if not chunked:
-        return {}, {}, {}
     given = {i: g for i, g in (given or {}).items() if i in chunked}
     assert not (hold or given) or chunk >= graph.n_examples  # kept whole: one chunk
     n_units = graph.n_units
