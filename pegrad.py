@@ -148,8 +148,7 @@ def value_and_grad_stats(
         floats, loss = _as_parameters(params, loss_fn, has_aux)
         per_example = _check_inputs(loss, floats, batch, stats, granularity)
         keep = _check_mask(mask, batch, stats, per_example)
-        inner = dot_with is not None or _of_kind(_ingredients(stats), "inner")  # "dot", or v
-        v = _check_dot_with(stats, floats, dot_with) if inner else None
+        v = _check_dot_with(stats, floats, dot_with)
         if drop:  # one batched forward pass: examples with a non-finite loss
             losses = jax.vmap(lambda example: loss(floats, example)[0])(batch)
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
@@ -2822,7 +2821,7 @@ def _execute(
     chunk = _loop_chunk(graph, plans)
 
     def loop(chunked: Mapping[int, Sequence[str]], *args: Any, **kwargs: Any) -> tuple:
-        head = (graph, plans, batched, unbatched, batch, params, chunk, chunked)  # where formed
+        head = (graph, plans, batched, unbatched, batch, params, chunk, chunked)
         return _chunk_loop(*head, *args, dot_with=dot_with, **kwargs) if chunked else ({}, {}, {})
 
     held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
