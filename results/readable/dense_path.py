@@ -25,8 +25,8 @@ SOURCE = os.path.abspath(pegrad.__file__)
 
 
 def spans() -> dict[int, tuple[str, int, int]]:
-    """First line of each function of pegrad.py -> (name, first line, last line) of the
-    outermost function that holds it."""
+    """First line of each function of pegrad.py (its first decorator's, as its code object
+    has it) -> (name, first line, last line) of the outermost function that holds it."""
     with open(SOURCE) as f:
         tree = ast.parse(f.read())
     out: dict[int, tuple[str, int, int]] = {}
@@ -39,7 +39,7 @@ def spans() -> dict[int, tuple[str, int, int]]:
                 )
                 name = getattr(child, "name", "<lambda>")
                 mine = outer or (name, first, child.end_lineno or child.lineno)
-                out[child.lineno] = mine
+                out[first] = mine  # a decorated function's code starts at its decorator
                 visit(child, mine)
             else:
                 visit(child, outer)
