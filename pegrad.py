@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
+from jax.extend.mlir.dialects import stablehlo
+from jax.interpreters import ad, batching, mlir
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, PyTree
 
@@ -1945,8 +1947,7 @@ def _flops(eqn: Eqn) -> float:
     """A rough operation count of one equation (the planner's cost model)."""
     out = sum(math.prod(_shape(v)) for v in eqn.outvars)
     if eqn.primitive.name == "dot_general":
-        lc, _, _, _ = _dot_dims(eqn)
-        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in lc)
+        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in _dot_dims(eqn)[0])
     if eqn.primitive.name == "conv_general_dilated":
         return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
     return float(out)
@@ -2064,7 +2065,6 @@ class Graph:
             closed = _hoist_scans(closed, args, hoist, budget)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
-        producer, users = _producers(jaxpr), _users(jaxpr)
         static: set[Var] = set(jaxpr.constvars)
         known = lambda v: isinstance(v, jcore.Literal) or v in static  # noqa: E731
         for eqn in jaxpr.eqns:
@@ -2076,18 +2076,17 @@ class Graph:
             # raises for a leaf not position-wise
             untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
             positions = _propagate_positions(jaxpr, [*_example_axes(n_params, n_example), _NONE])
-        grads = jaxpr.outvars[1:]
         return Graph(
             jaxpr=jaxpr,
             consts=tuple(closed.consts),
             leaves=tuple(
-                Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, grads[i])
+                Leaf(i, paths[i], tuple(jnp.shape(x)), x.dtype, jaxpr.outvars[1 + i])
                 for i, x in enumerate(leaves)
             ),
             n_examples=n,
             per_example=per_example,
-            producer=producer,
-            users={v: tuple(u) for v, u in users.items()},
+            producer=_producers(jaxpr),
+            users={v: tuple(u) for v, u in _users(jaxpr).items()},
             batched=frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:-1]))),  # the example's
             seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
             static=frozenset(static),
@@ -2145,19 +2144,14 @@ class Graph:
         while isinstance(var, Var) and var in self.producer:
             eqn = self.producer[var]
             name = eqn.primitive.name
-            if _is_layout(eqn):
-                steps.append(Post(eqn))
-                var = eqn.invars[0]
-            elif name == "neg":
-                steps.append(Post(eqn, factor=-1.0))
+            if _is_layout(eqn) or name == "neg":
+                steps.append(Post(eqn, factor=-1.0 if name == "neg" else None))
                 var = eqn.invars[0]
             elif name in ("mul", "div"):
                 x, m = eqn.invars
                 if name == "mul" and self.is_batched(m) and not self.is_batched(x):
                     x, m = m, x
-                if not self.is_batched(x) or self.is_batched(m):
-                    break
-                if _shape(m) not in ((), _shape(x)):
+                if not self.is_batched(x) or self.is_batched(m) or _shape(m) not in ((), _shape(x)):
                     break
                 steps.append(Post(eqn, factor=m, divide=name == "div"))
                 var = x
@@ -2214,13 +2208,11 @@ def _linear_at(ks: Container[int]) -> LinearityRule:
 
 # Linear in their first operand, the only one that may be a cotangent (x / m for div):
 _first = _linear_if(lambda g, e, s: s[0] and not any(s[1:]))
-_LINEARITY: dict[str, LinearityRule] = dict.fromkeys(
-    _names(
-        """neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
-        slice split unstack real imag div dynamic_slice"""
-    ),
-    _first,
+_FIRST_ONLY = _names(
+    """neg copy reduce_sum broadcast_in_dim reshape squeeze expand_dims transpose rev cumsum
+    slice split unstack real imag div dynamic_slice"""
 )
+_LINEARITY: dict[str, LinearityRule] = dict.fromkeys(_FIRST_ONLY, _first)
 _LINEARITY |= dict.fromkeys(
     ("add", "add_any", "sub", "concatenate", "stack"), _linear_at(range(sys.maxsize))
 )
@@ -2261,8 +2253,7 @@ def _is_layout(eqn: Eqn) -> bool:
     if name == "broadcast_in_dim":
         return math.prod(_shape(eqn.invars[0])) == math.prod(_shape(eqn.outvars[0]))
     if name == "reduce_sum":  # over axes of size 1 only: sums nothing
-        shape = _shape(eqn.invars[0])
-        return all(shape[a] == 1 for a in eqn.params["axes"])
+        return all(_shape(eqn.invars[0])[a] == 1 for a in eqn.params["axes"])
     return False
 
 
@@ -2274,13 +2265,12 @@ def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
     """The ops after the core, applied to `x` (a sum over units of φ(core) or one unit's core):
     layout as it is, a scaling by m as a scaling by φ(m) (by φ(1/m) for a division)."""
     for step in post:
-        eqn = step.eqn
         if step.factor is None:
-            name = eqn.primitive.name
+            name = step.eqn.primitive.name
             if name == "reduce_sum":
-                x = jnp.sum(x, axis=tuple(eqn.params["axes"]))
+                x = jnp.sum(x, axis=tuple(step.eqn.params["axes"]))
             elif name != "convert_element_type":  # statistics keep their own dtype
-                (x,) = _bind(eqn, [x])
+                (x,) = _bind(step.eqn, [x])
             continue
         m = step.factor if isinstance(step.factor, int | float) else _read(env, step.factor)
         m = jnp.asarray(m).astype(x.dtype)
@@ -2396,8 +2386,7 @@ def _hoist_scans(
         hoists = plans.get(id(eqn))
         return _bind(eqn, invals) if hoists is None else _scan_hoisted(eqn, invals, hoists)
 
-    flat = lambda *values: _run(jaxpr, closed.consts, values, bind=bind)  # noqa: E731
-    return jax.make_jaxpr(flat)(*args)
+    return jax.make_jaxpr(lambda *values: _run(jaxpr, closed.consts, values, bind=bind))(*args)
 
 
 def _operand_source(scan: Eqn, var: Atom) -> tuple[str, int]:
@@ -2619,10 +2608,8 @@ class LeafPlan:
         # Why each route of the leaf's kind before the one taken lost: its proof failed, or
         # it was proven and ranked behind (costlier, or later with choose="first").
         taken = ROUTES.index(type(self.taken)) if type(self.taken) in ROUTES else len(ROUTES)
-        earlier = {r.name for r in ROUTES[:taken]} | {MeanLoss.name}
-        lost = [
-            f"{r}: {why}" for r, why in self.refused if r in earlier and r not in self.other_kind
-        ]
+        earlier = ({r.name for r in ROUTES[:taken]} | {MeanLoss.name}) - set(self.other_kind)
+        lost = [f"{r}: {why}" for r, why in self.refused if r in earlier]
         lost += [
             f"{r}: proven, but ~{c.flops:.2g} flop, ~{c.bytes:.2g} B against "
             f"~{self.cost.flops:.2g} flop, ~{self.cost.bytes:.2g} B"
@@ -2743,10 +2730,8 @@ def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...
 
     kept = {}
     for p in filter(forms, plans):
-        methods = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
-        kept[p.index] = dataclasses.replace(
-            p, methods=methods, cost=p.taken.cost(methods), kept=True
-        )
+        new = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
+        kept[p.index] = dataclasses.replace(p, methods=new, cost=p.taken.cost(new), kept=True)
     trial = [kept.get(p.index, p) for p in plans]
     return trial if kept and _loop_chunk(graph, trial) == graph.n_examples else plans
 
@@ -2905,11 +2890,7 @@ def _published(
     """The mean loss, the statistics (each leaf's means in the parameters' structure) and aux;
     with `keep`, the means over the kept units: sums over them divided by N_eff, not N."""
     by_leaf = lambda w: [results[w, i] for i in range(len(graph.leaves))]  # noqa: E731
-    means = {
-        w: jax.tree.unflatten(graph.param_tree, by_leaf(w))
-        for w in need
-        if _kind(w) not in _PER_UNIT
-    }
+    means = {w: graph.param_tree.unflatten(by_leaf(w)) for w in need if _kind(w) not in _PER_UNIT}
     n_units: int | Array = graph.n_units
     if keep is None:
         loss = losses.mean()
@@ -2920,8 +2901,7 @@ def _published(
         scale = graph.n_units / n_units
         for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
             means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
-    loss = loss.astype(stat_dtype(losses.dtype))
-    return loss, _publish(stats, means, per_unit, n_units), aux
+    return loss.astype(stat_dtype(losses.dtype)), _publish(stats, means, per_unit, n_units), aux
 
 
 def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
@@ -2955,7 +2935,6 @@ def _run_head(
     mesh of devices neither holds one: a barrier keeps the partitioner from reusing a sharded
     parameter's all-gather (FSDP) on both of its sides. The `in_scan` leaves' sums are formed
     inside their scans (`_scan_with_sums`)."""
-    _barrier = jax.lax.optimization_barrier
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
@@ -2970,11 +2949,8 @@ def _run_head(
         -2 if i in in_scan else max((made_at[v] for v in vs if v in made_at), default=-1)
         for i, vs in enumerate(reads)
     ]
-    last_use: dict[Var, int] = dict.fromkeys(wanted, len(head))  # kept to the end
-    for k, eqn in enumerate(head):
-        for v in eqn.invars:
-            if isinstance(v, Var):
-                last_use[v] = max(last_use.get(v, -1), k)
+    last_use = {v: k for k, eqn in enumerate(head) for v in eqn.invars if isinstance(v, Var)}
+    last_use |= dict.fromkeys(wanted, len(head))  # kept to the end
 
     values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
     seed = jnp.ones((), _dtype(jaxpr.invars[-1]))
@@ -2990,8 +2966,7 @@ def _run_head(
     for cut in sorted({*ready_at, len(head) - 1} - {-2}):
         segment = head[start : cut + 1]
         if segment:
-            found = _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
-            results.update(found)
+            results |= _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
         start = max(start, cut + 1)
         ready = [i for i, r in enumerate(ready_at) if r == cut]
         if ready:
@@ -3000,12 +2975,10 @@ def _run_head(
             read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
             new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
             live = [v for v in values if last_use.get(v, -1) > cut]
-            both = (new, [values[v] for v in live])  # held on XLA:CPU only (docstring)
-            # without a barrier, every value varies over the manual axes any does, as a
-            # barrier returns them (jax.shard_map: both branches' types alike)
-            alike = lambda b=both: _varying_as(b, b)  # noqa: E731
-            held = lambda b=both: _barrier(b) if mesh == 1 else _varying_as(b, b)  # noqa: E731
-            new, kept = _per_platform(cpu=held, accelerator=alike)
+            # every value varies over the manual axes any does (jax.shard_map), as a barrier
+            # returns them; held on XLA:CPU only (docstring)
+            both = _varying_as(b := (new, [values[v] for v in live]), b)
+            new, kept = _cpu_barrier(both) if mesh == 1 else both
             values.update(zip(live, kept, strict=True))
             results.update(new)
     each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
@@ -3106,11 +3079,8 @@ def _scan_with_sums(
     extra = [v for job in jobs.values() for v in job.operands]
     wanted = [*body.jaxpr.outvars[:ncar], *(body.jaxpr.outvars[k] for k in stacked), *extra]
 
-    summed = {i: job for i, job in jobs.items() if job.axis is None}
-    totals = {
-        i: jnp.zeros(_shape(job.route.core.outvars[0]), job.route.dtype)
-        for i, job in summed.items()
-    }
+    zeros = lambda m: jnp.zeros(_shape(m.core.outvars[0]), m.dtype)  # noqa: E731
+    totals = {i: zeros(job.route) for i, job in jobs.items() if job.axis is None}
 
     def step(carry: tuple[list, dict], x: list) -> tuple[tuple[list, dict], tuple[list, dict]]:
         scan_carry, totals = carry
@@ -3134,9 +3104,8 @@ def _scan_with_sums(
 
     (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
     found = {("sum", i): total for i, total in totals.items()}
-    for (w, i, axis), per_iteration in sums.items():  # norms: summed over the iterations
-        norm = _kind(w) == "norm"
-        found[w, i] = per_iteration.sum(0) if norm else jnp.moveaxis(per_iteration, 0, axis)
+    for (w, i, axis), ys in sums.items():  # stacked per iteration; norms: summed over them
+        found[w, i] = ys.sum(0) if _kind(w) == "norm" else jnp.moveaxis(ys, 0, axis)
     ys = dict(zip(stacked, ys_read, strict=True))
     return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 
@@ -3179,7 +3148,6 @@ def _chunk_loop(
     their per-unit gradients [B, U, ...]; a later call `given` them reads, not forms, them."""
     given = {i: g for i, g in (given or {}).items() if i in chunked}
     assert not (hold or given) or chunk >= graph.n_examples  # kept whole: one chunk
-    n_units = graph.n_units
     routes = {i: plans[i].taken for i in chunked}
     formers = [r for i, r in routes.items() if i not in given]
     keys = list(dict.fromkeys(v for r in formers for v in r.reads() if v in batched))
@@ -3188,7 +3156,6 @@ def _chunk_loop(
     w = jnp.ones(shape, dtype) if weights is None else weights
     k = jnp.ones(shape, bool) if keep is None else jnp.broadcast_to(keep[:, None], shape)
     per = {u: _kind(u) for ws in chunked.values() for u in _of_kind(ws, "norm", "inner")}
-    v = dot_with
 
     def formed(which: Sequence[int], value: list, example: PyTree, kept: Array, had: dict) -> dict:
         env = {**unbatched, **dict(zip(keys, value, strict=True))}
@@ -3204,7 +3171,7 @@ def _chunk_loop(
             terms = (
                 jnp.sum(g * g, axis=tuple(range(1, g.ndim)))
                 if kind == "norm"
-                else jnp.tensordot(g, v[i].astype(g.dtype), axes=g.ndim - 1)  # pyright: ignore[reportOptionalSubscript]
+                else jnp.tensordot(g, dot_with[i].astype(g.dtype), axes=g.ndim - 1)  # pyright: ignore[reportOptionalSubscript]
                 for i, g in grads.items()
                 if u in chunked[i]
             )
@@ -3216,7 +3183,7 @@ def _chunk_loop(
         grads, units = jax.vmap(one)(values, examples, unit_k, had)
         out: dict = {("held", i): grads[i] for i in hold if i in grads}
         for i, g in grads.items():
-            out |= _chunk_sums(_merge01(g), i, chunked[i], unit_w, unit_k, keep, n_units)
+            out |= _chunk_sums(_merge01(g), i, chunked[i], unit_w, unit_k, keep, graph.n_units)
         return out, units
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
@@ -3247,16 +3214,16 @@ def _chunk_sums(
     out: dict = {}
     for what in wanted:
         if what in _PHI:
-            out[what, i] = _sum0(_PHI[what](g)) * (1.0 / n_units)
+            out[what, i] = _sum_rows(_PHI[what](g)) * (1.0 / n_units)
         elif _kind(what) == "spread" and keep is None:
             mean = jnp.mean(g, 0)
             count = jnp.asarray(g.shape[0], g.dtype)
-            out[what, i] = (count, mean, _sum0((g - mean) ** 2))
+            out[what, i] = (count, mean, _sum_rows((g - mean) ** 2))
         elif _kind(what) == "spread":  # over the kept units of the chunk (masked: 0)
             kept = _merge01(k)
             count = jnp.sum(kept).astype(g.dtype)
-            mean = _sum0(g) / jnp.maximum(count, 1.0)
-            out[what, i] = (count, mean, _sum0(_where_units(kept, g - mean) ** 2))
+            mean = _sum_rows(g) / jnp.maximum(count, 1.0)
+            out[what, i] = (count, mean, _sum_rows(_where_units(kept, g - mean) ** 2))
         elif _kind(what) == "weighted":
             out[what, i] = jnp.tensordot(_merge01(w).astype(g.dtype), g, axes=1) / n_units
     return out
@@ -3378,18 +3345,17 @@ class Route(abc.ABC):
         """Factorized ingredients each at their own cost; chunked ones share one materialization
         of every unit's gradient (written once, read per ingredient), and the head's values
         they read are held until the chunk loop runs, after the head, and read again there."""
-        graph = self.graph
+        graph, n, p = self.graph, self.graph.n_units, self.leaf.size
         factored = [self.factored_cost(w) for w, how in methods.items() if how == "factorized"]
         total = sum(factored, Cost())
         chunked = sum(1 for how in methods.values() if how == "chunked")
         pairs = [w for w in _of_kind(list(methods), "pairs") if methods[w] == "chunked"]
         if pairs:  # `_pairs`: the gradients formed again per block of two chunks, and J Jᵀ
-            n, p, b = graph.n_units, self.leaf.size, graph.n_examples
+            b = graph.n_examples
             c = _examples_per_chunk(b, 1, graph.chunk_size, graph.memory_budget, b)
             again = 0 if c >= b else -(-b // c)
             total = total + Cost(again * b * self.unit_flops() + 2.0 * n * n * p, 0.0)
         if chunked:
-            n, p = graph.n_units, self.leaf.size
             unit = graph.n_examples * self.unit_flops()
             held = sum(
                 math.prod(_shape(v)) * (graph.n_examples if graph.is_batched(v) else 1)
@@ -3466,10 +3432,8 @@ class CoreRoute(Route):
         if accelerator:
             values = sum(math.prod(_shape(v)) for v in graph.batched) * graph.n_examples
             operands = max(operands, values)
-        bound = max(1, operands // max(1, one))
-        return _examples_per_chunk(
-            graph.n_examples, unit, graph.chunk_size, graph.memory_budget, bound
-        )
+        n, bound = graph.n_examples, max(1, operands // max(1, one))
+        return _examples_per_chunk(n, unit, graph.chunk_size, graph.memory_budget, bound)
 
     def sums(self, wanted: Sequence[str]) -> Container[str]:
         """The ingredients `core_sums` forms, of those `wanted` together (none: each alone)."""
@@ -3536,20 +3500,53 @@ def _formed_sums(
     chunked = lambda: posted(_chunked_sums(form, a, b, c, names, dtype, n))  # noqa: E731
     if whole == n:  # no loop on an accelerator: the batch's gradients formed at once, untied
         untied = lambda: _operands(route.core, env, dtype, tie=False)  # noqa: E731
-        one = lambda: _sums_of(leaf_form(*untied(), names, n), names, n)  # noqa: E731
-        return _per_platform(cpu=chunked, accelerator=lambda: leaf_posted(one()))
+        one = lambda: leaf_posted(_sums_of(leaf_form(*untied(), names, n), names, n))  # noqa: E731
+        # both traced, one lowered: the chunk loop on XLA:CPU (also where tests set the flag)
+        return one() if _AS_ON_ACCELERATOR else jax.lax.platform_dependent(cpu=chunked, default=one)
     return chunked()
 
 
 _AS_ON_ACCELERATOR = False  # tests set it: XLA:CPU then runs what a GPU or TPU would
 
 
-def _per_platform(cpu: Callable[[], PyTree], accelerator: Callable[[], PyTree]) -> PyTree:
-    """cpu() where the program is lowered for XLA:CPU, accelerator() for a GPU or TPU (both
-    traced, one lowered: jax.lax.platform_dependent)."""
-    if _AS_ON_ACCELERATOR:
-        return accelerator()
-    return jax.lax.platform_dependent(cpu=cpu, default=accelerator)
+def _sum_rows(x: Array) -> Array:
+    """`_sum0` as one primitive, traced once and lowered per platform: on XLA:CPU x of at most
+    2¹⁵ entries (a bias's rows: as fast either way) is one reduction, whose slices would only
+    grow the program XLA compiles (results/readable/README.md); XLA:GPU fuses the pairwise adds
+    into the loop that makes x, where a reduction is a kernel of its own."""
+    one_device = _devices(x) == 1 and not any(jax.typeof(x).sharding.spec)
+    return _SUM0.bind(x) if one_device and not _AS_ON_ACCELERATOR else _sum0(x)
+
+
+_SUM0 = jcore.Primitive("pegrad_sum0")
+_SUM0.def_impl(_sum0)
+_SUM0.def_abstract_eval(lambda aval: aval.update(shape=aval.shape[1:]))
+batching.primitive_batchers[_SUM0] = lambda xs, dims: (jax.vmap(_sum0, dims)(*xs), 0)
+ad.deflinear2(_SUM0, lambda ct, x: [jnp.broadcast_to(ct, x.aval.shape)])
+mlir.register_lowering(_SUM0, mlir.lower_fun(_sum0, multiple_results=False))
+_cpu_sum0 = lambda x: jnp.sum(x, 0) if x.size <= 2**15 else _sum0(x)  # noqa: E731
+mlir.register_lowering(_SUM0, mlir.lower_fun(_cpu_sum0, multiple_results=False), platform="cpu")
+
+
+def _cpu_barrier(tree: PyTree) -> PyTree:
+    """An optimization barrier where XLA:CPU lowers the program, none on a GPU or TPU: one
+    primitive, traced once and lowered per platform (jax.lax.platform_dependent traces both
+    branches); its JVP and transpose barrier the tangents and cotangents as JAX's barrier does."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return tree if _AS_ON_ACCELERATOR else treedef.unflatten(_CPU_BARRIER.bind(*leaves))
+
+
+_CPU_BARRIER = jcore.Primitive("pegrad_cpu_barrier")
+_CPU_BARRIER.multiple_results = True
+_CPU_BARRIER.def_impl(lambda *xs: list(xs))
+_CPU_BARRIER.def_abstract_eval(lambda *avals: list(avals))
+batching.primitive_batchers[_CPU_BARRIER] = lambda xs, dims: (_CPU_BARRIER.bind(*xs), dims)
+_held = lambda ts: _CPU_BARRIER.bind(*map(ad.instantiate_zeros, ts))  # noqa: E731
+ad.primitive_jvps[_CPU_BARRIER] = lambda xs, ts: (_CPU_BARRIER.bind(*xs), _held(ts))
+ad.primitive_transposes[_CPU_BARRIER] = lambda cts, *xs: _held(cts)
+mlir.register_lowering(_CPU_BARRIER, lambda ctx, *xs: list(xs))
+_barrier_op = lambda ctx, *xs: stablehlo.OptimizationBarrierOp(list(xs)).results  # noqa: E731
+mlir.register_lowering(_CPU_BARRIER, _barrier_op, platform="cpu")
 
 
 def _sums_of(out: list, names: Sequence[str], n: int) -> dict[str, Array]:
@@ -3569,14 +3566,13 @@ def _chunked_sums(
     """`_formed_sums` c examples at a time: one scan over chunks, padded to a multiple of c; on
     a mesh of devices one scan per group of examples (`_groups`: each device its own), the
     groups' sums added and their moments merged by Chan's update."""
-    k = sum(w in _PHI for w in names)
     var = bool(_of_kind(names, "spread"))
     groups = _groups((a, b), n)
     if groups == 1:
-        sums, moments, norms = _scan_sums(form, a, b, c, names, dtype, n, k, var)
+        sums, moments, norms = _scan_sums(form, a, b, c, names, dtype, n)
     else:
         split = lambda x: x.reshape(groups, n // groups, *x.shape[1:])  # noqa: E731
-        each = -(-c // groups), names, dtype, n // groups, k, var
+        each = -(-c // groups), names, dtype, n // groups
         sums, parts, norms = jax.vmap(lambda x, y: _scan_sums(form, x, y, *each))(
             split(a), split(b)
         )
@@ -3591,17 +3587,10 @@ def _chunked_sums(
 
 
 def _scan_sums(
-    form: Callable,
-    a: Array,
-    b: Array,
-    c: int,
-    names: list[str],
-    dtype: DTypeLike,
-    n: int,
-    k: int,
-    var: bool,
+    form: Callable, a: Array, b: Array, c: int, names: list[str], dtype: DTypeLike, n: int
 ) -> tuple[list, tuple, list]:
     """`_chunked_sums` on one device: the k sums, (count, mean, M2) and the per-row norms."""
+    k, var = sum(w in _PHI for w in names), bool(_of_kind(names, "spread"))
     pad = -n % c
     a, b = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (a, b))
     counts = jnp.minimum(c, n - c * jnp.arange((n + pad) // c)).astype(dtype)
@@ -3632,13 +3621,13 @@ def _moments(g: Array, names: Sequence[str], r: Array | int, v: Array | None = N
     """For per-example values g [c, ...] whose first r rows are examples (the rest padding):
     Σ φ(g) per mean in `names`; the mean and M2 over the r examples for "var" (the padding
     left out, not subtracted); per row, the norms for "norms" and ⟨g, v⟩ for "dot"."""
-    out = [_sum0(_PHI[w](g)) for w in names if w in _PHI]
+    out = [_sum_rows(_PHI[w](g)) for w in names if w in _PHI]
     if _of_kind(names, "spread"):
-        mean = _sum0(g) / r
+        mean = _sum_rows(g) / r
         centred = g - mean  # with padding rows (r traced), those rows left out
         if not isinstance(r, int):  # (a `where` XLA:GPU would materialize g for)
             centred = _where_units(jnp.arange(g.shape[0], dtype=r.dtype) < r, centred)
-        out += [mean, _sum0(centred * centred)]
+        out += [mean, _sum_rows(centred * centred)]
     for w in _of_kind(names, "norm", "inner"):
         x = g if _kind(w) == "norm" else v
         assert x is not None  # "dot" is asked with its v
@@ -3675,10 +3664,8 @@ class Empty(Route):
         return []
 
     def compute(self, env: Env, what: str) -> Array:
-        graph = self.graph
         if _kind(what) in _PER_UNIT:
-            shape = (graph.n_units,) * 2 if _kind(what) == "pairs" else (graph.n_units,)
-            return jnp.zeros(shape, self.dtype)
+            return jnp.zeros((self.graph.n_units,) * (1 + (_kind(what) == "pairs")), self.dtype)
         return jnp.zeros(self.leaf.shape, self.dtype)
 
     def clipped(self, env: Env, weights: Array) -> Array:
@@ -3718,9 +3705,8 @@ class Constant(Route):
         return Cost(self.leaf.size, 4.0 * self.leaf.size)
 
     def _g(self, env: Env) -> Array:
-        return jnp.broadcast_to(
-            jnp.asarray(_read(env, self.grad)).astype(self.dtype), self.leaf.shape
-        )
+        g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
+        return jnp.broadcast_to(g, self.leaf.shape)
 
     def compute(self, env: Env, what: str) -> Array:
         g, n = self._g(env), self.graph.n_units
@@ -3779,13 +3765,10 @@ class OuterProduct(CoreRoute):
             return Refusal("a factor of the dot_general does not depend on the example")
         lc, rc, _, _ = _dot_dims(core)
         # An axis of size 1 (a model called on x[None]) sums one term: it is no position.
-        unit = [k for k, d in enumerate(lc) if _shape(a)[d] == 1]
-        summed = [k for k in range(len(lc)) if k not in unit]
+        summed = [k for k, d in enumerate(lc) if _shape(a)[d] != 1]
+        if not graph.token and summed:
+            return Refusal(f"the dot_general sums {len(summed)} axes per example (not rank one)")
         if not graph.token:
-            if summed:
-                return Refusal(
-                    f"the dot_general sums {len(summed)} axes per example (not rank one)"
-                )
             reason = "dense weight used once per example: g_i = δ_i ⊗ x_i"
             return cls(graph, leaf, reason, core=core, post=post, units=(lc, rc))
         if len(summed) != 1:
@@ -4069,8 +4052,7 @@ class Contraction(CoreRoute):
         (V = postᵀ v: one contraction, as the weight gradient's)."""
         lc, rc, lb, rb = _dot_dims(self.core)
         a, b = _operands(self.core, env, self.dtype, tie=True)
-        ga = _units_layout(a, lb, lc)  # [B, terms, nb, free]
-        gb = _units_layout(b, rb, rc)
+        ga, gb = _units_layout(a, lb, lc), _units_layout(b, rb, rc)  # [B, terms, nb, free]
         if _kind(what) == "inner":
             V = self.pulled(env).reshape(ga.shape[2], ga.shape[3], gb.shape[3])
             return jnp.einsum("bknf,nfg,bkng->b", ga, V, gb, preferred_element_type=self.dtype)
@@ -4081,9 +4063,8 @@ class Contraction(CoreRoute):
             pairs = _pairs(grads_of, (a, b), self.graph.n_examples, c)
             return pairs * _scale_sq(self.post, env, self.dtype)
         assert _kind(what) == "norm"
-        gram_a = jnp.einsum("bsnf,btnf->bnst", ga, ga)
-        gram_b = jnp.einsum("bsnf,btnf->bnst", gb, gb)
-        return jnp.sum(gram_a * gram_b, axis=(1, 2, 3))
+        gram = lambda x: jnp.einsum("bsnf,btnf->bnst", x, x)  # noqa: E731
+        return jnp.sum(gram(ga) * gram(gb), axis=(1, 2, 3))
 
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         a, b = (_read(env, v).astype(self.dtype) for v in self.core.invars[:2])
@@ -4330,10 +4311,10 @@ class UnitSum(CoreRoute):
             g = g.reshape(g.shape[0], -1)
             return jnp.dot(g, g.T) * _scale_sq(self.post, env, dtype)
         if _kind(what) == "spread":
-            centered = g - _sum0(g) / g.shape[0]
-            return self.replay(_sum0(centered * centered) / (n - 1), env, jnp.square)
+            centered = g - _sum_rows(g) / g.shape[0]
+            return self.replay(_sum_rows(centered * centered) / (n - 1), env, jnp.square)
         phi = _PHI[what]
-        return self.replay(_sum0(phi(g)) * (1.0 / n), env, phi)
+        return self.replay(_sum_rows(phi(g)) * (1.0 / n), env, phi)
 
     def clipped(self, env: Env, weights: Array) -> Array:
         g = _merge01(self._units(_read(env, self.core.invars[0]).astype(self.dtype)))
@@ -4506,8 +4487,7 @@ class RowScatter(_Rows, CoreRoute):
 
     @classmethod
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "RowScatter | Refusal":
-        refused = cls._refused(graph, core)
-        if refused is not None:
+        if (refused := cls._refused(graph, core)) is not None:
             return refused
         indices, updates = core.invars[1:]
         if graph.token:
@@ -4546,12 +4526,10 @@ class SegmentRows(_Rows, CoreRoute):
     def prove(cls, graph: Graph, leaf: Leaf, core: Eqn, post: Posts) -> "SegmentRows | Refusal":
         if graph.token:
             return Refusal("token granularity: one row per unit (row-scatter)")
-        refused = cls._refused(graph, core)
-        if refused is not None:
+        if (refused := cls._refused(graph, core)) is not None:
             return refused
         dims = core.params["dimension_numbers"].scatter_dims_to_operand_dims
-        sizes = _window_sizes(core)
-        table = _shape(core.outvars[0])
+        sizes, table = _window_sizes(core), _shape(core.outvars[0])
         if any(sizes[d] not in (1, table[d]) for d in dims):
             return Refusal("a window spans several rows: windows may partly overlap")
         if math.prod(table[d] for d in dims) >= 2**31 - 1:
@@ -4569,8 +4547,7 @@ class SegmentRows(_Rows, CoreRoute):
         examples = self.graph.n_examples
         per = idx.shape[0] // examples
         dims = self.core.params["dimension_numbers"].scatter_dims_to_operand_dims
-        table = _shape(self.core.outvars[0])
-        sizes = _window_sizes(self.core)
+        table, sizes = _shape(self.core.outvars[0]), _window_sizes(self.core)
         starts = [table[d] - sizes[d] + 1 for d in dims]  # 1 for a dimension read whole
         limits = jnp.asarray([n - 1 for n in starts], idx.dtype)
         at = jnp.clip(idx, 0, limits)  # where a row lands (CLIP); other rows out of bounds: ok 0
@@ -4666,8 +4643,7 @@ class _Composite(Route):
         return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
 
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
-        parts = [p.per_unit(env, example, params) for p in self.parts]
-        return self._combine(parts, "sum", env)
+        return self._combine([p.per_unit(env, example, params) for p in self.parts], "sum", env)
 
     def factored_cost(self, what: str) -> Cost:
         return sum((p.factored_cost(what) for p in self.parts), Cost())
@@ -4769,12 +4745,9 @@ class DisjointParts(_Composite):
         return cls(graph, leaf, reason, parts=routes, core=core, post=post, places=places)
 
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
-        parts = self.parts  # its parts' routes read the whole leaf's v: inner products chunked
-        factored = {
-            w
-            for w in need
-            if _kind(w) in self.KINDS and all(p.methods((w,))[w] == "factorized" for p in parts)
-        }
+        # its parts' routes read the whole leaf's v: inner products chunked
+        by_parts = lambda w: all(p.methods((w,))[w] == "factorized" for p in self.parts)  # noqa: E731
+        factored = {w for w in need if _kind(w) in self.KINDS and by_parts(w)}
         if not all(s.scalar for s in self.post):
             factored -= set(_of_kind(need, "norm"))
         return {w: "factorized" if w in factored else "chunked" for w in need}
@@ -4857,9 +4830,8 @@ def _placed_parts(graph: Graph, leaf: Leaf, core: Eqn) -> list[Part] | Refusal:
     size = _shape(part)
     if core.primitive.name == "pad":
         config = [tuple(int(c) for c in dim) for dim in core.params["padding_config"]]
-        if not graph.is_zero(core.invars[1]) or any(
-            lo < 0 or hi < 0 or mid for lo, hi, mid in config
-        ):
+        not_border = any(lo < 0 or hi < 0 or mid for lo, hi, mid in config)
+        if not graph.is_zero(core.invars[1]) or not_border:
             return Refusal("a padding that is not a zero border")
         starts = [lo for lo, _, _ in config]
     else:
@@ -5173,8 +5145,7 @@ class Fallback(Route):
             return c
 
         def to_batch(w_: Array) -> list:
-            xs = [env[v] for v in primals]
-            return jax.vmap(transposed, (None, 0), axis_size=b)(w_, xs)
+            return jax.vmap(transposed, (None, 0), axis_size=b)(w_, [env[v] for v in primals])
 
         scale = (w / n).astype(leaf.dtype)
         c_all = [
@@ -5202,9 +5173,8 @@ def _inputs(grad: Atom, tail: Sequence[Eqn]) -> list[Var]:
     if not tail:
         return [grad] if isinstance(grad, Var) else []
     produced = {v for e in tail for v in e.outvars}
-    return list(
-        dict.fromkeys(v for e in tail for v in e.invars if isinstance(v, Var) and v not in produced)
-    )
+    ins = (v for e in tail for v in e.invars if isinstance(v, Var) and v not in produced)
+    return list(dict.fromkeys(ins))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
