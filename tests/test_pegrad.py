@@ -278,6 +278,30 @@ def test_a_chunk_loop_of_formed_gradients_is_lowered_for_xla_cpu_only(platform: 
         assert ("stablehlo.while" in text) == loops, (stats, platform)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_sums_over_examples_and_the_barrier_are_lowered_for_each_platform(platform: str):
+    """The engine's sums over examples (`_sum_rows`) and the head's barrier are primitives
+    lowered per platform: XLA:CPU reduces a bias's rows at once (no slice) and holds the backward
+    pass with a barrier; a GPU or TPU adds the rows pairwise (B slices per sum, fused into the
+    loop that made them) and has no barrier. On XLA:CPU the statistics equal the naive loop."""
+    k = jax.random.split(jax.random.key(5), 2)
+    params, batch = {"b": jax.random.normal(k[0], (16,))}, jax.random.normal(k[1], (5, 4, 16))
+
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.tanh(x + p["b"]) ** 2)
+
+    stats = ("mean", "sq_mean")
+    assert [p.route for p in pegrad.explain(loss, params, batch, stats)] == ["unit-sum"]
+    fn = jax.jit(pegrad.value_and_grad_stats(loss, stats))
+    text = fn.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
+    cpu = platform == "cpu"
+    assert text.count("stablehlo.slice") == (0 if cpu else 2 * 5), platform  # 2 sums of 5 rows
+    assert ("stablehlo.optimization_barrier" in text) == cpu, platform
+    if cpu:
+        expected = naive_unit_grads(loss, params, batch)
+        check_every_implementation(loss, params, batch, expected, "bias rows")
+
+
 # -- the mean alone: plain grad of the mean loss ----------------------------------------------
 
 KEPT = {1: [True], 2: [True, False], 5: [True, False, True, True, False]}
