@@ -2144,8 +2144,11 @@ class Graph:
         while isinstance(var, Var) and var in self.producer:
             eqn = self.producer[var]
             name = eqn.primitive.name
-            if _is_layout(eqn) or name == "neg":
-                steps.append(Post(eqn, factor=-1.0 if name == "neg" else None))
+            if _is_layout(eqn):
+                steps.append(Post(eqn))
+                var = eqn.invars[0]
+            elif name == "neg":
+                steps.append(Post(eqn, factor=-1.0))
                 var = eqn.invars[0]
             elif name in ("mul", "div"):
                 x, m = eqn.invars
@@ -2265,12 +2268,13 @@ def _replay(post: Sequence[Post], x: Array, env: Mapping, phi: Phi) -> Array:
     """The ops after the core, applied to `x` (a sum over units of φ(core) or one unit's core):
     layout as it is, a scaling by m as a scaling by φ(m) (by φ(1/m) for a division)."""
     for step in post:
+        eqn = step.eqn
         if step.factor is None:
-            name = step.eqn.primitive.name
+            name = eqn.primitive.name
             if name == "reduce_sum":
-                x = jnp.sum(x, axis=tuple(step.eqn.params["axes"]))
+                x = jnp.sum(x, axis=tuple(eqn.params["axes"]))
             elif name != "convert_element_type":  # statistics keep their own dtype
-                (x,) = _bind(step.eqn, [x])
+                (x,) = _bind(eqn, [x])
             continue
         m = step.factor if isinstance(step.factor, int | float) else _read(env, step.factor)
         m = jnp.asarray(m).astype(x.dtype)
@@ -2730,8 +2734,8 @@ def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...
 
     kept = {}
     for p in filter(forms, plans):
-        new = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
-        kept[p.index] = dataclasses.replace(p, methods=new, cost=p.taken.cost(new), kept=True)
+        every = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
+        kept[p.index] = dataclasses.replace(p, methods=every, cost=p.taken.cost(every), kept=True)
     trial = [kept.get(p.index, p) for p in plans]
     return trial if kept and _loop_chunk(graph, trial) == graph.n_examples else plans
 
@@ -3104,8 +3108,8 @@ def _scan_with_sums(
 
     (carry, totals), (ys_read, sums) = _scan_like(scan, step, (list(init), totals), list(xs))
     found = {("sum", i): total for i, total in totals.items()}
-    for (w, i, axis), ys in sums.items():  # stacked per iteration; norms: summed over them
-        found[w, i] = ys.sum(0) if _kind(w) == "norm" else jnp.moveaxis(ys, 0, axis)
+    for (w, i, axis), each in sums.items():  # stacked per iteration; norms: summed over them
+        found[w, i] = each.sum(0) if _kind(w) == "norm" else jnp.moveaxis(each, 0, axis)
     ys = dict(zip(stacked, ys_read, strict=True))
     return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
 
@@ -3501,7 +3505,7 @@ def _formed_sums(
     if whole == n:  # no loop on an accelerator: the batch's gradients formed at once, untied
         untied = lambda: _operands(route.core, env, dtype, tie=False)  # noqa: E731
         one = lambda: leaf_posted(_sums_of(leaf_form(*untied(), names, n), names, n))  # noqa: E731
-        # both traced, one lowered: the chunk loop on XLA:CPU (also where tests set the flag)
+        # both traced, one lowered: the chunk loop on XLA:CPU (the tests' flag: the other)
         return one() if _AS_ON_ACCELERATOR else jax.lax.platform_dependent(cpu=chunked, default=one)
     return chunked()
 
@@ -3665,7 +3669,8 @@ class Empty(Route):
 
     def compute(self, env: Env, what: str) -> Array:
         if _kind(what) in _PER_UNIT:
-            return jnp.zeros((self.graph.n_units,) * (1 + (_kind(what) == "pairs")), self.dtype)
+            n = self.graph.n_units
+            return jnp.zeros((n, n) if _kind(what) == "pairs" else (n,), self.dtype)
         return jnp.zeros(self.leaf.shape, self.dtype)
 
     def clipped(self, env: Env, weights: Array) -> Array:
