@@ -15,24 +15,18 @@ import argparse
 import os
 import sys
 
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-)
-import jax  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+# first: neutral.py sets what its zoo digest runs under before JAX starts (the tests' XLA
+# flags, float64, strict promotion, the repository root and tests/ on the path)
+from neutral import STAT_SETS  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.join(HERE, "..", "..")
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "results", "bench")]
-
+# isort: split
 import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 
 def values() -> dict[str, np.ndarray]:
-    from neutral import STAT_SETS
     from zoo import MODELS
 
     import pegrad
