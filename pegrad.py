@@ -2932,13 +2932,10 @@ def _run_head(
 
     The head is every equation those values need, evaluated batched (vmap over examples) in
     segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
-    factorized ingredients, and (XLA:CPU) an optimization barrier makes the rest of the backward
-    pass wait for them: each leaf's statistics are computed where plain grad computes its
-    gradient, and the activations they read die as early as there. XLA:GPU materializes each
-    value a barrier holds (a transformer: 1.8× plain grad's temporaries, 0.9–1.0× without); on a
-    mesh of devices neither holds one: a barrier keeps the partitioner from reusing a sharded
-    parameter's all-gather (FSDP) on both of its sides. The `in_scan` leaves' sums are formed
-    inside their scans (`_scan_with_sums`)."""
+    factorized ingredients, and (XLA:CPU, one device: DESIGN.md, "One program per platform") an
+    optimization barrier makes the rest of the backward pass wait for them, holding them with
+    what the next segment reads from before it (the last, with what is read after the head).
+    The `in_scan` leaves' sums are formed inside their scans (`_scan_with_sums`)."""
     jaxpr = graph.jaxpr
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
@@ -2967,7 +2964,8 @@ def _run_head(
     leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
     mesh = max([_devices(x) for x in inputs], default=1)  # on a mesh, no barrier (docstring)
     start, results = 0, {}
-    for cut in sorted({*ready_at, len(head) - 1} - {-2}):
+    cuts = sorted({*ready_at, len(head) - 1} - {-2})
+    for cut, following in zip(cuts, [*cuts[1:], cuts[-1]], strict=True):
         segment = head[start : cut + 1]
         if segment:
             results |= _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
@@ -2978,7 +2976,9 @@ def _run_head(
             # every process, lowers to the same program
             read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
             new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
-            live = [v for v in values if last_use.get(v, -1) > cut]
+            after = head[cut + 1 : following + 1]  # the next segment; none after the last cut
+            held = {v for e in after for v in e.invars if isinstance(v, Var)} if after else wanted
+            live = [v for v in values if v in held]
             # every value varies over the manual axes any does (jax.shard_map), as a barrier
             # returns them; held on XLA:CPU only (docstring)
             both = _varying_as(b := (new, [values[v] for v in live]), b)
