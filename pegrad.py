@@ -1502,9 +1502,10 @@ def _evaluate(
     env: dict[Var, Value],
     inline: frozenset[str] = frozenset(),
     bind: Bind = _bind,
-) -> None:
-    """Evaluate `eqns` in order in `env` with `bind`, the bodies of `inline` calls in place.
-    The one interpreter of this file: every re-evaluation of a jaxpr goes through here."""
+) -> dict[Var, Value]:
+    """Evaluate `eqns` in order in `env` (updated, and returned) with `bind`, the bodies of
+    `inline` calls in place. The one interpreter of this file: every re-evaluation of a jaxpr
+    goes through here."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
         inner = _inner_jaxpr(eqn) if eqn.primitive.name in inline else None
@@ -1515,6 +1516,7 @@ def _evaluate(
         for var, val in zip(eqn.outvars, outs, strict=True):
             if type(var).__name__ != "DropVar":  # `_`: jax.extend.core lists it in new JAX
                 env[var] = val
+    return env
 
 
 def _run(
@@ -1527,8 +1529,7 @@ def _run(
     outs: Sequence[Atom] | None = None,
 ) -> list[Value]:
     """`jaxpr` applied to `args`: its outputs (or the values of `outs`)."""
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
     _evaluate(jaxpr.eqns, env, inline, bind)
     return [_read(env, v) for v in (jaxpr.outvars if outs is None else outs)]
 
@@ -2105,13 +2106,15 @@ class Graph:
         return isinstance(var, jcore.Literal) or var in self.static
 
     def static_value(self, var: Atom) -> np.ndarray:
-        """The concrete value of a static variable (e.g. position indices from iota)."""
-        if isinstance(var, jcore.Literal):
-            return np.asarray(var.val)
+        """The concrete value of a static variable (e.g. position indices from iota): a literal
+        or a table of one read off, else its equations as one program (eagerly: a compile each)."""
+        eqn = self.producer.get(var) if isinstance(var, Var) else None
+        fill = eqn.invars[0] if eqn and eqn.primitive.name == "broadcast_in_dim" else var
+        if isinstance(fill, jcore.Literal):  # (a table of zeros, often)
+            return np.full(_shape(var), fill.val, _dtype(var))
         env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-        with jax.ensure_compile_time_eval():
-            _evaluate(_needed_by(self.jaxpr, [var]), env)
-        return np.asarray(env[var])
+        value = jax.jit(lambda: _read(_evaluate(_needed_by(self.jaxpr, [var]), dict(env)), var))
+        return np.asarray(value.lower().compile()())
 
     def is_zero(self, var: Atom) -> bool:
         """Proven zero: static, and every entry 0."""
@@ -3016,8 +3019,7 @@ def _run_segment(
     outs_u = [v for v in outs if v not in graph.batched]
 
     if not reads_b:  # nothing here depends on the example (so no scan with jobs either)
-        env = {v: values[v] for v in reads_u}
-        _evaluate(segment, env)
+        env = _evaluate(segment, {v: values[v] for v in reads_u})
         values.update((v, env[v]) for v in outs)
         return {}
 
@@ -5140,8 +5142,7 @@ class Fallback(Route):
         def run_tail(c: list, x: list) -> Array:
             local = {**fixed, **dict(zip(cts, c, strict=True))}
             local.update(zip(primals, x, strict=True))
-            _evaluate(tail, local)
-            return _read(local, grad)
+            return _read(_evaluate(tail, local), grad)
 
         per_example = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in cts]
 
@@ -5168,8 +5169,7 @@ class Fallback(Route):
             untied = frozenset({self.leaf.index})
             _, grads = self.graph.untie.value_and_grad(params, example, untied)
             return jax.tree.leaves(grads)[0].astype(self.dtype)
-        local = dict(env)
-        _evaluate(self.tail, local)
+        local = _evaluate(self.tail, dict(env))
         return jnp.asarray(_read(local, self.grad)).astype(self.dtype)[None]
 
 
