@@ -302,6 +302,45 @@ def test_sums_over_examples_and_the_barrier_are_lowered_for_each_platform(platfo
         check_every_implementation(loss, params, batch, expected, "bias rows")
 
 
+def _static_tables(p: dict, x: jax.Array) -> tuple[jax.Array, tuple]:
+    """Static values of each kind the routes' proofs read: position indices (x[arange]), a
+    causal mask (iota, compare, select: floats), a zero table written into, a zero border
+    (pad), the zero parts of a split."""
+    t = x.shape[0]
+    h = x + p["pos"][jnp.arange(t)]
+    mask = jnp.where(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], 1.0, -1e9) / 3.0
+    h = jax.nn.softmax(h @ h.T * mask) @ h
+    table = jnp.zeros((t + 2, h.shape[1])).at[jnp.array([1, 3])].set(h[:2])
+    padded = jnp.pad(h @ p["w"], ((1, 2), (0, 0)))
+    first, _ = jnp.split(p["stack"], 2)
+    return jnp.sum(table**2) + jnp.sum(padded**2) + jnp.sum((h @ first[0]) ** 2), ()
+
+
+def test_static_values_are_those_jax_evaluates():
+    """`Graph.static_value` reads a literal or a table of one off the jaxpr and runs the other
+    static values' equations as one program: every static value of the graph is, bit for bit
+    and in dtype and shape, what JAX evaluates equation by equation."""
+    k = jax.random.split(jax.random.key(6), 4)
+    params = {
+        "pos": jax.random.normal(k[0], (4, 3)),
+        "w": jax.random.normal(k[1], (3, 2)),
+        "stack": jax.random.normal(k[2], (2, 3, 3)),
+    }
+    batch = jax.random.normal(k[3], (5, 4, 3))
+    graph = pegrad.Graph.build(_static_tables, params, batch, 1)
+    static = [v for e in graph.jaxpr.eqns for v in e.outvars if v in graph.static]
+    static = [v for v in static if type(v).__name__ != "DropVar"]  # (`_`, in JAX 0.7)
+    kinds = {e.primitive.name for e in graph.jaxpr.eqns if e.outvars[0] in graph.static}
+    assert {"iota", "broadcast_in_dim", "select_n", "gather", "div"} <= kinds, kinds
+    for var in static:
+        env = dict(zip(graph.jaxpr.constvars, graph.consts, strict=True))
+        with jax.ensure_compile_time_eval():
+            pegrad._evaluate(pegrad._needed_by(graph.jaxpr, [var]), env)
+        want, got = np.asarray(env[var]), graph.static_value(var)
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), var
+        np.testing.assert_array_equal(got, want, strict=True)
+
+
 # -- the mean alone: plain grad of the mean loss ----------------------------------------------
 
 KEPT = {1: [True], 2: [True, False], 5: [True, False, True, True, False]}
