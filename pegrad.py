@@ -1503,9 +1503,8 @@ def _evaluate(
     inline: frozenset[str] = frozenset(),
     bind: Bind = _bind,
 ) -> dict[Var, Value]:
-    """Evaluate `eqns` in order in `env` (updated, and returned) with `bind`, the bodies of
-    `inline` calls in place. The one interpreter of this file: every re-evaluation of a jaxpr
-    goes through here."""
+    """Evaluate `eqns` in order in `env`, updated and returned, with `bind`, `inline` calls'
+    bodies in place: the one interpreter of this file, which every re-evaluation goes through."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
         inner = _inner_jaxpr(eqn) if eqn.primitive.name in inline else None
@@ -1529,7 +1528,8 @@ def _run(
     outs: Sequence[Atom] | None = None,
 ) -> list[Value]:
     """`jaxpr` applied to `args`: its outputs (or the values of `outs`)."""
-    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
     _evaluate(jaxpr.eqns, env, inline, bind)
     return [_read(env, v) for v in (jaxpr.outvars if outs is None else outs)]
 
@@ -2113,7 +2113,7 @@ class Graph:
         if isinstance(fill, jcore.Literal):  # (a table of zeros, often)
             return np.full(_shape(var), fill.val, _dtype(var))
         env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-        value = jax.jit(lambda: _read(_evaluate(_needed_by(self.jaxpr, [var]), dict(env)), var))
+        value = jax.jit(lambda: _read(_evaluate(_needed_by(self.jaxpr, [var]), env), var))
         return np.asarray(value.lower().compile()())
 
     def is_zero(self, var: Atom) -> bool:
