@@ -6,7 +6,7 @@
 dtype. bench.py's cost table (its "families" section) builds every family at `BENCH` (d 256,
 T 64, 4 blocks, float32); tests/zoo.py builds every family at `TINY` in float64, where
 tests/test_zoo.py proves every statistic under vmap and under the rewrite (every route a leaf
-proves, and the cost model's choice) equal to the naive per-example loop (tests/helpers.py) at
+proves, and the default plan) equal to the naive per-example loop (tests/helpers.py) at
 B 1, 2, 3 — so every model the cost table measures is one proven exact. A new family goes
 here, and nowhere else; tests/test_zoo.py fails if bench.py offers a family the zoo does not
 prove.

@@ -111,8 +111,10 @@ def value_and_grad_stats(
             example's); with chunk_size the smaller chunk wins. `explain` shows each leaf's.
         granularity: "example", or "token" (units are positions; batch leaves are [B, T, ...]).
         clip_norm: C for "clipped_mean".
-        choose: per leaf, the "cheapest" matching route by the cost model, or the "first" in
-            precedence order (tests: every route a leaf can prove then runs). Same numbers.
+        choose: "cheapest": per leaf, the first route in precedence order (`ROUTES`) whose
+            match succeeds, and two plan-wide savings (the mean alone is plain grad's program;
+            formed gradients kept for the clip factors); "first": the routes alone (tests:
+            every route a leaf can prove then runs). Same numbers.
         has_aux: `loss_fn` returns `(loss, aux)`; `fn` then returns `((mean_loss, aux), stats)`,
             every aux leaf stacked over the examples, [B, ...], as `jax.vmap` would.
         nonfinite: "propagate": a NaN or Inf in an example's loss or gradient reaches the
@@ -195,16 +197,15 @@ def explain(
 
     Returns:
         A `Plan`: a tuple of `LeafPlan`s, one per parameter leaf in the tree's order, meant to
-        be printed. `print(plan)` gives `plan.summary` (one line: leaves per route and the
-        estimated cost against plain grad's, `plan.plain_flops`: floating-point operations
-        counted from shapes, a rough guide, not a measurement), then one entry per leaf. Each
+        be printed. `print(plan)` gives `plan.summary` (one line: leaves per route), then one
+        entry per leaf. Each
         `LeafPlan` holds `leaf` (its key path, e.g. "['layers'][0]['w']"), `shape`, `route`
         (the route taken, a name in `ROUTES`, or "mean-loss"), `reason` (what its match
         proved), `methods` (each ingredient the statistics need -> "factorized" or
-        "chunked"), `status` ("factorized", "chunked" or "fallback"), `cost` (a `Cost`:
-        `flops`, `bytes`), `refused` ((route, why it did not apply) pairs), `outranked`
-        (routes proven too but costlier) and `formed` (where per-unit gradients of the leaf
-        exist: where, how many examples at once, their bytes).
+        "chunked"), `status` ("factorized", "chunked" or "fallback"), `refused` ((route, why
+        it did not apply) pairs, in precedence order, up to the route taken) and `formed`
+        (where per-unit gradients of the leaf exist: where, how many examples at once, their
+        bytes).
 
     Example:
         >>> import jax.numpy as jnp, pegrad
@@ -1944,16 +1945,6 @@ def _over_examples(
     return (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
 
 
-def _flops(eqn: Eqn) -> float:
-    """A rough operation count of one equation (the planner's cost model)."""
-    out = sum(math.prod(_shape(v)) for v in eqn.outvars)
-    if eqn.primitive.name == "dot_general":
-        return 2.0 * out * math.prod(_shape(eqn.invars[0])[k] for k in _dot_dims(eqn)[0])
-    if eqn.primitive.name == "conv_general_dilated":
-        return 2.0 * out * math.prod(_shape(eqn.invars[1])) / max(1, _shape(eqn.outvars[0])[1])
-    return float(out)
-
-
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
 
 
@@ -2495,7 +2486,7 @@ def _scan_hoisted(scan: Eqn, invals: list[Value], hoists: Mapping[int, _Hoist]) 
 
 
 # ============================================================================================
-# §8 Planner: per leaf, the cheapest route whose match succeeds. Pure data, no tracing.
+# §8 Planner: per leaf, the first route whose match succeeds. Pure data, no tracing.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -2567,13 +2558,11 @@ class LeafPlan:
     shape: tuple[int, ...]
     taken: "Route"  # the route taken, holding what its match proved; it computes the statistics
     methods: Mapping[str, str]
-    cost: "Cost"
     refused: tuple[tuple[str, str], ...]  # (route, why it did not apply), in precedence order
     index: int = dataclasses.field(repr=False, default=0)
     in_scan: InScan | None = dataclasses.field(repr=False, default=None)
     formed: tuple[tuple[str, int, int], ...] = ()
     other_kind: tuple[str, ...] = ()  # refused routes for which the leaf is not of their kind
-    outranked: tuple[tuple[str, "Cost"], ...] = ()  # proven too, not taken: (route, its cost)
     kept: bool = False  # per-unit gradients kept for the clip factors (`_kept_for_clipping`)
 
     @property
@@ -2602,9 +2591,7 @@ class LeafPlan:
 
     def __str__(self) -> str:
         methods = ", ".join(f"{k}: {v}" for k, v in self.methods.items())
-        head = (
-            f"{self.leaf} {self.shape}: {self.route} ({self.status}, ~{self.cost.flops:.2g} flop)"
-        )
+        head = f"{self.leaf} {self.shape}: {self.route} ({self.status})"
         body = f"{self.reason} [{methods}]"
         if self.in_scan is not None:
             body += "; formed inside the scan, one iteration at a time"
@@ -2612,16 +2599,8 @@ class LeafPlan:
             body += f"; per-unit gradients {c} examples at a time in the {where} ({size:,} B)"
         if self.kept:
             body += "; kept for the clip factors (formed once, not again for the clipped mean)"
-        # Why each route of the leaf's kind before the one taken lost: its proof failed, or
-        # it was proven and ranked behind (costlier, or later with choose="first").
-        taken = ROUTES.index(type(self.taken)) if type(self.taken) in ROUTES else len(ROUTES)
-        earlier = ({r.name for r in ROUTES[:taken]} | {MeanLoss.name}) - set(self.other_kind)
-        lost = [f"{r}: {why}" for r, why in self.refused if r in earlier]
-        lost += [
-            f"{r}: proven, but ~{c.flops:.2g} flop, ~{c.bytes:.2g} B against "
-            f"~{self.cost.flops:.2g} flop, ~{self.cost.bytes:.2g} B"
-            for r, c in self.outranked
-        ]
+        # Why each route of the leaf's kind before the one taken did not apply: its proof failed.
+        lost = [f"{r}: {why}" for r, why in self.refused if r not in self.other_kind]
         if lost:
             body += "; not taken: " + "; ".join(lost)
         wrap = functools.partial(textwrap.wrap, width=100, break_on_hyphens=False)  # names whole
@@ -2631,15 +2610,7 @@ class LeafPlan:
 
 class Plan(tuple):
     """`explain`'s answer: the `LeafPlan`s, one per parameter leaf (a tuple), whose `str`
-    opens with a one-line summary: leaves per route and the estimated cost against plain grad
-    (floating-point operations from shapes: a rough guide, not a measurement)."""
-
-    plain_flops: float
-
-    def __new__(cls, leaves: Sequence[LeafPlan], plain_flops: float = 0.0) -> "Plan":
-        self = super().__new__(cls, leaves)
-        self.plain_flops = plain_flops
-        return self
+    opens with a one-line summary: leaves per route."""
 
     @staticmethod
     def build(
@@ -2653,16 +2624,13 @@ class Plan(tuple):
         """`explain`'s entry point into the engine: the graph and its plan, nothing run."""
         mean_loss = _mean_loss(loss, params, batch, stats, options)
         graph = _graph(loss, params, batch, per_example, stats, options, mean_loss)
-        plans = plan(graph, stats, choose=options[1])
-        return Plan(plans, graph.n_examples * sum(_flops(e) for e in graph.jaxpr.eqns))
+        return Plan(plan(graph, stats, choose=options[1]))
 
     @property
     def summary(self) -> str:
         routes = [p.route for p in self]
         counts = ", ".join(f"{routes.count(r)} {r}" for r in dict.fromkeys(routes))
-        extra = sum(float(p.cost.flops) for p in self)
-        ratio = (self.plain_flops + extra) / self.plain_flops if self.plain_flops else math.nan
-        return f"{len(self)} leaves: {counts}; ~{ratio:.2f}x plain grad's flop (estimate)"
+        return f"{len(self)} leaves: {counts}"
 
     def __str__(self) -> str:
         return "\n".join([self.summary, *map(str, self)])
@@ -2671,24 +2639,20 @@ class Plan(tuple):
 def plan(
     graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
 ) -> tuple[LeafPlan, ...]:
-    """Per leaf, the matching route the cost model ranks cheapest (the earliest on a tie), or with
-    choose="first" the first that matches in precedence order; the mean alone, where `_plain_mean`
-    takes it and the loss has no backward rule of the user's, is every leaf's "mean-loss"."""
+    """Per leaf, the first route in precedence order (`ROUTES`) whose match succeeds; the mean
+    alone, where `_plain_mean` takes it and the loss has no backward rule of the user's, is every
+    leaf's "mean-loss"; with choose="cheapest", gradients formed anyway are kept for clipping."""
     need = _ingredients(stats)
     if graph.user_backward == "":  # the mean alone, proven plain grad's (`_mean_loss`)
         methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
         return tuple(
-            LeafPlan(
-                leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, Cost(), (), leaf.index
-            )
+            LeafPlan(leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, (), leaf.index)
             for leaf in graph.leaves
         )
     plans = []
     for leaf in graph.leaves:
         refused = [(MeanLoss.name, graph.user_backward)] if graph.user_backward else []
         other_kind: list[str] = []
-        proven: list[tuple[Route, dict[str, str], Cost]] = []
-        best: tuple[float, Route, dict[str, str], Cost] | None = None
         core, post = graph.core(leaf.grad)  # a CoreRoute is tried where it is one of its cores
         for route in ROUTES:
             try:
@@ -2698,24 +2662,17 @@ def plan(
                     m = route.match(graph, leaf)
             except Exception as error:  # a route that cannot prove its case refuses it
                 m = Refusal(f"its proof raised {type(error).__name__}: {error} (a pegrad bug)")
-            if isinstance(m, Refusal):
-                refused.append((route.name, m.reason))
-                other_kind += [] if m.kind else [route.name]
-                continue
-            methods = m.methods(need)
-            if graph.weighted and not isinstance(m, Empty):  # Chan merges of kept examples
-                methods |= dict.fromkeys(_of_kind(list(methods), "spread"), "chunked")
-            cost = m.cost(methods)
-            proven.append((m, methods, cost))
-            if best is None or (choose == "cheapest" and cost.seconds < best[0]):
-                best = (cost.seconds, m, methods, cost)
-        assert best is not None  # the fallback always matches
-        _, m, methods, cost = best
+            if not isinstance(m, Refusal):
+                break
+            refused.append((route.name, m.reason))
+            other_kind += [] if m.kind else [route.name]
+        assert not isinstance(m, Refusal)  # the fallback always matches
+        methods = m.methods(need)
+        if graph.weighted and not isinstance(m, Empty):  # Chan merges of kept examples
+            methods |= dict.fromkeys(_of_kind(list(methods), "spread"), "chunked")
         in_scan = _in_scan(graph, m, methods)
-        rank = lambda r: ROUTES.index(type(r))  # noqa: E731
-        outranked = tuple((r.name, c) for r, _, c in proven if rank(r) < rank(m))
-        p = LeafPlan(leaf.path, leaf.shape, m, methods, cost, tuple(refused), leaf.index, in_scan)
-        plans.append(dataclasses.replace(p, other_kind=tuple(other_kind), outranked=outranked))
+        p = LeafPlan(leaf.path, leaf.shape, m, methods, tuple(refused), leaf.index, in_scan)
+        plans.append(dataclasses.replace(p, other_kind=tuple(other_kind)))
     if choose == "cheapest" and _of_kind(need, "weighted"):
         plans = _kept_for_clipping(graph, plans, need)
     loop_chunk = _loop_chunk(graph, plans)
@@ -2738,7 +2695,7 @@ def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...
     kept = {}
     for p in filter(forms, plans):
         every = {w: how if _kind(w) == "pairs" else "chunked" for w, how in p.methods.items()}
-        kept[p.index] = dataclasses.replace(p, methods=every, cost=p.taken.cost(every), kept=True)
+        kept[p.index] = dataclasses.replace(p, methods=every, kept=True)
     trial = [kept.get(p.index, p) for p in plans]
     return trial if kept and _loop_chunk(graph, trial) == graph.n_examples else plans
 
@@ -3265,21 +3222,6 @@ class Refusal:
     kind: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
-class Cost:
-    """A rough estimate from shapes: floating-point operations and bytes moved or held."""
-
-    flops: float | int = 0.0
-    bytes: float | int = 0.0
-
-    def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
-
-    @property
-    def seconds(self) -> float:  # the planner's ranking; only ratios matter
-        return self.flops / 2e10 + self.bytes / 1e10
-
-
 Env = Mapping[Any, Any]  # graph variables -> values (batched ones with a leading axis B)
 _DOT_WITH = "dot_with"  # env[_DOT_WITH]: the leaves of "dot"'s v (`_check_dot_with`)
 
@@ -3288,10 +3230,9 @@ _DOT_WITH = "dot_with"  # env[_DOT_WITH]: the leaves of "dot"'s v (`_check_dot_w
 class Route(abc.ABC):
     """One way to compute a leaf's statistics, proven for `leaf`; subclasses document their
     identities and hold the operands their `match` proved. Abstract: `match` (the proof),
-    `reads`, `compute` (one factorized ingredient), `clipped`, `per_unit` and `factored_cost`.
-    The rest is each route's unless it says otherwise: an ingredient of a kind in `KINDS` is
-    factorized, the others chunked; ingredients are computed one at a time; the cost is
-    `priced`, from `factored_cost` and `unit_flops` (2 flop an entry of each unit's gradient)."""
+    `reads`, `compute` (one factorized ingredient), `clipped` and `per_unit`. The rest is each
+    route's unless it says otherwise: an ingredient of a kind in `KINDS` is factorized, the
+    others chunked; ingredients are computed one at a time."""
 
     name: ClassVar[str]
     # The kinds of ingredient (§2) the route computes from its factors; the others it gives the
@@ -3327,10 +3268,6 @@ class Route(abc.ABC):
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         """One example's per-unit gradients [U, *leaf shape] (env without the axis B)."""
 
-    @abc.abstractmethod
-    def factored_cost(self, what: str) -> Cost:
-        """The cost model's estimate of one factorized ingredient."""
-
     def methods(self, need: tuple[str, ...]) -> dict[str, str]:
         """Per ingredient needed, "factorized" or "chunked" (`LeafPlan`)."""
         return {w: "factorized" if _kind(w) in self.KINDS else "chunked" for w in need}
@@ -3338,37 +3275,6 @@ class Route(abc.ABC):
     def compute_many(self, env: Env, wanted: Sequence[str]) -> dict[str, Array]:
         """The factorized ingredients `wanted` (a route may share work between them)."""
         return {what: self.compute(env, what) for what in wanted}
-
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        """The cost model's estimate of computing the ingredients so."""
-        return self.priced(methods)
-
-    def unit_flops(self) -> float:
-        """Operations to form one example's per-unit gradients."""
-        return 2.0 * self.graph.per_example * self.leaf.size
-
-    def priced(self, methods: Mapping[str, str]) -> Cost:
-        """Factorized ingredients each at their own cost; chunked ones share one materialization
-        of every unit's gradient (written once, read per ingredient), and the head's values
-        they read are held until the chunk loop runs, after the head, and read again there."""
-        graph, n, p = self.graph, self.graph.n_units, self.leaf.size
-        factored = [self.factored_cost(w) for w, how in methods.items() if how == "factorized"]
-        total = sum(factored, Cost())
-        chunked = sum(1 for how in methods.values() if how == "chunked")
-        pairs = [w for w in _of_kind(list(methods), "pairs") if methods[w] == "chunked"]
-        if pairs:  # `_pairs`: the gradients formed again per block of two chunks, and J Jᵀ
-            b = graph.n_examples
-            c = _examples_per_chunk(b, 1, graph.chunk_size, graph.memory_budget, b)
-            again = 0 if c >= b else -(-b // c)
-            total = total + Cost(again * b * self.unit_flops() + 2.0 * n * n * p, 0.0)
-        if chunked:
-            unit = graph.n_examples * self.unit_flops()
-            held = sum(
-                math.prod(_shape(v)) * (graph.n_examples if graph.is_batched(v) else 1)
-                for v in self.reads()
-            )
-            total = total + Cost(unit + n * p * chunked, 4.0 * (n * p * (1 + chunked) + 2 * held))
-        return total
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -3663,9 +3569,6 @@ class Empty(Route):
             Refusal("the leaf has entries", False) if leaf.size else cls(graph, leaf, "no entries")
         )
 
-    def factored_cost(self, what: str) -> Cost:
-        return Cost()
-
     def reads(self) -> list[Var]:
         return []
 
@@ -3707,9 +3610,6 @@ class Constant(Route):
 
     def reads(self) -> list[Var]:
         return [self.grad] if isinstance(self.grad, Var) else []
-
-    def factored_cost(self, what: str) -> Cost:
-        return Cost(self.leaf.size, 4.0 * self.leaf.size)
 
     def _g(self, env: Env) -> Array:
         g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
@@ -3819,16 +3719,6 @@ class OuterProduct(CoreRoute):
     def clipped(self, env: Env, weights: Array) -> Array:
         return self.replay(self.core_sum(env, self.dtype, "sum", weights), env)
 
-    def factored_cost(self, what: str) -> Cost:
-        n, p = self.graph.n_units, self.leaf.size
-        factors = self.graph.n_examples * sum(math.prod(_shape(v)) for v in self.core.invars)
-        if _kind(what) == "norm":
-            return Cost(2.0 * factors, 4.0 * factors)
-        if _kind(what) == "pairs":  # two Grams over units per batch-dim slice
-            return Cost(2.0 * n * factors, 4.0 * (factors + 2 * n * n))
-        matmuls = 2 if _kind(what) == "spread" else 1
-        return Cost(2.0 * n * p * matmuls + factors, 4.0 * (factors + matmuls * p))
-
     def compute(self, env: Env, what: str) -> Array:  # norms; the variance for core_sums
         dtype = self.dtype
         lc, rc, lb, rb = _dot_dims(self.core)
@@ -3900,7 +3790,7 @@ class Contraction(CoreRoute):
     right where the head has the operands, so that they die where plain grad's do; the variance
     from each chunk's centred (mean, M2), merged by Chan's update (SPEC §3: never q − ḡ²); the sum
     comes with them. Norms alone (beside clipping, whose weights wait for every norm) take the
-    Gram identity ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ where the Grams are smaller (2K² < free(a)·free(b)),
+    Gram identity ‖Σ_k a_k ⊗ b_k‖² = ⟨AAᵀ, BBᵀ⟩ where it takes fewer products (K(a + b) < ab),
     with rounding error ~ε·K·(Σ_k ‖a_k‖‖b_k‖)², not ε‖g_i‖², where an example's terms cancel (SPEC
     §3); after a non-scalar scaling, in the chunk loop."""
 
@@ -3938,10 +3828,10 @@ class Contraction(CoreRoute):
 
     def gram(self, ingredients: Container[str]) -> bool:
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
-        (no sum, sq, sign or var beside them) and the Grams are smaller than a gradient."""
+        (no sum, sq, sign or var beside them) and the Grams take fewer products than a gradient."""
         terms, _, free_a, free_b = self._sizes()
         beside = _of_kind([w for w in _INGREDIENT if w in ingredients], "mean", "spread", "inner")
-        return not beside and 2 * terms * terms < free_a * free_b
+        return not beside and terms * (free_a + free_b) < free_a * free_b
 
     def forms(self, ingredients: Container[str]) -> bool:
         """Whether core_sums forms per-example gradients for these ingredients: for a non-linear
@@ -3951,29 +3841,6 @@ class Contraction(CoreRoute):
         if not formed or self.gram(ingredients):
             return False
         return "sum" in ingredients or any(_kind(w) != "inner" for w in formed)
-
-    def factored_cost(self, what: str) -> Cost:
-        terms, slices, _, _ = self._sizes()
-        n, size = self.graph.n_examples, self.leaf.size
-        factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
-        if what == "norms-by-grams":  # two Grams and their inner product
-            grams = n * slices * terms * terms
-            return Cost(2.0 * factors * terms + grams, 4.0 * (factors + 2 * grams))
-        dots = 2.0 * n * terms * size
-        linear, kind = _INGREDIENT[what].linear, _kind(what)
-        if kind == "pairs":  # the gradients formed in blocks of two chunks, and J Jᵀ
-            c = self.chunk(factors, self.formed_unit(), accelerator=True)
-            blocks = -(-n // c)
-            formed = (1 if blocks == 1 else blocks + 1) * dots
-            return Cost(formed + 2.0 * n * n * size, 4.0 * (2 * factors + 2 * c * size))
-        if not linear and kind in ("mean", "norm", "inner"):  # a dot per example, chunked
-            return Cost(dots + n * size, 4.0 * (2 * factors + size))
-        if kind == "spread":  # the same dots; each chunk centred, squared and merged
-            return Cost(dots + 4.0 * n * size, 4.0 * (2 * factors + 3 * size))
-        return Cost(dots, 4.0 * (factors + size))
-
-    def unit_flops(self) -> float:
-        return 2.0 * self.leaf.size * self._sizes()[0]
 
     def core_sums(
         self, env: Env, dtype: DTypeLike, wanted: Sequence[str], posted: bool = False
@@ -4035,24 +3902,6 @@ class Contraction(CoreRoute):
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once."""
         return math.prod(_shape(self.core.outvars[0]))
-
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        norms = [w for w in _of_kind(list(methods), "norm") if methods[w] == "factorized"]
-        if norms and self.gram(methods):
-            rest = {w: how for w, how in methods.items() if w not in norms}
-            return self.priced(rest) + self.factored_cost("norms-by-grams")
-        total = self.priced(methods)
-        formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
-        if not self.forms(formed + (["sum"] if methods.get("sum") == "factorized" else [])):
-            return total
-        # The sum, and the variance or norms beside another, come from the gradients formed once:
-        shared = (methods.get("sum") == "factorized") + sum(
-            w in formed and len(formed) > 1 for w in _of_kind(formed, "spread", "norm")
-        )
-        if formed and shared:  # their dots, and their reads of the operands, counted once
-            one = self.factored_cost("sum")
-            total = total + Cost(-shared * one.flops, -shared * (one.bytes - 4.0 * self.leaf.size))
-        return total
 
     def compute(self, env: Env, what: str) -> Array:
         """Norms for core_sums by the Gram identity, [B] before `post`; ⟨g_i, v⟩ = Σ_k a_kᵀ V b_k
@@ -4175,29 +4024,6 @@ class Convolution(CoreRoute):
         reason = f"convolution kernel: g_i = conv(x_i, δ_i), {positions} offsets, a dot each"
         return cls(graph, leaf, reason, core=core, post=post)
 
-    def factored_cost(self, what: str) -> Cost:
-        n, size = self.graph.n_examples, self.leaf.size
-        factors = n * sum(math.prod(_shape(v)) for v in self.core.invars[:2])
-        convs = n * _flops(self.core)
-        if what in self.FORMED:  # per offset: a window of the padded input, its values
-            lhs = n * math.prod(_shape(self.core.invars[0]))
-            return Cost(convs + n * size, 4.0 * (factors + 2 * lhs + size))
-        return Cost(convs, 4.0 * (factors + size))
-
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        """The formed ingredients share one pass (the sum then comes with it); the others
-        (the folded sum, clipping, anything chunked) at their own cost."""
-        formed = [w for w in self.FORMED if methods.get(w) == "factorized"]
-        if not formed:
-            return self.priced(methods)
-        rest = {w: how for w, how in methods.items() if w not in (*formed, "sum")}
-        once = self.factored_cost(formed[0])
-        more = self.graph.n_examples * self.leaf.size * (len(formed) - 1)
-        return self.priced(rest) + once + Cost(more, 4.0 * more / self.graph.n_examples)
-
-    def unit_flops(self) -> float:
-        return _flops(self.core)
-
     def formed_unit(self) -> int:
         """Numbers of one example's gradient core_sums forms at once: one offset's."""
         return math.prod(_shape(self.core.outvars[0])) // math.prod(self.positions)
@@ -4287,17 +4113,6 @@ class UnitSum(CoreRoute):
         reason = "a sum over positions (bias, scale): g_t = z_t"
         return cls(graph, leaf, reason, core=core, post=post, axis=next(iter(found)))
 
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        """One reduction of z forms every unit's gradient (fused away for a plain sum); each
-        ingredient then reads them."""
-        z = self.graph.n_examples * math.prod(_shape(self.core.invars[0]))
-        g = self.graph.n_units * self.leaf.size
-        formed = any(w != "sum" for w in methods)  # anything but the plain sum
-        return Cost(z + 2.0 * g * len(methods), 4.0 * (z + g * formed))
-
-    def factored_cost(self, what: str) -> Cost:
-        return self.cost({what: "factorized"})
-
     def _units(self, z: Array) -> Array:
         """[B, ...] -> [B, U, *core output]: each unit's own sum (U = 1 per example)."""
         rest = tuple(a + 1 for a in self.core.params["axes"] if a != self.axis)
@@ -4369,16 +4184,6 @@ class _Rows:
         if mode not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
             return Refusal(f"scatter mode {mode}")
         return None
-
-    def factored_cost(self, what: str) -> Cost:
-        rows = self.graph.n_examples * math.prod(_shape(self.core.invars[2]))
-        if _kind(what) == "pairs":  # every two rows' updates, [B·R, B·R]
-            count = self.graph.n_examples * math.prod(_shape(self.core.invars[1])[:-1])
-            return Cost(2.0 * rows * count, 4.0 * (rows + count * count))
-        if what == "sum" or not self.segments:
-            return Cost(3.0 * rows, 4.0 * (rows + self.leaf.size))
-        sort = self.graph.n_examples * math.prod(_shape(self.core.invars[1])) * 20.0
-        return Cost(4.0 * rows + sort, 4.0 * (2 * rows + self.leaf.size))
 
     def _rows(self, env: Env) -> tuple[Array, Array]:
         """Indices [B·R, k] (broadcast when static) and updates [B·R, *window]."""
@@ -4639,24 +4444,11 @@ class _Composite(Route):
     def compute(self, env: Env, what: str) -> Array:
         return self.compute_many(env, [what])[what]
 
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        """The parts' own costs of the factorized ingredients (with what they share), and the
-        chunk loop's for the rest."""
-        factored = {w: how for w, how in methods.items() if how == "factorized"}
-        rest = {w: how for w, how in methods.items() if how != "factorized"}
-        return self.priced(rest) + sum((p.cost(factored) for p in self.parts), Cost())
-
     def clipped(self, env: Env, weights: Array) -> Array:
         return self._combine([p.clipped(env, weights) for p in self.parts], "sum", env)
 
     def per_unit(self, env: Env, example: PyTree, params: PyTree) -> Array:
         return self._combine([p.per_unit(env, example, params) for p in self.parts], "sum", env)
-
-    def factored_cost(self, what: str) -> Cost:
-        return sum((p.factored_cost(what) for p in self.parts), Cost())
-
-    def unit_flops(self) -> float:
-        return float(sum(p.unit_flops() for p in self.parts))
 
     def reads(self) -> list[Var]:
         parts = [v for p in self.parts for v in p.reads()]
@@ -4931,17 +4723,6 @@ class RoutedPart(Route):
         starts = [v for v in self.core.invars[2:] if isinstance(v, Var)]
         return list(dict.fromkeys([*self.part.reads(), *starts, *_factor_vars(self.post)]))
 
-    def factored_cost(self, what: str) -> Cost:
-        if _kind(what) == "norm":
-            return self.part.factored_cost(what)
-        graph, part = self.graph, math.prod(_shape(self.core.invars[1]))
-        factors = graph.n_examples * sum(math.prod(_shape(v)) for v in self.part.core.invars)
-        flops = 2.0 * graph.n_units * part * len(self.places) + factors
-        return Cost(flops, 4.0 * (factors + self.leaf.size))
-
-    def unit_flops(self) -> float:
-        return self.part.unit_flops()
-
     def _starts(self, env: Env) -> list[Array]:
         """The place of the part on each axis, clamped as dynamic_update_slice clamps it
         ([B] under the batched head, a scalar per example in the chunk loop)."""
@@ -5028,13 +4809,6 @@ class HeadValue(Route):
     def reads(self) -> list[Var]:
         return [self.grad, *_factor_vars(self.post)]
 
-    def cost(self, methods: Mapping[str, str]) -> Cost:
-        n = self.graph.n_examples * self.leaf.size
-        return Cost(3.0 * n * len(methods), 4.0 * n)
-
-    def factored_cost(self, what: str) -> Cost:
-        return self.cost({what: "factorized"})
-
     def _g(self, env: Env) -> Array:
         """[B, leaf size]: every example's gradient."""
         g = jnp.asarray(_read(env, self.grad)).astype(self.dtype)
@@ -5103,17 +4877,6 @@ class Fallback(Route):
         if "sum" in methods and looped:
             methods["sum"] = "chunked"  # once per-example gradients exist, their sum is free
         return methods
-
-    def factored_cost(self, what: str) -> Cost:
-        n = self.graph.n_examples
-        reads = sum(math.prod(_shape(v)) for v in self.reads())
-        flops = sum(_flops(e) for e in self.tail)
-        return Cost(n * (flops + reads), 4.0 * (n * reads + self.leaf.size))
-
-    def unit_flops(self) -> float:
-        if self.graph.token:  # the untied forward and backward: T copies at every boundary
-            return 4.0 * self.graph.per_example * sum(_flops(e) for e in self.graph.jaxpr.eqns)
-        return float(sum(_flops(e) for e in self.tail) + self.leaf.size)
 
     def reads(self) -> list[Var]:
         return [] if self.graph.token else _inputs(self.grad, self.tail)
@@ -5205,13 +4968,13 @@ class MeanLoss(Route):
     def _never(self, *args: Any) -> Any:  # _gradient_of_mean_loss runs instead
         raise AssertionError("mean-loss is plain grad of the mean loss, not a leaf's route")
 
-    cost = compute = compute_many = clipped = per_unit = factored_cost = _never  # type: ignore
+    compute = compute_many = clipped = per_unit = _never  # type: ignore
 
 
 _UNIT_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, UnitSum, RowScatter)  # per-token terms
 _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolution, UnitSum)
-# The routes, in precedence order (the planner takes the cheapest that matches, the earliest on
-# a tie): what `match` proves on the jaxpr -> how the ingredients' kinds (§2) are computed.
+# The routes, in precedence order (the planner takes the first that matches): what `match`
+# proves on the jaxpr -> how the ingredients' kinds (§2) are computed.
 #   empty           no entries -> empty arrays
 #   constant        g independent of the example -> φ(g), var 0, ‖g‖², ⟨g, v⟩ per unit
 #   outer-product   dot(a, b) contracting only unit axes (dense weight once) -> φ(A)ᵀφ(B),

@@ -16,9 +16,9 @@ import numpy as np
 
 import pegrad
 
-# (impl, chunk_size, choose): the factorized path runs with every route it can prove ("first":
-# on models this small the cost model might materialize instead) and with the cost model's
-# choice ("cheapest", the default).
+# (impl, chunk_size, choose): the factorized path runs with every route it can prove ("first")
+# and with the default plan ("cheapest": mean-loss for the mean alone, formed gradients kept
+# for clipping).
 IMPLS = [
     ("vmap", None, "cheapest"),
     ("vmap", 2, "cheapest"),
@@ -182,7 +182,7 @@ def _distinct(
     stats: Sequence[str],
 ) -> list[tuple[str, int | None, str]]:
     """The variants that run different programs: a chunk no smaller than the batch is no
-    chunking, and the cost model's plan may be the one the routes give anyway."""
+    chunking, and the default plan may be the one the routes give anyway."""
     n = jax.tree.leaves(batch)[0].shape[0]
     plans = {}
     for choice in ("first", "cheapest"):

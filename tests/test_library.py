@@ -61,9 +61,9 @@ def test_a_tied_embedding_falls_back_and_explain_says_why():
 def test_a_named_axis_norm_scale_takes_the_contraction_route():
     """Haliax-style einsums (families.py's `named-axis`, at tests/zoo.py's size): a norm scale
     is a contraction over positions with the feature axis batched, Σ_t δ_t ⊙ x_t per example,
-    proven by `contraction`; beside the mean it forms each example's gradient once for the sum
-    and the mean of squares (its cost counts the operands read once), so the cost model takes
-    it over the fallback. The scanned scales are a value of the backward pass (head-value)."""
+    proven by `contraction`, which precedes the fallback; beside the mean it forms each example's
+    gradient once for the sum and the mean of squares. The scanned scales are a value of the
+    backward pass (head-value)."""
     params, loss, batch = _model("named-axis")
     for stats in [("mean", "sq_mean"), ("mean", "var"), ("mean", "sq_norms")]:
         routes = _routes(loss, params, batch, stats)

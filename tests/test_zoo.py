@@ -33,7 +33,7 @@ def test_every_statistic_equals_the_naive_loop(model: Model, batch_size: int):
     check_every_implementation(loss, params, batch, expected, model.name)
 
 
-# What bench.py runs (vmap; the factorized rewrite by the cost model's choice) and every route a
+# What bench.py runs (vmap; the factorized rewrite's default plan) and every route a
 # leaf proves (choose="first"); chunking is proven on the pieces and the zoo above.
 BENCHED = [("vmap", None, "cheapest"), ("factorized", None, "first")]
 BENCHED += [("factorized", None, "cheapest")]

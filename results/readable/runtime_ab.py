@@ -3,7 +3,7 @@
 Each commit's pegrad.py is loaded as a module of its own (the file is copyable alone), the
 same workload's factorized programs compiled from both, and their steps timed in alternation
 (A, B, A, B, ...), so that load on the machine falls on both alike; the medians and their
-ratio B / A are printed, with plain grad's for scale.
+ratio B / A are printed, with plain grad's for scale, and each program's compiled temporaries.
 
     python results/readable/runtime_ab.py BASE/pegrad.py AFTER/pegrad.py --families transformer
 """
@@ -69,9 +69,11 @@ def main() -> None:
                     jax.block_until_ready(fn(params, data))
                     times[k].append(time.perf_counter() - start)
             p, a, b = (statistics.median(t[1:]) for t in times)
+            ta, tb = (f.memory_analysis().temp_size_in_bytes / 2**20 for f in fns)  # type: ignore[union-attr]
             print(
                 f"{family} {names}: plain {p * 1e3:.0f} ms, A {a * 1e3:.0f} ms ({a / p:.2f}x), "
-                f"B {b * 1e3:.0f} ms ({b / p:.2f}x), B / A {b / a:.3f}",
+                f"B {b * 1e3:.0f} ms ({b / p:.2f}x), B / A {b / a:.3f}; "
+                f"temporaries A {ta:.0f} MiB, B {tb:.0f} MiB",
                 flush=True,
             )
 
