@@ -4985,13 +4985,13 @@ _PART_ROUTES: tuple[type[CoreRoute], ...] = (OuterProduct, Contraction, Convolut
 #   unit-sum        reduce_sum of a batched value (bias, scale) -> every unit's gradient formed
 #   row-scatter     rows into a zero table at static disjoint windows -> φ, norms, inner, pairs
 #   segment-rows    the same at batched indices -> rows with one index summed first, then as above
+#   head-value      g is a value of the backward pass -> read there
 #   terms           per-position contributions added (token granularity) -> linear term by term
 #   disjoint-parts  a stacked weight read at static disjoint slices -> each part routed, placed
 #   routed-part     a dense weight's outer product placed at a batched index -> per place
-#   head-value      g is a value of the backward pass -> read there
 #   fallback        anything -> the leaf's gradient tail per example in chunks (exact, slowest)
 ROUTES: tuple[type[Route], ...] = (Empty, Constant, OuterProduct, Contraction, Convolution)
-ROUTES += (UnitSum, RowScatter, SegmentRows, Terms, DisjointParts, RoutedPart, HeadValue, Fallback)
+ROUTES += (UnitSum, RowScatter, SegmentRows, HeadValue, Terms, DisjointParts, RoutedPart, Fallback)
 
 
 # ============================================================================================
