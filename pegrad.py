@@ -151,8 +151,10 @@ def value_and_grad_stats(
     ) -> tuple[Loss | tuple[Loss, PyTree], Stats]:
         floats, loss = _as_parameters(params, loss_fn, has_aux)
         per_example = _check_inputs(loss, floats, batch, stats, granularity)
-        keep = _check_mask(mask, batch, stats, per_example)
-        v = _check_dot_with(stats, floats, dot_with)
+        keep = None if mask is None else _check_mask(mask, batch, stats, per_example)
+        v = None  # "dot"'s v: checked where it is given or needed
+        if dot_with is not None or _of_kind(_ingredients(stats), "inner"):
+            v = _check_dot_with(stats, floats, dot_with)
         if drop:  # one batched forward pass: examples with a non-finite loss
             losses = jax.vmap(lambda example: loss(floats, example)[0])(batch)
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
@@ -1009,12 +1011,8 @@ def _sub_jaxprs(eqn: Eqn) -> list[jcore.Jaxpr]:
     return [x for x in jaxprs if isinstance(x, jcore.Jaxpr)]
 
 
-def _check_mask(
-    mask: ArrayLike | None, batch: PyTree, stats: tuple[str, ...], per_example: int
-) -> Array | None:
-    """The mask as a bool [B] array (or None); a concrete one is checked against 'var'."""
-    if mask is None:
-        return None
+def _check_mask(mask: ArrayLike, batch: PyTree, stats: tuple[str, ...], per_example: int) -> Array:
+    """The mask as a bool [B] array; a concrete one is checked against 'var'."""
     n = jax.tree.leaves(batch)[0].shape[0]
     if jnp.shape(mask) != (n,) or jnp.asarray(mask).dtype != jnp.bool_:
         raise ValueError(

@@ -15,7 +15,6 @@
 import argparse
 import collections
 import gzip
-import importlib.util
 import itertools
 import json
 import os
@@ -23,7 +22,7 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "..")]
+sys.path[:0] = [os.path.join(HERE, "..", ".."), HERE]
 
 ALL = ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean")
 SETS = [s for r in (1, 2, 3, 6) for s in itertools.combinations(ALL, r)]
@@ -31,17 +30,9 @@ SETS += [ALL[:5], ALL[1:], ("mean", "sq_mean", "var", "clipped_mean")]
 LEAF = re.compile(r"^(\S.*?) \(([\d, ]*)\): ([\w-]+) \(")
 
 
-def load(path: str, name: str) -> object:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
 def bench(a: str, b: str, names: list[str]) -> None:
     import jax
+    from runtime_ab import load
 
     import families
 
