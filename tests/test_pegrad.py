@@ -1153,10 +1153,21 @@ def test_explain_says_for_each_leaf_why_every_earlier_route_of_its_kind_lost():
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
-def test_the_variance_of_a_weight_used_at_every_position_takes_the_route_of_its_mean_square(n: int):
+@pytest.mark.parametrize(
+    "stats",
+    [
+        ("mean", "sq_mean", "var"),
+        ("sq_mean", "sign_mean"),  # (a cost model sent these to the fallback: 1.2x slower)
+        ("mean", "sq_mean", "sign_mean", "var", "sq_norms", "clipped_mean"),
+    ],
+)
+def test_the_variance_of_a_weight_used_at_every_position_takes_the_route_of_its_mean_square(
+    n: int, stats: tuple[str, ...]
+):
     """A dense weight applied at T positions (a transformer's projections): asked for the
-    variance too, it stays on `contraction` (per-example gradients formed in the head, each
-    chunk centred, Chan-merged), not the fallback, and equals the naive loop at float64."""
+    variance, the sign or every statistic, it stays on `contraction` (per-example gradients
+    formed in the head, each chunk centred, Chan-merged), not the fallback, and equals the
+    naive loop at float64."""
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(24, 24))), "v": jnp.asarray(rng.normal(size=24))}
 
@@ -1164,8 +1175,10 @@ def test_the_variance_of_a_weight_used_at_every_position_takes_the_route_of_its_
         return jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]) ** 2
 
     batch = jnp.asarray(rng.normal(size=(n, 6, 24)))
-    stats = ("mean", "sq_mean", "var") if n > 1 else ("mean", "sq_mean")
-    routes = [p.route for p in pegrad.explain(loss, params, batch, stats) if "w" in p.leaf]
+    stats = stats if n > 1 else tuple(s for s in stats if s != "var")
+    clip = 0.5 if "clipped_mean" in stats else None
+    plans = pegrad.explain(loss, params, batch, stats, clip_norm=clip)
+    routes = [p.route for p in plans if "w" in p.leaf]
     assert routes == ["contraction"], routes
     check_every_implementation(loss, params, batch, naive_unit_grads(loss, params, batch), "pos")
 
@@ -1201,6 +1214,37 @@ def test_norms_of_a_weight_used_at_every_position_take_its_route(n: int, stats, 
         fn = pegrad.value_and_grad_stats(loss, stats, choose=choose, clip_norm=clip)
         got = jax.jit(fn)(params, batch)[1]
         assert_tree_close({s: got[s] for s in stats}, {s: want[s] for s in stats}, choose)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize(
+    "seq, d, gram",
+    [
+        (6, 24, True),  # K(a + b) = 288 < ab = 576: the Grams take fewer products
+        (12, 24, False),  # K(a + b) = ab = 576: as many products is not fewer
+        (16, 8, False),  # 256 > 64: a long sequence of a narrow weight forms its gradients
+    ],
+)
+def test_norms_alone_take_the_gram_identity_only_where_it_takes_fewer_products(
+    n: int, seq: int, d: int, gram: bool
+):
+    """A dense weight [d, d] at `seq` positions asked for its norms alone: the Grams AAᵀ, BBᵀ
+    (K² (a + b) products per example) where they take fewer products than forming the
+    gradient (K a b), else each example's gradient formed in the head; both equal the naive
+    loop at float64."""
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.normal(size=(d, d))), "v": jnp.asarray(rng.normal(size=d))}
+
+    def loss(p, x):  # x [T, d]: the weight at every position
+        return jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]) ** 2
+
+    batch = jnp.asarray(rng.normal(size=(n, seq, d)))
+    (plan,) = [p for p in pegrad.explain(loss, params, batch, ("sq_norms",)) if "w" in p.leaf]
+    assert (plan.route, plan.status) == ("contraction", "factorized"), str(plan)
+    assert [where for where, *_ in plan.formed] == ([] if gram else ["head"]), str(plan)
+    want = naive_stats(naive_unit_grads(loss, params, batch)[1], 0.5)["sq_norms"]
+    got = jax.jit(pegrad.value_and_grad_stats(loss, ("sq_norms",)))(params, batch)[1]
+    assert_tree_close(got["sq_norms"], want, f"T {seq}, d {d}")
 
 
 CLIPPED = ("mean", "var", "sq_norms", "clipped_mean")

@@ -5,8 +5,9 @@
   ingredient's method, whether its gradients are kept for clipping, where they are formed
   (how many examples at once, their bytes) and whether inside a scan, from each file's
   `explain`, loaded as a module of its own.
-- With --zoo A B: two zoo digests of results/bench/neutral.py, per case the route of every
-  leaf (explain's text) and whether the statistics' bytes are equal.
+- With --zoo A B: two digests of results/bench/neutral.py (--only zoo or --only bench), per
+  case the route of every leaf (explain's text) and whether the first lines (the statistics'
+  bytes; bench's compiled temporaries and optimized HLO) are equal.
 
     python results/readable/plans_ab.py BASE/pegrad.py pegrad.py [--families transformer]
     python results/readable/plans_ab.py --zoo zoo-before.json.gz zoo-after.json
@@ -79,7 +80,7 @@ def zoo(a: str, b: str) -> None:
         values += va == vb
         if va != vb and not changed:
             print(f"  {case}: the same routes, the statistics' bytes differ")
-    print(f"== zoo: {len(cases)} cases; the same routes in {same}, the same bytes in {values}")
+    print(f"== {len(cases)} cases; the same routes in {same}, the same bytes in {values}")
     print(f"   leaf routes changed: {dict(routes)}")
 
 
