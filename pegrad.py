@@ -18,7 +18,7 @@ dense weight). Two implementations, equal by contract:
   Per token every position gets its own copy of the parameters (`Untie`).
 * impl="factorized" rewrites the graph: grad(loss_fn) of ONE example traced to a flat jaxpr,
   run batched down to the inputs of each parameter's last gradient operation, and each leaf
-  given the cheapest route whose preconditions are proven on the jaxpr (a dense weight used
+  given the first route in `ROUTES` whose preconditions are proven on the jaxpr (a dense weight used
   once: g_i = δ_i ⊗ x_i, so Σ_i φ(g_i) = φ(Δ)ᵀφ(X) for multiplicative φ, ‖g_i‖² = ‖δ_i‖²‖x_i‖²).
   A leaf no route proves takes the exact fallback, per example in bounded chunks; a proof that
   cannot be completed refuses, never raises. `explain` returns the plan without running it.
