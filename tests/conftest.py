@@ -140,6 +140,7 @@ FAST = (
     # The README's code, the layout, the public API, the package, the refusals of issue 50.
     "tests/test_readme.py",
     "tests/test_layout.py",
+    "tests/test_reading_path.py",
     "tests/test_public_api.py",
     "tests/test_refusals.py",
     "tests/test_fast_suite.py",

@@ -48,10 +48,9 @@ def spans() -> dict[int, tuple[str, int, int]]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--list", action="store_true")
-    args = parser.parse_args()
+def dense_path() -> dict[tuple[str, int, int], int]:
+    """(name, first line, last line) -> lines, of every function of pegrad.py that one trace of
+    the dense layer runs."""
 
     def loss_fn(p: dict, e: tuple) -> jax.Array:
         x, y = e
@@ -63,21 +62,29 @@ def main() -> None:
     batch = (jax.random.normal(key, (5, 4)), jax.random.normal(key, (5, 3)))
     fn = pegrad.value_and_grad_stats(loss_fn, ("mean", "sq_mean", "sq_norms"))
     table = spans()
-    ran: dict[tuple[str, int, int], int] = {}
+    ran: set[tuple[str, int, int]] = set()
 
     def tracer(frame, event, arg):  # noqa: ANN001, ANN202
         if event == "call" and os.path.abspath(frame.f_code.co_filename) == SOURCE:
             span = table.get(frame.f_code.co_firstlineno)
             if span is not None:
-                ran[span] = ran.get(span, 0) + 1
+                ran.add(span)
         return None
 
+    previous = sys.gettrace()
     sys.settrace(tracer)
     try:
         jax.jit(fn).trace(params, batch)
     finally:
-        sys.settrace(None)
-    lines = {span: span[2] - span[1] + 1 for span in ran}
+        sys.settrace(previous)
+    return {span: span[2] - span[1] + 1 for span in ran}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    lines = dense_path()
     print(f"{len(lines)} functions of pegrad.py, {sum(lines.values())} lines")
     if args.list:
         for (name, first, last), n in sorted(lines.items(), key=lambda kv: -kv[1]):
