@@ -805,8 +805,8 @@ def _check_inputs(
     return per_example
 
 
-def _calls(jaxpr: jcore.Jaxpr, name: str) -> bool:
-    """Whether `jaxpr` or a sub-jaxpr holds a primitive whose name starts with `name`."""
+def _calls(jaxpr: jcore.Jaxpr, name: str | tuple[str, ...]) -> bool:
+    """Whether `jaxpr` or a sub-jaxpr holds a primitive whose name starts with `name` (one of)."""
     subs = lambda e: any(_calls(s, name) for s in _sub_jaxprs(e))
     return any(e.primitive.name.startswith(name) or subs(e) for e in jaxpr.eqns)
 
@@ -927,7 +927,7 @@ def _refuse_shared_draws(jaxpr: jcore.Jaxpr, n_params: int, who: str = "loss_fn"
     closed over, or held in the model) is the same draw for every example, and at every step:
     one dropout mask for the whole batch where a batched model draws one per example."""
     tainted = [i >= n_params for i in range(len(jaxpr.invars))]
-    _, draw = _example_dependence(jaxpr, tainted)
+    draw = _calls(jaxpr, tuple(_DRAWS)) and _example_dependence(jaxpr, tainted)[1]  # (if any)
     if draw:
         raise ValueError(
             f"{who} draws random numbers ({draw}) from a key that does not depend on the "
