@@ -3816,18 +3816,18 @@ class Contraction(CoreRoute):
         reason = f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k"
         return cls(graph, leaf, reason, core=core, post=post)
 
-    def _sizes(self) -> tuple[int, int, int, int]:
-        """(terms K, batch-dim slices, free entries of a, free entries of b)."""
+    def _sizes(self) -> tuple[int, int, int]:
+        """(terms K, free entries of a, free entries of b)."""
         lc, _, lb, rb = _dot_dims(self.core)
         a, b = (_shape(v) for v in self.core.invars)
-        terms, slices = math.prod(a[k] for k in lc), math.prod(a[k] for k in lb)
-        free_a = math.prod(a) // (terms * slices)
-        return terms, slices, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
+        terms = math.prod(a[k] for k in lc)
+        free_a = math.prod(a) // (terms * math.prod(a[k] for k in lb))
+        return terms, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
 
     def gram(self, ingredients: Container[str]) -> bool:
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams take fewer products than a gradient."""
-        terms, _, free_a, free_b = self._sizes()
+        terms, free_a, free_b = self._sizes()
         beside = _of_kind([w for w in _INGREDIENT if w in ingredients], "mean", "spread", "inner")
         return not beside and terms * (free_a + free_b) < free_a * free_b
 
@@ -4425,8 +4425,8 @@ def _windows_overlap(core: Eqn, indices: np.ndarray, mode: str) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class _Composite(Route):
-    """A gradient made of `parts`, each proven by a route of its own, then `post`: costs add
-    up, and every ingredient is the parts' ingredients combined (`_combine`)."""
+    """A gradient made of `parts`, each proven by a route of its own, then `post`: every
+    ingredient is the parts' ingredients combined (`_combine`)."""
 
     parts: tuple[CoreRoute, ...]
     post: Posts = ()
@@ -4651,7 +4651,7 @@ def _placed_part(
     size = _shape(part)
     if stacked is not None:
         size = (*size[:stacked], 1, *size[stacked:])
-    part_leaf = dataclasses.replace(leaf, shape=_shape(part), grad=part)  # costed as the part
+    part_leaf = dataclasses.replace(leaf, shape=_shape(part), grad=part)  # a leaf of its shape
     for route in _PART_ROUTES:
         m = route.match(graph, part_leaf, part)
         if isinstance(m, CoreRoute):
