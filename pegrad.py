@@ -1764,9 +1764,6 @@ def _axes_of(positions: Mapping[Var, Axes], var: Atom) -> Axes:
 # ============================================================================================
 # Part II — the engine: impl="factorized". Nothing above this line reads what is below it but
 # `_factorized` and `Plan.build`.
-#
-
-
 # §6 The entry point of impl="factorized"; each section below is what the one above calls.
 
 
@@ -1801,10 +1798,14 @@ def _mean_loss(
     loss: Callable, params: PyTree, batch: PyTree, stats: Sequence[str], options: Options
 ) -> str | None:
     """The mean-loss policy, decided once per call of an entry point: None where the statistics
-    are not the mean alone taken as plain backpropagation (`_plain_mean`); else why plain grad
-    of the mean loss is not proven their value, "" where it is (`_user_backward`)."""
+    are not the mean alone as plain backpropagation, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i (no rewrite
+    of that sum is cheaper): not with choose="first", per-token units (whose split the rewrite
+    proves) or parameters narrower than their statistics; else why plain grad of the mean loss
+    is not proven their value, "" where it is (`_user_backward`)."""
+    granularity, choose = options[:2]
     dtypes = [x.dtype for x in jax.tree.leaves(params)]
-    if not _plain_mean(stats, options[1], options[0], dtypes):
+    plain = _ingredients(stats) == ("sum",) and choose == "cheapest" and granularity == "example"
+    if not plain or any(jnp.dtype(d) != stat_dtype(d) for d in dtypes):
         return None
     return _user_backward(loss, params, batch)
 
@@ -1826,21 +1827,6 @@ def _graph(
     graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
     bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
     return dataclasses.replace(graph, weighted=weighted, user_backward=mean_loss, **bounds)
-
-
-def _plain_mean(
-    stats: Sequence[str], choose: Choose, granularity: Granularity, dtypes: Sequence[DTypeLike]
-) -> bool:
-    """Whether the statistics are the mean alone, taken as plain backpropagation of the mean
-    loss, (1/N) Σ_i g_i = ∇ (1/N) Σ_i ℓ_i (no rewrite of that sum is cheaper). Not with
-    choose="first", per-token units (whose split the rewrite proves) or parameters narrower than
-    their statistics; and only where the loss has no backward rule of the user's."""
-    return (
-        _ingredients(stats) == ("sum",)
-        and choose == "cheapest"
-        and granularity == "example"
-        and all(jnp.dtype(d) == stat_dtype(d) for d in dtypes)
-    )
 
 
 # Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
@@ -1943,9 +1929,6 @@ def _over_examples(
     return (((0, *_shift(lc)), (0, *_shift(rc))), (_shift(lb), _shift(rb)))
 
 
-_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy"})
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Post:
     """One operation between a gradient's core and the gradient: layout (the same per unit), or
@@ -2007,9 +1990,7 @@ class Graph:
     weighted: bool = False  # a mask or dropped examples weigh the examples 0 or 1
     chunk_size: int | None = None  # the caller's bound on per-example gradients held at once
     memory_budget: int | None = None  # the caller's bound on their bytes
-    # Where the statistics are the mean alone (`_mean_loss`): why plain grad of the mean loss
-    # is not proven theirs, "" where it is; None: they are not.
-    user_backward: str | None = None
+    user_backward: str | None = None  # the mean-loss policy's answer (`_mean_loss`)
 
     @property
     def token(self) -> bool:
@@ -2241,7 +2222,7 @@ def _gather_affine(eqn: Eqn) -> str:
 def _is_layout(eqn: Eqn) -> bool:
     """Operations that move or relabel a gradient's entries one to one (norm-preserving)."""
     name = eqn.primitive.name
-    if name in _LAYOUT:
+    if name in ("transpose", "reshape", "squeeze", "expand_dims", "copy"):
         return True
     if name == "convert_element_type":
         return _floats_only(eqn)
@@ -2638,8 +2619,8 @@ def plan(
     graph: Graph, stats: Sequence[str], *, choose: Choose = "cheapest"
 ) -> tuple[LeafPlan, ...]:
     """Per leaf, the first route in precedence order (`ROUTES`) whose match succeeds; the mean
-    alone, where `_plain_mean` takes it and the loss has no backward rule of the user's, is every
-    leaf's "mean-loss"; with choose="cheapest", gradients formed anyway are kept for clipping."""
+    alone, where `_mean_loss` proves it plain grad's, is every leaf's "mean-loss"; with
+    choose="cheapest", gradients formed anyway are kept for clipping."""
     need = _ingredients(stats)
     if graph.user_backward == "":  # the mean alone, proven plain grad's (`_mean_loss`)
         methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
@@ -2647,7 +2628,7 @@ def plan(
             LeafPlan(leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, (), leaf.index)
             for leaf in graph.leaves
         )
-    plans = []
+    plans, scans = [], any(e.primitive.name == "scan" for e in graph.jaxpr.eqns)
     for leaf in graph.leaves:
         refused = [(MeanLoss.name, graph.user_backward)] if graph.user_backward else []
         other_kind: list[str] = []
@@ -2668,7 +2649,7 @@ def plan(
         methods = m.methods(need)
         if graph.weighted and not isinstance(m, Empty):  # Chan merges of kept examples
             methods |= dict.fromkeys(_of_kind(list(methods), "spread"), "chunked")
-        in_scan = _in_scan(graph, m, methods)
+        in_scan = _in_scan(graph, m, methods) if scans else None  # (formed inside a scan)
         p = LeafPlan(leaf.path, leaf.shape, m, methods, tuple(refused), leaf.index, in_scan)
         plans.append(dataclasses.replace(p, other_kind=tuple(other_kind)))
     if choose == "cheapest" and _of_kind(need, "weighted"):
@@ -3422,10 +3403,20 @@ _AS_ON_ACCELERATOR = False  # tests set it: XLA:CPU then runs what a GPU or TPU 
 def _sum_rows(x: Array) -> Array:
     """`_sum0` as one primitive, traced once and lowered per platform: on XLA:CPU x of at most
     2¹⁵ entries (a bias's rows: as fast either way) is one reduction, whose slices would only
-    grow the program XLA compiles (results/readable/README.md); XLA:GPU fuses the pairwise adds
-    into the loop that makes x, where a reduction is a kernel of its own."""
+    grow the program XLA compiles (results/readable/README.md); elsewhere `_sum_halves`."""
     one_device = _devices(x) == 1 and not any(jax.typeof(x).sharding.spec)
-    return _SUM0.bind(x) if one_device and not _AS_ON_ACCELERATOR else _sum0(x)
+    return _SUM0.bind(x) if one_device and not _AS_ON_ACCELERATOR else _sum_halves(x)
+
+
+def _sum_halves(x: Array) -> Array:
+    """`_sum0` on a GPU or TPU, up to 32 rows added by halves (x[:h] + x[h:2h], then an odd row):
+    XLA:GPU fuses the adds into the loop that makes x, where a reduction is a kernel of its own,
+    and 2·log₂ c slices make the same kernels as `_sum0`'s c from a smaller program."""
+    if _devices(x) > 1 or not 1 < x.shape[0] <= 32:
+        return _sum0(x)
+    h = x.shape[0] // 2
+    half = _sum_halves(x[:h] + x[h : 2 * h])
+    return half + x[2 * h] if x.shape[0] % 2 else half
 
 
 _SUM0 = jcore.Primitive("pegrad_sum0")
@@ -3433,7 +3424,7 @@ _SUM0.def_impl(_sum0)
 _SUM0.def_abstract_eval(lambda aval: aval.update(shape=aval.shape[1:]))
 batching.primitive_batchers[_SUM0] = lambda xs, dims: (jax.vmap(_sum0, dims)(*xs), 0)
 ad.deflinear2(_SUM0, lambda ct, x: [jnp.broadcast_to(ct, x.aval.shape)])
-mlir.register_lowering(_SUM0, mlir.lower_fun(_sum0, multiple_results=False))
+mlir.register_lowering(_SUM0, mlir.lower_fun(_sum_halves, multiple_results=False))
 _cpu_sum0 = lambda x: jnp.sum(x, 0) if x.size <= 2**15 else _sum0(x)  # noqa: E731
 mlir.register_lowering(_SUM0, mlir.lower_fun(_cpu_sum0, multiple_results=False), platform="cpu")
 
@@ -3816,18 +3807,14 @@ class Contraction(CoreRoute):
         reason = f"weight applied at {terms} places: g_i = Σ_k δ_k ⊗ x_k"
         return cls(graph, leaf, reason, core=core, post=post)
 
-    def _sizes(self) -> tuple[int, int, int]:
-        """(terms K, free entries of a, free entries of b)."""
-        lc, _, lb, rb = _dot_dims(self.core)
-        a, b = (_shape(v) for v in self.core.invars)
-        terms = math.prod(a[k] for k in lc)
-        free_a = math.prod(a) // (terms * math.prod(a[k] for k in lb))
-        return terms, free_a, math.prod(b) // (terms * math.prod(b[k] for k in rb))
-
     def gram(self, ingredients: Container[str]) -> bool:
         """Norms by the Gram identity: nothing else forms this leaf's per-example gradients
         (no sum, sq, sign or var beside them) and the Grams take fewer products than a gradient."""
-        terms, free_a, free_b = self._sizes()
+        lc, _, lb, rb = _dot_dims(self.core)
+        a, b = (_shape(v) for v in self.core.invars)
+        terms = math.prod(a[k] for k in lc)  # K
+        free_a = math.prod(a) // (terms * math.prod(a[k] for k in lb))
+        free_b = math.prod(b) // (terms * math.prod(b[k] for k in rb))
         beside = _of_kind([w for w in _INGREDIENT if w in ingredients], "mean", "spread", "inner")
         return not beside and terms * (free_a + free_b) < free_a * free_b
 
@@ -4221,12 +4208,6 @@ class _Rows:
             return jnp.ones(idx.shape[:1], bool)
         return jnp.all((idx >= 0) & (idx <= self._limit(idx)), axis=-1)
 
-    def _landed(self, idx: Array) -> Array:
-        """The starts the rows are written at: clamped into the table in CLIP mode."""
-        if str(self.core.params["mode"]).endswith("CLIP"):
-            return jnp.clip(idx, 0, self._limit(idx))
-        return idx
-
     @abc.abstractmethod
     def _units(self, env: Env, what: str) -> tuple[Array, Array, Array]:
         """Rows (indices [R', k], updates [R', *window], written [R'] bool) such that every
@@ -4250,7 +4231,9 @@ class _Rows:
             return by_unit(per_row(upd * self._gather(self.pulled(env), idx)))
         if _kind(what) == "pairs":  # rows at one index add, others are disjoint entries
             flat = jnp.where(written, upd, 0.0).reshape(len(upd), -1)
-            at = self._landed(idx)  # two rows add where they land at one start
+            # two rows add where they land at one start (clamped into the table in CLIP mode)
+            clip = str(self.core.params["mode"]).endswith("CLIP")
+            at = jnp.clip(idx, 0, self._limit(idx)) if clip else idx
             same = jnp.all(at[:, None, :] == at[None, :, :], -1)
             k = len(upd) // (b * units)  # rows per unit
             rows = jnp.where(same, flat @ flat.T, 0.0).reshape(b, units, k, b, units, k)
@@ -4310,8 +4293,7 @@ class RowScatter(_Rows, CoreRoute):
         if not graph.is_static(indices):
             return Refusal("rows depend on the example (repeated rows add up before φ)")
         mode = str(core.params["mode"]).rsplit(".", 1)[-1]
-        overlap = _windows_overlap(core, graph.static_value(indices), mode)
-        if overlap:
+        if overlap := _windows_overlap(core, graph.static_value(indices), mode):
             return Refusal(overlap)
         reason = "rows at static, pairwise disjoint windows (e.g. positions)"
         return cls(graph, leaf, reason, core=core, post=post)
@@ -4737,22 +4719,20 @@ class RoutedPart(Route):
         at = starts[:, None, :] == jnp.asarray(self.places, jnp.int32)[None]
         return jnp.all(at, axis=2).astype(self.dtype)
 
-    def _placed(self, per_place: Sequence[Array], env: Env, phi: Phi) -> Array:
+    def _sums(self, env: Env, what: str, weights: Array | None = None) -> Array:
         """Each place's sum in its window (windows of a wide part may overlap: added)."""
+        at = self._at(env)
+        weights = at if weights is None else at * weights.astype(self.dtype)
+        what = "sum" if _kind(what) == "weighted" else what  # weighted by the clip factors
+        part, phi, n = self.part, _PHI[what], len(self.places)
+        sums = [part.core_sum(env, self.dtype, what, weights[:, s, None]) for s in range(n)]
+        per_place = [part.replay(x, env, phi) for x in sums]
         out = jnp.zeros(_shape(self.core.outvars[0]), per_place[0].dtype)
         size = _shape(self.core.invars[1])
         for starts, x in zip(self.places, per_place, strict=True):
             window = tuple(slice(s, s + k) for s, k in zip(starts, size, strict=True))
             out = out.at[window].add(x.reshape(size))
         return _replay(self.post, out, env, phi)
-
-    def _sums(self, env: Env, what: str, weights: Array | None = None) -> Array:
-        at = self._at(env)
-        weights = at if weights is None else at * weights.astype(self.dtype)
-        what = "sum" if _kind(what) == "weighted" else what  # weighted by the clip factors
-        part, phi, n = self.part, _PHI[what], len(self.places)
-        sums = [part.core_sum(env, self.dtype, what, weights[:, s, None]) for s in range(n)]
-        return self._placed([part.replay(x, env, phi) for x in sums], env, phi)
 
     def compute(self, env: Env, what: str) -> Array:
         if _kind(what) == "norm":
@@ -4945,8 +4925,8 @@ def _inputs(grad: Atom, tail: Sequence[Eqn]) -> list[Var]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MeanLoss(Route):
-    """The mean alone, every leaf at once, where `_plain_mean` and `_user_backward` allow it:
-    plain grad of the mean loss (`_gradient_of_mean_loss`). Not in ROUTES: no leaf's proof."""
+    """The mean alone, every leaf at once, where `_mean_loss` allows it: plain grad of the mean
+    loss (`_gradient_of_mean_loss`). Not in ROUTES: no leaf's proof."""
 
     name = "mean-loss"
     KINDS = _ALL_KINDS

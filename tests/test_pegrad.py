@@ -247,6 +247,17 @@ def test_sums_over_examples_on_each_side_of_the_32_row_bound_equal_the_naive_loo
     check_every_implementation(loss, params, batch, expected, "sum0", impls=impls)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 13, 31, 32, 33, 40])
+@pytest.mark.parametrize("sum0", ["_sum0", "_sum_halves"])
+def test_sums_over_rows_add_every_row_once(sum0: str, rows: int):
+    """`_sum0`'s pairs and `_sum_halves`'s halves (an odd row kept aside at each step), and the
+    vector of ones beyond 32 rows, add each row exactly once: rows of distinct powers of two
+    (exact in float64) sum to the naive loop's total bit for bit, whatever the order of adds."""
+    x = jnp.stack([jnp.full((3,), 2.0**r) for r in range(rows)]) if rows else jnp.zeros((0, 3))
+    total = sum((2.0**r for r in range(rows)), 0.0)
+    assert jnp.array_equal(getattr(pegrad, sum0)(x), jnp.full((3,), total)), rows
+
+
 @pytest.mark.parametrize("model", [_wide_over_positions, _heads_over_positions])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 def test_on_an_accelerator_the_gradients_formed_at_once_equal_the_naive_loop(
@@ -281,10 +292,11 @@ def test_a_chunk_loop_of_formed_gradients_is_lowered_for_xla_cpu_only(platform: 
 def test_sums_over_examples_and_the_barrier_are_lowered_for_each_platform(platform: str):
     """The engine's sums over examples (`_sum_rows`) and the head's barrier are primitives
     lowered per platform: XLA:CPU reduces a bias's rows at once (no slice) and holds the backward
-    pass with a barrier; a GPU or TPU adds the rows pairwise (B slices per sum, fused into the
-    loop that made them) and has no barrier. On XLA:CPU the statistics equal the naive loop."""
+    pass with a barrier; a GPU or TPU adds the rows by halves (2·log₂ B slices per sum, fused
+    into the loop that made them) and has no barrier. On XLA:CPU the statistics equal the naive
+    loop."""
     k = jax.random.split(jax.random.key(5), 2)
-    params, batch = {"b": jax.random.normal(k[0], (16,))}, jax.random.normal(k[1], (5, 4, 16))
+    params, batch = {"b": jax.random.normal(k[0], (16,))}, jax.random.normal(k[1], (8, 4, 16))
 
     def loss(p: dict, x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.tanh(x + p["b"]) ** 2)
@@ -294,7 +306,7 @@ def test_sums_over_examples_and_the_barrier_are_lowered_for_each_platform(platfo
     fn = jax.jit(pegrad.value_and_grad_stats(loss, stats))
     text = fn.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
     cpu = platform == "cpu"
-    assert text.count("stablehlo.slice") == (0 if cpu else 2 * 5), platform  # 2 sums of 5 rows
+    assert text.count("stablehlo.slice") == (0 if cpu else 2 * 6), platform  # 2 sums of 8 rows
     assert ("stablehlo.optimization_barrier" in text) == cpu, platform
     if cpu:
         expected = naive_unit_grads(loss, params, batch)

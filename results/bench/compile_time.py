@@ -7,8 +7,11 @@ alternating rounds so that load on the machine falls on both alike. Each program
 timed apart: trace (Python: pegrad's graph, planner and executor run here), lower (to
 StableHLO) and compile (XLA). The ratio is pegrad's total over plain grad's, the median of the
 rounds. `--profile` prints cProfile's top functions of pegrad's trace (where its Python goes).
+`--h200` compiles for an H200 instead, with no GPU (gpu_aot.py's deviceless target: the CUDA
+plugin installed, JAX_PLATFORMS=cpu): the trace is the same Python, lower and compile XLA:GPU's.
 
     python results/bench/compile_time.py --rounds 3 --out results/bench/compile-time.json
+    JAX_PLATFORMS=cpu python results/bench/compile_time.py --rounds 3 --h200
 """
 
 import argparse
@@ -32,11 +35,22 @@ import pegrad  # noqa: E402
 SETS = {"mean+sq_mean": ("mean", "sq_mean"), "clipped_mean+sq_norms": ("clipped_mean", "sq_norms")}
 
 
-def programs(family: str, batch: int) -> dict:
+def programs(family: str, batch: int, h200: bool) -> dict:
     fam = families.FAMILIES[family]
     key = jax.random.key(0)
     params, loss_fn = fam.build(families.BENCH, key)
     data = fam.batch(families.BENCH, key, batch)
+    if h200:  # abstract arguments placed on the deviceless H200
+        from gpu_aot import TARGET
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=TARGET, topology="1x1x1"
+        )
+        on = jax.sharding.SingleDeviceSharding(topology.devices[0])
+        params, data = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), (params, data)
+        )
 
     def plain() -> object:
         def mean_loss(p: object, b: object) -> jax.Array:
@@ -72,9 +86,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--h200", action="store_true", help="compile for an H200 (deviceless)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    built = programs(args.family, args.batch)
+    built = programs(args.family, args.batch, args.h200)
     make, call_args = built["make"], built["args"]
     phases(make["plain grad"](), call_args)  # warm JAX's own caches (not pegrad's)
     if args.profile:
@@ -103,6 +118,7 @@ def main() -> None:
         record = {
             "family": args.family,
             "batch": args.batch,
+            "target": "h200" if args.h200 else "cpu",
             "jax": jax.__version__,
             "rounds": rows,
             "median": median,
