@@ -788,9 +788,8 @@ def _check_inputs(
         raise ValueError(f"the batch is empty: [{dims}] = {list(lead[:axes])}, no units")
     per_example = lead[1] if axes == 2 else 1  # one position is one example
     _refuse_var(stats, lead[0] * per_example, "a batch needs B ≥ 2")
-    closed, (loss_shape, _) = jax.make_jaxpr(loss_fn, return_shape=True)(
-        params, _one_example(batch)
-    )
+    one = _one_example(batch)
+    closed, (loss_shape, _) = jax.make_jaxpr(loss_fn, return_shape=True)(params, one)
     _refuse_shared_draws(closed.jaxpr, n_params := len(jax.tree.leaves(params)))
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()):
         raise ValueError(
@@ -800,7 +799,7 @@ def _check_inputs(
     if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
         raise TypeError(f"loss_fn must return a floating scalar, got dtype {loss_shape.dtype}")
     if _calls(closed.jaxpr, "custom_vjp"):  # a backward rule the user wrote: its draws too
-        grad = jax.make_jaxpr(jax.grad(lambda p, x: loss_fn(p, x)[0]))(params, _one_example(batch))
+        grad = jax.make_jaxpr(jax.grad(lambda p, x: loss_fn(p, x)[0]))(params, one)
         _refuse_shared_draws(grad.jaxpr, n_params, "a custom_vjp backward rule of loss_fn")
     return per_example
 
@@ -814,44 +813,54 @@ def _calls(jaxpr: jcore.Jaxpr, name: str | tuple[str, ...]) -> bool:
 def _is_parameter(x: object) -> bool:
     """A floating array: what Equinox's `is_inexact_array` selects (keys, counters, integer
     buffers and Python values are held fixed)."""
-    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    )
+    arrays = (jax.Array, np.ndarray, jax.ShapeDtypeStruct)
+    return isinstance(x, arrays) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[PyTree, Callable]:
-    """(the parameters, the loss as a function of them returning (loss, aux)).
-
-    A dict, list or tuple is a pytree of parameters, checked leaf by leaf (an integer leaf is
-    an error). Any other pytree object is a model (an `eqx.Module`, a flax `nnx.Module`): its
-    floating-array leaves are the parameters, the rest is held fixed, and the parameters are
-    the model with None elsewhere — no framework is imported to tell."""
+    """(the parameters, the loss as a function of them returning (loss, aux)): a dict, list or
+    tuple is a pytree of parameters, checked leaf by leaf (an integer leaf is an error); any
+    other pytree object is a model (`_model_parameters`)."""
     _refuse_coupled(params)
-    if isinstance(params, (dict, list, tuple)):
-        model, traced = None, []
-    else:
-        leaves, model = jax.tree.flatten(params)
-        if not leaves:
-            raise TypeError(
-                f"params is a {type(params).__name__} with no array leaves: pass the model, a "
-                "pytree (an eqx.Module, or for flax nnx the model itself or nnx.state(model)) "
-                "whose floating arrays are the parameters; flax linen: the params dict"
-            )
-        fixed = [None if _is_parameter(x) else x for x in leaves]
-        tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-        traced = [k for k, f in zip(_paths(params), fixed, strict=True) if isinstance(f, tracer)]
-        params = jax.tree.unflatten(model, [x if _is_parameter(x) else None for x in leaves])
+    if not isinstance(params, (dict, list, tuple)):
+        return _model_parameters(params, loss_fn, has_aux)
+    return params, lambda p, example: _with_aux(loss_fn(p, example), has_aux)  # see _check_inputs
+
+
+def _with_aux(out: Any, has_aux: bool) -> tuple[Array, PyTree]:
+    """loss_fn's output as (loss, aux): aux () without has_aux."""
+    if not has_aux and isinstance(out, tuple):
+        raise ValueError("loss_fn returned a tuple: a (loss, aux) pair needs has_aux=True")
+    if not has_aux:
+        return out, ()
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"has_aux=True: loss_fn must return (loss, aux), got {type(out)}")
+    return out
+
+
+def _model_parameters(model: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[PyTree, Callable]:
+    """A model (an `eqx.Module`, a flax `nnx.Module`): its floating-array leaves are the
+    parameters, the rest held fixed; the parameters are the model with None elsewhere."""
+    leaves, treedef = jax.tree.flatten(model)
+    if not leaves:
+        raise TypeError(
+            f"params is a {type(model).__name__} with no array leaves: pass the model, a "
+            "pytree (an eqx.Module, or for flax nnx the model itself or nnx.state(model)) "
+            "whose floating arrays are the parameters; flax linen: the params dict"
+        )
+    fixed = [None if _is_parameter(x) else x for x in leaves]
+    tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
+    traced = [k for k, f in zip(_paths(model), fixed, strict=True) if isinstance(f, tracer)]
+    params = jax.tree.unflatten(treedef, [x if _is_parameter(x) else None for x in leaves])
 
     def loss(p: PyTree, example: PyTree) -> tuple[Array, PyTree]:  # checked: _check_inputs
-        given = None
-        if model is not None:
-            values = iter(jax.tree.leaves(p))
-            given = [next(values) if f is None else f for f in fixed]
-            p = jax.tree.unflatten(model, given)
+        values = iter(jax.tree.leaves(p))
+        given = [next(values) if f is None else f for f in fixed]
+        p = jax.tree.unflatten(treedef, given)
         try:
             out = loss_fn(p, example)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-            if model is None or not traced:
+            if not traced:
                 raise
             raise TypeError(
                 f"loss_fn needed a concrete value where the model's non-array field(s) "
@@ -859,15 +868,8 @@ def _as_parameters(params: PyTree, loss_fn: Callable, has_aux: bool) -> tuple[Py
                 "function traces every leaf of the model; jit it with eqx.filter_jit (flax: "
                 "nnx.jit), which keeps the fields that are not arrays static"
             ) from None
-        if given is not None:
-            _refuse_dropped_state(p, given)
-        if not has_aux and isinstance(out, tuple):
-            raise ValueError("loss_fn returned a tuple: a (loss, aux) pair needs has_aux=True")
-        if not has_aux:
-            return out, ()
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"has_aux=True: loss_fn must return (loss, aux), got {type(out)}")
-        return out
+        _refuse_dropped_state(p, given)
+        return _with_aux(out, has_aux)
 
     return params, loss
 
@@ -2654,8 +2656,9 @@ def plan(
         plans.append(dataclasses.replace(p, other_kind=tuple(other_kind)))
     if choose == "cheapest" and _of_kind(need, "weighted"):
         plans = _kept_for_clipping(graph, plans, need)
-    loop_chunk = _loop_chunk(graph, plans)
-    return tuple(_formed(graph, p, loop_chunk) for p in plans)
+    loop_chunk = _loop_chunk(graph, plans) if any(p.looped for p in plans) else 0
+    forms = lambda p: p.looped or isinstance(p.taken, (Contraction, Convolution))  # noqa: E731
+    return tuple(_formed(graph, p, loop_chunk) if forms(p) else p for p in plans)
 
 
 def _kept_for_clipping(graph: Graph, plans: list[LeafPlan], need: tuple[str, ...]) -> list:
@@ -2746,11 +2749,12 @@ def _execute(
     for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
         posted = job.route.posted({w: results[w, i] for w in job.means}, env)
         results.update({(w, i): g for w, g in posted.items()})
-    chunk = _loop_chunk(graph, plans)
 
     def loop(chunked: Mapping[int, Sequence[str]], *args: Any, **kwargs: Any) -> tuple:
-        head = (graph, plans, batched, unbatched, batch, params, chunk, chunked)
-        return _chunk_loop(*head, *args, dot_with=dot_with, **kwargs) if chunked else ({}, {}, {})
+        if not chunked:
+            return {}, {}, {}
+        head = (graph, plans, batched, unbatched, batch, params, _loop_chunk(graph, plans))
+        return _chunk_loop(*head, chunked, *args, dot_with=dot_with, **kwargs)
 
     held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
     found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
@@ -3177,10 +3181,9 @@ def _combine(acc: dict, part: dict) -> dict:
     return {k: merge(k, v) for k, v in part.items()}
 
 
-def _over_groups(parts: dict) -> dict:
+def _over_groups(sums: dict) -> dict:
     """The chunk loop's sums of the device groups, stacked on axis 0, merged."""
-    merge = lambda k, v: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0)  # noqa: E731
-    return {k: merge(k, v) for k, v in parts.items()}
+    return {k: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0) for k, v in sums.items()}
 
 
 # ============================================================================================
@@ -3431,8 +3434,7 @@ mlir.register_lowering(_SUM0, mlir.lower_fun(_cpu_sum0, multiple_results=False),
 
 def _cpu_barrier(tree: PyTree) -> PyTree:
     """An optimization barrier where XLA:CPU lowers the program, none on a GPU or TPU: one
-    primitive, traced once and lowered per platform (jax.lax.platform_dependent traces both
-    branches); its JVP and transpose barrier the tangents and cotangents as JAX's barrier does."""
+    primitive lowered per platform, whose JVP and transpose barrier tangents as JAX's does."""
     leaves, treedef = jax.tree.flatten(tree)
     return tree if _AS_ON_ACCELERATOR else treedef.unflatten(_CPU_BARRIER.bind(*leaves))
 
