@@ -3404,17 +3404,15 @@ _AS_ON_ACCELERATOR = False  # tests set it: XLA:CPU then runs what a GPU or TPU 
 
 
 def _sum_rows(x: Array) -> Array:
-    """`_sum0` as one primitive, traced once and lowered per platform: on XLA:CPU x of at most
-    2¹⁵ entries (a bias's rows: as fast either way) is one reduction, whose slices would only
-    grow the program XLA compiles (results/readable/README.md); elsewhere `_sum_halves`."""
+    """`_sum0` as one primitive lowered per platform: on XLA:CPU x of at most 2¹⁵ entries (a
+    bias's rows: as fast either way) one reduction, slices only growing the program; GPU: halves."""
     one_device = _devices(x) == 1 and not any(jax.typeof(x).sharding.spec)
     return _SUM0.bind(x) if one_device and not _AS_ON_ACCELERATOR else _sum_halves(x)
 
 
 def _sum_halves(x: Array) -> Array:
-    """`_sum0` on a GPU or TPU, up to 32 rows added by halves (x[:h] + x[h:2h], then an odd row):
-    XLA:GPU fuses the adds into the loop that makes x, where a reduction is a kernel of its own,
-    and 2·log₂ c slices make the same kernels as `_sum0`'s c from a smaller program."""
+    """`_sum0` on a GPU: up to 32 rows by halves, x[:h] + x[h:2h] (an odd row after), 2·log₂ c
+    slices fused into the loop making x as `_sum0`'s c are (XLA:TPU's kernels: more)."""
     if _devices(x) > 1 or not 1 < x.shape[0] <= 32:
         return _sum0(x)
     h = x.shape[0] // 2
@@ -3427,7 +3425,9 @@ _SUM0.def_impl(_sum0)
 _SUM0.def_abstract_eval(lambda aval: aval.update(shape=aval.shape[1:]))
 batching.primitive_batchers[_SUM0] = lambda xs, dims: (jax.vmap(_sum0, dims)(*xs), 0)
 ad.deflinear2(_SUM0, lambda ct, x: [jnp.broadcast_to(ct, x.aval.shape)])
-mlir.register_lowering(_SUM0, mlir.lower_fun(_sum_halves, multiple_results=False))
+mlir.register_lowering(_SUM0, mlir.lower_fun(_sum0, multiple_results=False))  # XLA:TPU: pairs
+for _gpu in ("cuda", "rocm"):
+    mlir.register_lowering(_SUM0, mlir.lower_fun(_sum_halves, multiple_results=False), _gpu)
 _cpu_sum0 = lambda x: jnp.sum(x, 0) if x.size <= 2**15 else _sum0(x)  # noqa: E731
 mlir.register_lowering(_SUM0, mlir.lower_fun(_cpu_sum0, multiple_results=False), platform="cpu")
 

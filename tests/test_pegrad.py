@@ -292,9 +292,9 @@ def test_a_chunk_loop_of_formed_gradients_is_lowered_for_xla_cpu_only(platform: 
 def test_sums_over_examples_and_the_barrier_are_lowered_for_each_platform(platform: str):
     """The engine's sums over examples (`_sum_rows`) and the head's barrier are primitives
     lowered per platform: XLA:CPU reduces a bias's rows at once (no slice) and holds the backward
-    pass with a barrier; a GPU or TPU adds the rows by halves (2·log₂ B slices per sum, fused
-    into the loop that made them) and has no barrier. On XLA:CPU the statistics equal the naive
-    loop."""
+    pass with a barrier; a GPU adds the rows by halves (2·log₂ B slices per sum, fused into the
+    loop that made them), a TPU pairwise (B slices), and neither has a barrier. On XLA:CPU the
+    statistics equal the naive loop."""
     k = jax.random.split(jax.random.key(5), 2)
     params, batch = {"b": jax.random.normal(k[0], (16,))}, jax.random.normal(k[1], (8, 4, 16))
 
@@ -306,7 +306,8 @@ def test_sums_over_examples_and_the_barrier_are_lowered_for_each_platform(platfo
     fn = jax.jit(pegrad.value_and_grad_stats(loss, stats))
     text = fn.trace(params, batch).lower(lowering_platforms=(platform,)).as_text()
     cpu = platform == "cpu"
-    assert text.count("stablehlo.slice") == (0 if cpu else 2 * 6), platform  # 2 sums of 8 rows
+    slices = {"cpu": 0, "cuda": 2 * 6, "tpu": 2 * 8}[platform]  # 2 sums of 8 rows
+    assert text.count("stablehlo.slice") == slices, platform
     assert ("stablehlo.optimization_barrier" in text) == cpu, platform
     if cpu:
         expected = naive_unit_grads(loss, params, batch)
