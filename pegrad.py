@@ -3416,7 +3416,7 @@ def _sum_halves(x: Array) -> Array:
     if _devices(x) > 1 or not 1 < x.shape[0] <= 32:
         return _sum0(x)
     h = x.shape[0] // 2
-    half = _sum_halves(x[:h] + x[h : 2 * h])
+    half = _sum_halves(x[:h] + x[h : 2 * h]) if h > 1 else x[0] + x[1]
     return half + x[2 * h] if x.shape[0] % 2 else half
 
 
