@@ -3406,14 +3406,15 @@ _AS_ON_ACCELERATOR = False  # tests set it: XLA:CPU then runs what a GPU or TPU 
 def _sum_rows(x: Array) -> Array:
     """`_sum0` as one primitive lowered per platform: on XLA:CPU x of at most 2¹⁵ entries (a
     bias's rows: as fast either way) one reduction, slices only growing the program; GPU: halves."""
-    one_device = _devices(x) == 1 and not any(jax.typeof(x).sharding.spec)
-    return _SUM0.bind(x) if one_device and not _AS_ON_ACCELERATOR else _sum_halves(x)
+    if _devices(x) > 1 or any(jax.typeof(x).sharding.spec):
+        return _sum0(x)  # on a mesh
+    return _sum_halves(x) if _AS_ON_ACCELERATOR else _SUM0.bind(x)  # (the tests' flag: a GPU's)
 
 
 def _sum_halves(x: Array) -> Array:
     """`_sum0` on a GPU: up to 32 rows by halves, x[:h] + x[h:2h] (an odd row after), 2·log₂ c
     slices fused into the loop making x as `_sum0`'s c are (XLA:TPU's kernels: more)."""
-    if _devices(x) > 1 or not 1 < x.shape[0] <= 32:
+    if not 1 < x.shape[0] <= 32:
         return _sum0(x)
     h = x.shape[0] // 2
     half = _sum_halves(x[:h] + x[h : 2 * h]) if h > 1 else x[0] + x[1]
