@@ -66,6 +66,7 @@ Impl = Literal["vmap", "factorized"]
 Granularity = Literal["example", "token"]
 Choose = Literal["cheapest", "first"]
 NonFinite = Literal["propagate", "drop"]
+Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
 Stats = dict[str, PyTree]  # statistic name -> a tree shaped like params ([N] for sq_norms)
 Loss = Float[Array, ""]
 LossFn = Callable[[PyTree, PyTree], Loss | tuple[Loss, PyTree]]  # (params, ONE example)
@@ -160,19 +161,9 @@ def value_and_grad_stats(
             keep = jnp.isfinite(losses) if keep is None else keep & jnp.isfinite(losses)
         if keep is not None:
             batch = _substitute(batch, keep)
-        if impl == "vmap":
-            leaves = jax.tree.leaves(floats)
-            unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in leaves)
-            n = jax.tree.leaves(batch)[0].shape[0]
-            chunk = _examples_per_chunk(n, unit, chunk_size, memory_budget, n)
-            out = _reference(
-                loss, stats, chunk, clip_norm, floats, batch, per_example, keep, drop, v
-            )
-        else:
-            options = (granularity, choose, chunk_size, memory_budget)
-            out = _factorized(
-                loss, floats, batch, per_example, stats, options, clip_norm, keep, drop, v
-            )
+        options = (granularity, choose, chunk_size, memory_budget)
+        engine = _reference if impl == "vmap" else _factorized
+        out = engine(loss, floats, batch, per_example, stats, options, clip_norm, keep, drop, v)
         value, stats_out, aux = out
         return ((value, aux) if has_aux else value), stats_out
 
@@ -1163,22 +1154,26 @@ def _examples_per_chunk(
 
 def _reference(
     loss_fn: Callable,
-    stats: tuple[str, ...],
-    chunk: int,
-    clip_norm: float | None,
     params: PyTree,
     batch: PyTree,
     per_example: int,
+    stats: tuple[str, ...],
+    options: Options,
+    clip_norm: float | None,
     keep: Array | None = None,
     drop: bool = False,
     dot_with: Sequence[Array] | None = None,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """vmap(grad) materialized chunk by chunk; per token, the untied parameters' gradients.
+    """impl="vmap": vmap(grad) materialized chunk by chunk, the caller's bound or the whole
+    batch (`options`: chunk_size, memory_budget); per token, the untied parameters' gradients.
     `loss_fn` returns (loss, aux). Examples with `keep` False, or (with `drop`) a non-finite
     loss or ‖g_i‖², are removed before any sum: their gradients are replaced by 0 (not
     multiplied by 0) and N counts the others. "gram" by blocks of two chunks (`_pairs`). In
     `jax.shard_map` the parameters vary as the batch does, so that their gradients are this
     shard's examples' (jax.grad of a parameter the shards share would add them over shards)."""
+    n_examples = jax.tree.leaves(batch)[0].shape[0]
+    unit = per_example * sum(x.size * stat_dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    chunk = _examples_per_chunk(n_examples, unit, *options[2:], n_examples)
     params = _varying_as(params, batch)
     untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch) if per_example > 1 else None
 
@@ -1201,7 +1196,6 @@ def _reference(
             losses = jnp.where(kept, losses, 0.0)
         return losses, aux, grads, kept
 
-    n_examples = jax.tree.leaves(batch)[0].shape[0]
     weighted = keep is not None or drop
     rows_kept = jnp.ones((n_examples,), bool) if keep is None else keep
     need = _ingredients(stats)
@@ -1769,9 +1763,6 @@ def _axes_of(positions: Mapping[Var, Axes], var: Atom) -> Axes:
 # §6 The entry point of impl="factorized"; each section below is what the one above calls.
 
 
-Options = tuple[Granularity, Choose, int | None, int | None]  # granularity, choose, chunk, budget
-
-
 def _factorized(
     loss: Callable,
     params: PyTree,
@@ -1784,16 +1775,39 @@ def _factorized(
     drop: bool,
     dot_with: Sequence[Array] | None = None,
 ) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """impl="factorized" (an entry point): plain grad of the mean loss where proven, else
-    the graph, its plan and the executor."""
+    """impl="factorized" (an entry point): plain grad of the mean loss where proven; else the
+    graph and its plan (§7, §8), then the executor (§9): the batched head, which computes each
+    leaf's factorized ingredients as soon as its values exist (`_run_head`), and the chunk
+    loop; then what waits for every unit's norm, with a mask, dropped examples or clipping
+    (`_after_norms`); last the means over the kept examples (`_published`)."""
     wanted = (*stats, "sq_norms") if drop else stats  # drop reads the norms
     mean_loss = _mean_loss(loss, params, batch, wanted, options)
     if mean_loss == "":
         return _gradient_of_mean_loss(loss, params, batch, keep)
     weighted = keep is not None or drop  # a mask or dropped examples weigh them 0 or 1
-    graph = _graph(loss, params, batch, per_example, wanted, options, mean_loss, weighted)
+    graph = Graph.build(loss, params, batch, per_example, wanted, options, mean_loss, weighted)
     plans = plan(graph, wanted, choose=options[1])
-    return _execute(graph, plans, stats, clip_norm, params, batch, keep, drop, dot_with)
+    need = _ingredients(wanted)
+    # With `drop`, which examples count is known once every norm is: the other ingredients
+    # wait for it (the head's values they read are kept until then, as for clipping).
+    early = [w for w in need if _kind(w) == "norm" or (_kind(w) != "weighted" and not drop)]
+    losses, env, results, aux = _run_head(graph, plans, early, params, batch, keep, dot_with)
+
+    def loop(chunked: Mapping[int, Sequence[str]], *args: Any, **kwargs: Any) -> tuple:
+        if not chunked:
+            return {}, {}, {}
+        head = (graph, plans, env, batch, params, _loop_chunk(graph, plans))
+        return _chunk_loop(*head, chunked, *args, **kwargs)
+
+    held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
+    found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
+    results.update(found)
+    per_unit = {w: _added(graph, results, looped, w) for w in early if _kind(w) in _PER_UNIT}
+    if keep is not None or drop or clip_norm is not None:
+        later = functools.partial(loop, given=kept)
+        after = (env, losses, results, per_unit, keep, drop, clip_norm, later)
+        keep = _after_norms(graph, plans, need, *after)
+    return _published(graph, stats, need, results, per_unit, losses, keep, aux)
 
 
 def _mean_loss(
@@ -1810,25 +1824,6 @@ def _mean_loss(
     if not plain or any(jnp.dtype(d) != stat_dtype(d) for d in dtypes):
         return None
     return _user_backward(loss, params, batch)
-
-
-def _graph(
-    loss: Callable,
-    params: PyTree,
-    batch: PyTree,
-    per_example: int,
-    stats: Sequence[str],
-    options: Options,
-    mean_loss: str | None,
-    weighted: bool = False,
-) -> "Graph":
-    """The graph, with the caller's bounds and the mean-loss policy's answer (`_mean_loss`)."""
-    chunk_size, memory_budget = options[2:]
-    kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
-    inside = all(_kind(w) in kinds for w in _ingredients(stats))
-    graph = Graph.build(loss, params, batch, per_example, inside, memory_budget)
-    bounds = {"chunk_size": chunk_size, "memory_budget": memory_budget}
-    return dataclasses.replace(graph, weighted=weighted, user_backward=mean_loss, **bounds)
 
 
 # Primitives that carry a backward rule the user wrote (jax.custom_vjp, eqx.filter_custom_vjp,
@@ -2008,13 +2003,20 @@ class Graph:
         params: PyTree,
         batch: PyTree,
         per_example: int,
-        hoist: bool = False,
-        memory_budget: int | None = None,
+        stats: Sequence[str] = ("mean",),
+        options: Options = ("example", "cheapest", None, None),
+        user_backward: str | None = None,
+        weighted: bool = False,
     ) -> "Graph":
-        """The graph; `hoist`: move every hoistable weight-gradient dot out of its scan (the
-        statistics are what InScan forms back inside it: means of φ, variance, norms), else only
-        where that holds fewer numbers (_hoist_pays); a convolution's where its emitted operands
-        for the whole batch fit `memory_budget` (bytes; None: always)."""
+        """The graph for `stats`, with the caller's bounds (`options`), the mean-loss policy's
+        answer (`_mean_loss`) and `weighted`. Every hoistable weight-gradient dot is moved out
+        of its scan where InScan forms all the statistics back inside it (means of φ; unweighted
+        the variance and norms too), else only where that holds fewer numbers (_hoist_pays); a
+        convolution's where its emitted operands for the whole batch fit memory_budget (bytes;
+        None: always)."""
+        chunk_size, memory_budget = options[2:]
+        kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
+        hoist = all(_kind(w) in kinds for w in _ingredients(stats))
         leaves, param_tree = jax.tree.flatten(params)
         paths = _paths(params)
         aux_tree = []
@@ -2043,10 +2045,8 @@ class Graph:
         for eqn in jaxpr.eqns:
             if not eqn.effects and all(map(known, eqn.invars)):
                 static.update(eqn.outvars)
-        positions: Mapping[Var, Axes] = {}
-        untie = None
-        if per_example > 1:
-            # raises for a leaf not position-wise
+        untie, positions = None, {}
+        if per_example > 1:  # Untie.build raises for a leaf not position-wise
             untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
             positions = _propagate_positions(jaxpr, [*_example_axes(n_params, n_example), _NONE])
         return Graph(
@@ -2067,6 +2067,10 @@ class Graph:
             untie=untie,
             param_tree=param_tree,
             aux_tree=aux_tree[0],
+            weighted=weighted,
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+            user_backward=user_backward,
         )
 
     # -- queries --------------------------------------------------------------------------
@@ -2604,7 +2608,7 @@ class Plan(tuple):
     ) -> "Plan":
         """`explain`'s entry point into the engine: the graph and its plan, nothing run."""
         mean_loss = _mean_loss(loss, params, batch, stats, options)
-        graph = _graph(loss, params, batch, per_example, stats, options, mean_loss)
+        graph = Graph.build(loss, params, batch, per_example, stats, options, mean_loss)
         return Plan(plan(graph, stats, choose=options[1]))
 
     @property
@@ -2625,11 +2629,7 @@ def plan(
     choose="cheapest", gradients formed anyway are kept for clipping."""
     need = _ingredients(stats)
     if graph.user_backward == "":  # the mean alone, proven plain grad's (`_mean_loss`)
-        methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
-        return tuple(
-            LeafPlan(leaf.path, leaf.shape, MeanLoss.match(graph, leaf), methods, (), leaf.index)
-            for leaf in graph.leaves
-        )
+        return MeanLoss.plans(graph, need)
     plans, scans = [], any(e.primitive.name == "scan" for e in graph.jaxpr.eqns)
     for leaf in graph.leaves:
         refused = [(MeanLoss.name, graph.user_backward)] if graph.user_backward else []
@@ -2712,68 +2712,37 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
 # §9 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
 
 
-def _execute(
+def _after_norms(
     graph: Graph,
     plans: tuple[LeafPlan, ...],
-    stats: tuple[str, ...],
+    need: Sequence[str],
+    env: Mapping,
+    losses: Array,
+    results: dict,
+    per_unit: dict[str, Array],
+    keep: Array | None,
+    drop: bool,
     clip_norm: float | None,
-    params: PyTree,
-    batch: PyTree,
-    keep: Array | None = None,
-    drop: bool = False,
-    dot_with: Sequence[Array] | None = None,
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """The statistics of a plan: the batched head, which computes each leaf's factorized
-    ingredients as soon as its values exist (`_run_head`), and the chunk loop; then, once every
-    unit's norm is known, what waits for it: the examples `drop` discards, the other
-    ingredients (`late`) and the clipped mean; last the means over the kept examples."""
-    need = _ingredients((*stats, "sq_norms") if drop else stats)
-    # With `drop`, which examples count is known once every norm is: the other ingredients
-    # wait for it (the head's values they read are kept until then, as for clipping).
-    early = [w for w in need if _kind(w) == "norm" or (_kind(w) != "weighted" and not drop)]
-    late = [w for w in need if _kind(w) != "weighted" and w not in early]
-    weighted = _of_kind(need, "weighted")  # after every unit's norm, by the clip factors
-
-    def on_ready(ready: list[int], env: dict) -> dict:
-        env, results = {**env, _DOT_WITH: dot_with}, {}
-        for i in ready:
-            results.update(_compute([plans[i]], early, _masked(graph, env, keep, reads[i])))
-        return results
-
-    in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
-    reads = [p.reads for p in plans]
-    losses, batched, unbatched, results, aux = _run_head(
-        graph, reads, params, batch, on_ready, in_scan, keep
-    )
-    env = {**batched, **unbatched, _DOT_WITH: dot_with}
-    for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
-        posted = job.route.posted({w: results[w, i] for w in job.means}, env)
-        results.update({(w, i): g for w, g in posted.items()})
-
-    def loop(chunked: Mapping[int, Sequence[str]], *args: Any, **kwargs: Any) -> tuple:
-        if not chunked:
-            return {}, {}, {}
-        head = (graph, plans, batched, unbatched, batch, params, _loop_chunk(graph, plans))
-        return _chunk_loop(*head, chunked, *args, dot_with=dot_with, **kwargs)
-
-    held = [p.index for p in plans if p.kept]  # formed once, reused by every later pass
-    found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
-    results.update(found)
-    loop = functools.partial(loop, given=kept)
-    per_unit = {w: _added(graph, results, looped, w) for w in early if _kind(w) in _PER_UNIT}
+    loop: Callable[..., tuple],
+) -> Array | None:
+    """What waits for every unit's norm, added to `results` and `per_unit` (0 at the units
+    not kept): the examples `drop` discards, then the ingredients that waited for them (all
+    but the norms) and the clipped mean; returns the examples kept."""
     if drop:  # the examples whose loss and every unit's ‖g‖² are finite
         by_example = per_unit[_of_kind(need, "norm")[0]].reshape(graph.n_examples, -1)
         finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
         keep = finite if keep is None else keep & finite
     units = None if keep is None else jnp.repeat(keep, graph.per_example)
-    per_unit = {w: _masked_units(units, w, x) for w, x in per_unit.items()}
+    per_unit.update({w: _masked_units(units, w, x) for w, x in per_unit.items()})
     sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
-    env = _masked(graph, env, keep, list(batched))
+    env = _masked(graph, env, keep, [v for v in env if v in graph.batched])
+    late = [w for w in need if _kind(w) not in ("norm", "weighted")] if drop else []
     results.update(_compute(plans, late, env))
     found, looped, _ = loop(_chunked_in(plans, late), keep)
     results.update(found)
     for w in _of_kind(late, *_PER_UNIT):
         per_unit[w] = _masked_units(units, w, _added(graph, results, looped, w))
+    weighted = _of_kind(need, "weighted")  # by the clip factors
     if weighted:
         assert clip_norm is not None and sq_norms is not None
         factors = _clip_factors(sq_norms, clip_norm)
@@ -2781,7 +2750,7 @@ def _execute(
         weights = factors.reshape(graph.n_examples, graph.per_example)
         results.update(_compute(plans, weighted, env, weights))
         results.update(loop(_chunked_in(plans, weighted), keep, weights)[0])
-    return _published(graph, stats, need, results, per_unit, losses, keep, aux)
+    return keep
 
 
 def _compute(
@@ -2863,29 +2832,31 @@ def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]
 
 def _run_head(
     graph: Graph,
-    reads: list[list[Var]],
+    plans: tuple[LeafPlan, ...],
+    early: Sequence[str],
     params: PyTree,
     batch: PyTree,
-    on_ready: Callable[[list[int], dict], dict],
-    in_scan: Mapping[int, InScan],
     keep: Array | None,
-) -> tuple[Array, dict, dict, dict, PyTree]:
-    """Losses [B], the values the routes read (batched ones with a leading B, others once),
-    the factorized results and the auxiliary outputs [B, ...].
+    dot_with: Sequence[Array] | None,
+) -> tuple[Array, dict, dict, PyTree]:
+    """Losses [B], the values the routes read (batched ones with a leading B, others once;
+    "dot"'s v as `_DOT_WITH`), the factorized results of the ingredients `early` and the
+    auxiliary outputs [B, ...].
 
     The head is every equation those values need, evaluated batched (vmap over examples) in
-    segments: as soon as a leaf's values exist, `on_ready(leaves, values)` computes its
-    factorized ingredients, and (XLA:CPU, one device: DESIGN.md, "One program per platform") an
-    optimization barrier makes the rest of the backward pass wait for them, holding them with
-    what the next segment reads from before it (the last, with what is read after the head).
-    The `in_scan` leaves' sums are formed inside their scans (`_scan_with_sums`)."""
-    jaxpr = graph.jaxpr
+    segments: as soon as a leaf's values exist, its factorized ingredients are computed, and
+    (XLA:CPU, one device: DESIGN.md, "One program per platform") an optimization barrier makes
+    the rest of the backward pass wait for them, holding them with what the next segment reads
+    from before it (the last, with what is read after the head). The leaves formed inside a
+    scan (`InScan`) have their sums formed there (`_scan_with_sums`), then `post`ed."""
+    jaxpr, reads = graph.jaxpr, [p.reads for p in plans]
+    in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
     wanted = [v for v in [*outputs, *interface] if isinstance(v, Var)]
-    jobs: dict[int, dict[int, InScan]] = {}
-    for i, job in in_scan.items():
-        jobs.setdefault(id(job.scan), {})[i] = job
+    jobs = {
+        id(j.scan): {i: k for i, k in in_scan.items() if k.scan is j.scan} for j in in_scan.values()
+    }
     forced = [job.scan.outvars[0] for job in in_scan.values()]
     head = _needed_by(jaxpr, [*wanted, *forced])  # the scans run even if nothing else reads them
     made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
@@ -2918,7 +2889,9 @@ def _run_head(
             # in order (not a set of variables, whose order is their addresses'): every trace,
             # every process, lowers to the same program
             read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
-            new = on_ready(ready, {**values, **{v: leading(v) for v in read}})
+            env, new = {**values, **{v: leading(v) for v in read}, _DOT_WITH: dot_with}, {}
+            for i in ready:
+                new |= _compute([plans[i]], early, _masked(graph, env, keep, reads[i]))
             after = head[cut + 1 : following + 1]  # the next segment; none after the last cut
             held = {v for e in after for v in e.invars if isinstance(v, Var)} if after else wanted
             live = [v for v in values if v in held]
@@ -2932,7 +2905,11 @@ def _run_head(
     losses, *aux = [leading(v) if graph.is_batched(v) else each(_read(values, v)) for v in outputs]
     batched = {v: leading(v) for v in interface if v in graph.batched}
     unbatched = {v: _read(values, v) for v in interface if v not in graph.batched}
-    return losses, batched, unbatched, results, jax.tree.unflatten(graph.aux_tree, aux)
+    env = {**batched, **unbatched, _DOT_WITH: dot_with}
+    for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
+        posted = job.route.posted({w: results[w, i] for w in job.means}, env)
+        results.update({(w, i): g for w, g in posted.items()})
+    return losses, env, results, jax.tree.unflatten(graph.aux_tree, aux)
 
 
 def _run_segment(
@@ -2966,17 +2943,10 @@ def _run_segment(
     def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list, dict]:
         env = dict(zip(reads_b, batched_in, strict=True))
         env.update(zip(reads_u, unbatched_in, strict=True))
-        sums: dict = {}
+        sums: dict = {}  # what the scans with jobs form inside
         read = {v for e in segment for v in e.invars if isinstance(v, Var)} | set(outs)
-
-        def bind(eqn: Eqn, invals: list[Value]) -> list[Value | None]:
-            if id(eqn) not in jobs:
-                return _bind(eqn, invals)
-            outs, found = _scan_with_sums(graph, eqn, invals, jobs[id(eqn)], keep, read)
-            sums.update(found)
-            return outs
-
-        _evaluate(segment, env, bind=bind)
+        bind = functools.partial(_scan_with_sums, graph, jobs, keep, read, sums)
+        _evaluate(segment, env, bind=bind if jobs else _bind)
         return [env[v] for v in outs_b], [env[v] for v in outs_u], sums
 
     stacked = [1 if _stacked_output(graph, v) else 0 for v in outs_b]
@@ -3005,20 +2975,24 @@ def _stacked_output(graph: Graph, var: Var) -> bool:
 
 def _scan_with_sums(
     graph: Graph,
-    scan: Eqn,
-    invals: list[Value],
-    jobs: Mapping[int, InScan],
+    every: Mapping[int, Mapping[int, InScan]],
     keep: Array | None,
     read: Container[Var],
-) -> tuple[list[Value | None], dict]:
-    """`scan` evaluated for one example inside the head's vmap, its body also forming the
-    means of φ of the leaves with `jobs` (leaf index -> InScan): at iteration t the operands
-    of the whole batch are gathered over the vmap's axis (no copy: the batched value itself),
-    and the route reduces them as one slice of its core (the iteration axis of size 1).
-    Returns the scan's outputs and, per (ingredient, leaf index), the stacked means in the
-    core's coordinates (unbatched). Stacked outputs nobody `read`s are not formed (None): the
-    operands hoisting emitted for these leaves, now consumed inside."""
-    params, body = scan.params, scan.params["jaxpr"]
+    into: dict,
+    scan: Eqn,
+    invals: list[Value],
+) -> list[Value | None]:
+    """The head's `bind` where a scan forms sums (`every`: scan -> leaf index -> InScan): an
+    equation that is no such scan is bound as it is; the scan is evaluated for one example
+    inside the head's vmap, its body also forming the means of φ of its leaves: at iteration
+    t the operands of the whole batch are gathered over the vmap's axis (no copy: the batched
+    value itself), and the route reduces them as one slice of its core (the iteration axis of
+    size 1). Returns the scan's outputs, adding `into` per (ingredient, leaf index) the
+    stacked means in the core's coordinates (unbatched). Stacked outputs nobody `read`s are
+    not formed (None): the operands hoisting emitted for these leaves, now consumed inside."""
+    if id(scan) not in every:
+        return _bind(scan, invals)
+    jobs, params, body = every[id(scan)], scan.params, scan.params["jaxpr"]
     nc, ncar = _scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     stacked = [k for k in range(ncar, len(scan.outvars)) if scan.outvars[k] in read]
@@ -3053,7 +3027,8 @@ def _scan_with_sums(
     for (w, i, axis), each in sums.items():  # stacked per iteration; norms: summed over them
         found[w, i] = each.sum(0) if _kind(w) == "norm" else jnp.moveaxis(each, 0, axis)
     ys = dict(zip(stacked, ys_read, strict=True))
-    return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))], found
+    into.update(found)
+    return [*carry, *(ys.get(k) for k in range(ncar, len(scan.outvars)))]
 
 
 def _loop_chunk(graph: Graph, plans: Sequence[LeafPlan]) -> int:
@@ -3074,15 +3049,13 @@ def _loop_chunk(graph: Graph, plans: Sequence[LeafPlan]) -> int:
 def _chunk_loop(
     graph: Graph,
     plans: tuple[LeafPlan, ...],
-    batched: dict,
-    unbatched: dict,
+    env: Mapping,
     batch: PyTree,
     params: PyTree,
     chunk: int,
     chunked: Mapping[int, Sequence[str]],
     keep: Array | None,
     weights: Array | None = None,
-    dot_with: Sequence[Array] | None = None,
     hold: Collection[int] = (),
     given: Mapping[int, Array] | None = None,
 ) -> tuple[dict[tuple[str, int], Array], dict[str, Array], dict[int, Array]]:
@@ -3096,7 +3069,7 @@ def _chunk_loop(
     assert not (hold or given) or chunk >= graph.n_examples  # kept whole: one chunk
     routes = {i: plans[i].taken for i in chunked}
     formers = [r for i, r in routes.items() if i not in given]
-    keys = list(dict.fromkeys(v for r in formers for v in r.reads() if v in batched))
+    keys = list(dict.fromkeys(v for r in formers for v in r.reads() if v in graph.batched))
     dtype = _widest([leaf.dtype for leaf in graph.leaves])
     shape = (graph.n_examples, graph.per_example)
     w = jnp.ones(shape, dtype) if weights is None else weights
@@ -3104,8 +3077,10 @@ def _chunk_loop(
     per = {u: _kind(u) for ws in chunked.values() for u in _of_kind(ws, "norm", "inner")}
 
     def formed(which: Sequence[int], value: list, example: PyTree, kept: Array, had: dict) -> dict:
-        env = {**unbatched, **dict(zip(keys, value, strict=True))}
-        grads = {i: had[i] if i in had else routes[i].per_unit(env, example, params) for i in which}
+        local = {**env, **dict(zip(keys, value, strict=True))}  # one example's values
+        grads = {
+            i: had[i] if i in had else routes[i].per_unit(local, example, params) for i in which
+        }
         if keep is not None:  # replaced, not multiplied: a masked example may hold NaN
             grads = {i: _where_units(kept, g) for i, g in grads.items()}
         return grads
@@ -3117,7 +3092,7 @@ def _chunk_loop(
             terms = (
                 jnp.sum(g * g, axis=tuple(range(1, g.ndim)))
                 if kind == "norm"
-                else jnp.tensordot(g, dot_with[i].astype(g.dtype), axes=g.ndim - 1)  # pyright: ignore[reportOptionalSubscript]
+                else jnp.tensordot(g, env[_DOT_WITH][i].astype(g.dtype), axes=g.ndim - 1)
                 for i, g in grads.items()
                 if u in chunked[i]
             )
@@ -3133,7 +3108,7 @@ def _chunk_loop(
         return out, units
 
     examples = batch if graph.token else None  # the untied fallback reads the example itself
-    xs = ([batched[v] for v in keys], examples, w, k, given)
+    xs = ([env[v] for v in keys], examples, w, k, given)
     looped = [i for i, ws in chunked.items() if [u for u in ws if _kind(u) != "pairs"]]
     acc, units = {}, {}
     if looped:
@@ -4942,6 +4917,14 @@ class MeanLoss(Route):
     @classmethod
     def match(cls, graph: Graph, leaf: Leaf, var: Atom | None = None) -> "MeanLoss":
         return cls(graph, leaf, cls.proof)  # every leaf's, where `plan` takes it
+
+    @classmethod
+    def plans(cls, graph: Graph, need: tuple[str, ...]) -> tuple[LeafPlan, ...]:
+        methods = dict.fromkeys(need, "factorized")  # shared: a Mapping, read, never written
+        return tuple(
+            LeafPlan(leaf.path, leaf.shape, cls.match(graph, leaf), methods, (), leaf.index)
+            for leaf in graph.leaves
+        )
 
     def reads(self) -> list[Var]:  # as `LeafPlan.reads` says: none of the head's
         return []
