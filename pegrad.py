@@ -2709,125 +2709,7 @@ def _formed(graph: Graph, p: LeafPlan, loop_chunk: int) -> LeafPlan:
 
 
 # ============================================================================================
-# §9 Executor: the batched head, then each leaf's route; the chunk loop for what is chunked.
-
-
-def _after_norms(
-    graph: Graph,
-    plans: tuple[LeafPlan, ...],
-    need: Sequence[str],
-    env: Mapping,
-    losses: Array,
-    results: dict,
-    per_unit: dict[str, Array],
-    keep: Array | None,
-    drop: bool,
-    clip_norm: float | None,
-    loop: Callable[..., tuple],
-) -> Array | None:
-    """What waits for every unit's norm, added to `results` and `per_unit` (0 at the units
-    not kept): the examples `drop` discards, then the ingredients that waited for them (all
-    but the norms) and the clipped mean; returns the examples kept."""
-    if drop:  # the examples whose loss and every unit's ‖g‖² are finite
-        by_example = per_unit[_of_kind(need, "norm")[0]].reshape(graph.n_examples, -1)
-        finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
-        keep = finite if keep is None else keep & finite
-    units = None if keep is None else jnp.repeat(keep, graph.per_example)
-    per_unit.update({w: _masked_units(units, w, x) for w, x in per_unit.items()})
-    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
-    env = _masked(graph, env, keep, [v for v in env if v in graph.batched])
-    late = [w for w in need if _kind(w) not in ("norm", "weighted")] if drop else []
-    results.update(_compute(plans, late, env))
-    found, looped, _ = loop(_chunked_in(plans, late), keep)
-    results.update(found)
-    for w in _of_kind(late, *_PER_UNIT):
-        per_unit[w] = _masked_units(units, w, _added(graph, results, looped, w))
-    weighted = _of_kind(need, "weighted")  # by the clip factors
-    if weighted:
-        assert clip_norm is not None and sq_norms is not None
-        factors = _clip_factors(sq_norms, clip_norm)
-        factors = factors if units is None else _where_units(units, factors)
-        weights = factors.reshape(graph.n_examples, graph.per_example)
-        results.update(_compute(plans, weighted, env, weights))
-        results.update(loop(_chunked_in(plans, weighted), keep, weights)[0])
-    return keep
-
-
-def _compute(
-    plans: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
-) -> dict:
-    """The ingredients `wanted` the leaves of `plans` compute factorized ("clipped" by
-    `weights`), keyed (ingredient, leaf index)."""
-    out = {}
-    for p in plans:
-        whats = [w for w in wanted if p.methods[w] == "factorized"]
-        if weights is not None:
-            out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
-        elif whats:
-            found = p.taken.compute_many(env, whats)
-            out.update({(w, p.index): found[w] for w in whats})
-    return out
-
-
-def _chunked_in(plans: Sequence[LeafPlan], wanted: Sequence[str]) -> dict[int, list[str]]:
-    """Per leaf that chunks any of `wanted`, those it chunks."""
-    found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
-    return {i: ws for i, ws in found.items() if ws}
-
-
-def _added(graph: Graph, results: Mapping, looped: Mapping[str, Array], w: str) -> Array:
-    """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
-    dtype = _widest([leaf.dtype for leaf in graph.leaves])
-    shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
-    parts = [results[w, i] for i in range(len(graph.leaves)) if (w, i) in results]
-    parts += [looped[w]] if w in looped else []
-    return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
-
-
-def _masked_units(units: Array | None, w: str, x: Array) -> Array:
-    """A per-unit ingredient with 0 at the units not kept (a NaN there included)."""
-    if units is None:
-        return x
-    if _kind(w) == "pairs":
-        return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
-    return _where_units(units, x)
-
-
-def _published(
-    graph: Graph,
-    stats: tuple[str, ...],
-    need: Sequence[str],
-    results: Mapping,
-    per_unit: Mapping[str, Array],
-    losses: Array,
-    keep: Array | None,
-    aux: PyTree,
-) -> tuple[Float[Array, ""], Stats, PyTree]:
-    """The mean loss, the statistics (each leaf's means in the parameters' structure) and aux;
-    with `keep`, the means over the kept units: sums over them divided by N_eff, not N."""
-    by_leaf = lambda w: [results[w, i] for i in range(len(graph.leaves))]  # noqa: E731
-    means = {w: graph.param_tree.unflatten(by_leaf(w)) for w in need if _kind(w) not in _PER_UNIT}
-    n_units: int | Array = graph.n_units
-    if keep is None:
-        loss = losses.mean()
-    else:  # the sums above are over kept units, divided by all N
-        kept = jnp.sum(keep)
-        loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
-        n_units = kept * graph.per_example
-        scale = graph.n_units / n_units
-        for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
-            means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
-    return loss.astype(stat_dtype(losses.dtype)), _publish(stats, means, per_unit, n_units), aux
-
-
-def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
-    """`env` with the batched values among `names` replaced by 0 at examples not kept: every
-    route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
-    that its sums are over the kept examples — and a NaN there goes nowhere."""
-    if keep is None:
-        return dict(env)
-    masked = {v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env}
-    return {**env, **masked}
+# §9 Executor, in `_factorized`'s order: the batched head, the chunk loop, the norms' waiters.
 
 
 def _run_head(
@@ -2910,6 +2792,32 @@ def _run_head(
         posted = job.route.posted({w: results[w, i] for w in job.means}, env)
         results.update({(w, i): g for w, g in posted.items()})
     return losses, env, results, jax.tree.unflatten(graph.aux_tree, aux)
+
+
+def _compute(
+    plans: Sequence[LeafPlan], wanted: Sequence[str], env: Mapping, weights: Array | None = None
+) -> dict:
+    """The ingredients `wanted` the leaves of `plans` compute factorized ("clipped" by
+    `weights`), keyed (ingredient, leaf index)."""
+    out = {}
+    for p in plans:
+        whats = [w for w in wanted if p.methods[w] == "factorized"]
+        if weights is not None:
+            out.update({(w, p.index): p.taken.clipped(env, weights) for w in whats})
+        elif whats:
+            found = p.taken.compute_many(env, whats)
+            out.update({(w, p.index): found[w] for w in whats})
+    return out
+
+
+def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]) -> dict:
+    """`env` with the batched values among `names` replaced by 0 at examples not kept: every
+    route's per-example gradient is then exactly 0 there (a product, sum or copy of them), so
+    that its sums are over the kept examples — and a NaN there goes nowhere."""
+    if keep is None:
+        return dict(env)
+    masked = {v: _where_units(keep, env[v]) for v in names if v in graph.batched and v in env}
+    return {**env, **masked}
 
 
 def _run_segment(
@@ -3159,6 +3067,98 @@ def _combine(acc: dict, part: dict) -> dict:
 def _over_groups(sums: dict) -> dict:
     """The chunk loop's sums of the device groups, stacked on axis 0, merged."""
     return {k: _chan_over(v) if _kind(k[0]) == "spread" else jnp.sum(v, 0) for k, v in sums.items()}
+
+
+def _chunked_in(plans: Sequence[LeafPlan], wanted: Sequence[str]) -> dict[int, list[str]]:
+    """Per leaf that chunks any of `wanted`, those it chunks."""
+    found = {p.index: [w for w in wanted if p.methods[w] == "chunked"] for p in plans}
+    return {i: ws for i, ws in found.items() if ws}
+
+
+def _added(graph: Graph, results: Mapping, looped: Mapping[str, Array], w: str) -> Array:
+    """A per-unit ingredient ([N], or [N, N] for pairs) added over the leaves."""
+    dtype = _widest([leaf.dtype for leaf in graph.leaves])
+    shape = (graph.n_units,) * (2 if _kind(w) == "pairs" else 1)
+    parts = [results[w, i] for i in range(len(graph.leaves)) if (w, i) in results]
+    parts += [looped[w]] if w in looped else []
+    return sum((x.reshape(shape).astype(dtype) for x in parts), jnp.zeros(shape, dtype))
+
+
+def _after_norms(
+    graph: Graph,
+    plans: tuple[LeafPlan, ...],
+    need: Sequence[str],
+    env: Mapping,
+    losses: Array,
+    results: dict,
+    per_unit: dict[str, Array],
+    keep: Array | None,
+    drop: bool,
+    clip_norm: float | None,
+    loop: Callable[..., tuple],
+) -> Array | None:
+    """What waits for every unit's norm, added to `results` and `per_unit` (0 at the units
+    not kept): the examples `drop` discards, then the ingredients that waited for them (all
+    but the norms) and the clipped mean; returns the examples kept."""
+    if drop:  # the examples whose loss and every unit's ‖g‖² are finite
+        by_example = per_unit[_of_kind(need, "norm")[0]].reshape(graph.n_examples, -1)
+        finite = jnp.isfinite(losses) & jnp.all(jnp.isfinite(by_example), axis=1)
+        keep = finite if keep is None else keep & finite
+    units = None if keep is None else jnp.repeat(keep, graph.per_example)
+    per_unit.update({w: _masked_units(units, w, x) for w, x in per_unit.items()})
+    sq_norms = next((per_unit[w] for w in _of_kind(need, "norm")), None)
+    env = _masked(graph, env, keep, [v for v in env if v in graph.batched])
+    late = [w for w in need if _kind(w) not in ("norm", "weighted")] if drop else []
+    results.update(_compute(plans, late, env))
+    found, looped, _ = loop(_chunked_in(plans, late), keep)
+    results.update(found)
+    for w in _of_kind(late, *_PER_UNIT):
+        per_unit[w] = _masked_units(units, w, _added(graph, results, looped, w))
+    weighted = _of_kind(need, "weighted")  # by the clip factors
+    if weighted:
+        assert clip_norm is not None and sq_norms is not None
+        factors = _clip_factors(sq_norms, clip_norm)
+        factors = factors if units is None else _where_units(units, factors)
+        weights = factors.reshape(graph.n_examples, graph.per_example)
+        results.update(_compute(plans, weighted, env, weights))
+        results.update(loop(_chunked_in(plans, weighted), keep, weights)[0])
+    return keep
+
+
+def _masked_units(units: Array | None, w: str, x: Array) -> Array:
+    """A per-unit ingredient with 0 at the units not kept (a NaN there included)."""
+    if units is None:
+        return x
+    if _kind(w) == "pairs":
+        return jnp.where(units[:, None] & units[None, :], x, jnp.zeros((), x.dtype))
+    return _where_units(units, x)
+
+
+def _published(
+    graph: Graph,
+    stats: tuple[str, ...],
+    need: Sequence[str],
+    results: Mapping,
+    per_unit: Mapping[str, Array],
+    losses: Array,
+    keep: Array | None,
+    aux: PyTree,
+) -> tuple[Float[Array, ""], Stats, PyTree]:
+    """The mean loss, the statistics (each leaf's means in the parameters' structure) and aux;
+    with `keep`, the means over the kept units: sums over them divided by N_eff, not N."""
+    by_leaf = lambda w: [results[w, i] for i in range(len(graph.leaves))]  # noqa: E731
+    means = {w: graph.param_tree.unflatten(by_leaf(w)) for w in need if _kind(w) not in _PER_UNIT}
+    n_units: int | Array = graph.n_units
+    if keep is None:
+        loss = losses.mean()
+    else:  # the sums above are over kept units, divided by all N
+        kept = jnp.sum(keep)
+        loss = _over(jnp.sum(jnp.where(keep, losses, 0.0)), kept)
+        n_units = kept * graph.per_example
+        scale = graph.n_units / n_units
+        for w in _of_kind(list(means), "mean", "weighted"):  # (1/N) Σ over the kept units
+            means[w] = jax.tree.map(lambda x: x * scale.astype(x.dtype), means[w])
+    return loss.astype(stat_dtype(losses.dtype)), _publish(stats, means, per_unit, n_units), aux
 
 
 # ============================================================================================
