@@ -2009,14 +2009,9 @@ class Graph:
         weighted: bool = False,
     ) -> "Graph":
         """The graph for `stats`, with the caller's bounds (`options`), the mean-loss policy's
-        answer (`_mean_loss`) and `weighted`. Every hoistable weight-gradient dot is moved out
-        of its scan where InScan forms all the statistics back inside it (means of φ; unweighted
-        the variance and norms too), else only where that holds fewer numbers (_hoist_pays); a
-        convolution's where its emitted operands for the whole batch fit memory_budget (bytes;
-        None: always)."""
+        answer (`_mean_loss`) and `weighted`; its scans' weight-gradient dots hoisted where
+        that pays (`_hoist_scans`)."""
         chunk_size, memory_budget = options[2:]
-        kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
-        hoist = all(_kind(w) in kinds for w in _ingredients(stats))
         leaves, param_tree = jax.tree.flatten(params)
         paths = _paths(params)
         aux_tree = []
@@ -2035,9 +2030,9 @@ class Graph:
         seed = jax.ShapeDtypeStruct((), jnp.float64 if x64 else jnp.float32)
         closed, args = _flat_trace(value_and_grad, params, batch, [seed], _CALLS | _CUSTOM)
         n = jax.tree.leaves(batch)[0].shape[0]
-        budget = None if memory_budget is None else memory_budget // n
         if any(e.primitive.name == "scan" for e in closed.jaxpr.eqns):
-            closed = _hoist_scans(closed, args, hoist, budget)
+            budget = None if memory_budget is None else memory_budget // n
+            closed = _hoist_scans(closed, args, stats, weighted, budget)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
         static: set[Var] = set(jaxpr.constvars)
@@ -2343,12 +2338,17 @@ def _walk_back(
 def _hoist_scans(
     closed: jcore.ClosedJaxpr,
     args: Sequence[Value | jax.ShapeDtypeStruct],
-    always: bool = False,
-    budget: int | None = None,
+    stats: Sequence[str],
+    weighted: bool,
+    budget: int | None,
 ) -> jcore.ClosedJaxpr:
-    """`closed` with the weight-gradient contractions of its scans moved after them: `always`,
-    or where that holds fewer numbers per example than the stacked per-example weight
-    gradients; a convolution's where its emitted operands fit `budget` bytes per example."""
+    """`closed` with the weight-gradient contractions of its scans moved after them: always
+    where InScan forms all of `stats` back inside the scan (means of φ; unless `weighted`, the
+    variance and norms too), else where that holds fewer numbers per example than the stacked
+    per-example weight gradients (`_hoist_pays`); a convolution's where its emitted operands fit
+    `budget` bytes per example (None: always)."""
+    kinds = ("mean",) if weighted else ("mean", "spread", "norm")  # formable inside a scan
+    always = all(_kind(w) in kinds for w in _ingredients(stats))
     jaxpr = closed.jaxpr
     producer = _producers(jaxpr)
     plans: dict[int, dict[int, _Hoist]] = {}
