@@ -6,12 +6,17 @@ with each statistic set, a fresh function is traced, lowered and compiled (XLA:C
 alternating rounds so that load on the machine falls on both alike. Each program's phases are
 timed apart: trace (Python: pegrad's graph, planner and executor run here), lower (to
 StableHLO) and compile (XLA). The ratio is pegrad's total over plain grad's, the median of the
-rounds. `--profile` prints cProfile's top functions of pegrad's trace (where its Python goes).
+rounds. `--vmap` adds impl="vmap"'s programs (the exact reference: what the statistics cost
+XLA without the rewrite). `--profile` prints cProfile's top functions of pegrad's trace (where
+its Python goes).
 `--h200` compiles for an H200 instead, with no GPU (gpu_aot.py's deviceless target: the CUDA
 plugin installed, JAX_PLATFORMS=cpu): the trace is the same Python, lower and compile XLA:GPU's.
+`--tpu TOPOLOGY` compiles for one chip of a TPU topology the same way (libtpu installed:
+`pip install "jax[tpu]"`), lower and compile XLA:TPU's.
 
     python results/bench/compile_time.py --rounds 3 --out results/bench/compile-time.json
     JAX_PLATFORMS=cpu python results/bench/compile_time.py --rounds 3 --h200
+    JAX_PLATFORMS=cpu python results/bench/compile_time.py --rounds 3 --tpu v5p:2x2x1
 """
 
 import argparse
@@ -35,17 +40,21 @@ import pegrad  # noqa: E402
 SETS = {"mean+sq_mean": ("mean", "sq_mean"), "clipped_mean+sq_norms": ("clipped_mean", "sq_norms")}
 
 
-def programs(family: str, batch: int, h200: bool) -> dict:
+def programs(family: str, batch: int, h200: bool, tpu: str | None, vmap: bool) -> dict:
     fam = families.FAMILIES[family]
     key = jax.random.key(0)
     params, loss_fn = fam.build(families.BENCH, key)
     data = fam.batch(families.BENCH, key, batch)
-    if h200:  # abstract arguments placed on the deviceless H200
+    if h200 or tpu:  # abstract arguments placed on the deviceless H200 or one TPU chip
         from gpu_aot import TARGET
         from jax.experimental import topologies
 
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=TARGET, topology="1x1x1"
+        topology = (
+            topologies.get_topology_desc(platform="tpu", topology_name=tpu)
+            if tpu
+            else topologies.get_topology_desc(
+                platform="cuda", target_config=TARGET, topology="1x1x1"
+            )
         )
         on = jax.sharding.SingleDeviceSharding(topology.devices[0])
         params, data = jax.tree.map(
@@ -58,14 +67,16 @@ def programs(family: str, batch: int, h200: bool) -> dict:
 
         return jax.jit(jax.grad(mean_loss))
 
-    def stats(names: tuple[str, ...]) -> object:
+    def stats(names: tuple[str, ...], impl: pegrad.Impl = "factorized") -> object:
         def step(p: object, b: object) -> object:
             clip = 1.0 if "clipped_mean" in names else None
-            return pegrad.value_and_grad_stats(loss_fn, names, clip_norm=clip)(p, b)
+            return pegrad.value_and_grad_stats(loss_fn, names, clip_norm=clip, impl=impl)(p, b)
 
         return jax.jit(step)
 
     made = {"plain grad": plain} | {k: (lambda n=n: stats(n)) for k, n in SETS.items()}
+    if vmap:
+        made |= {f"{k} vmap": (lambda n=n: stats(n, "vmap")) for k, n in SETS.items()}
     return {"make": made, "args": (params, data)}
 
 
@@ -87,13 +98,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--h200", action="store_true", help="compile for an H200 (deviceless)")
+    parser.add_argument("--tpu", metavar="TOPOLOGY", help="compile for one chip (libtpu)")
+    parser.add_argument("--vmap", action="store_true", help='also impl="vmap"')
     parser.add_argument("--out")
     args = parser.parse_args()
-    built = programs(args.family, args.batch, args.h200)
+    built = programs(args.family, args.batch, args.h200, args.tpu, args.vmap)
     make, call_args = built["make"], built["args"]
     phases(make["plain grad"](), call_args)  # warm JAX's own caches (not pegrad's)
     if args.profile:
-        for name in SETS:
+        for name in SETS:  # (the rewrite's)
             prof = cProfile.Profile()
             prof.enable()
             make[name]().trace(*call_args)
@@ -118,7 +131,7 @@ def main() -> None:
         record = {
             "family": args.family,
             "batch": args.batch,
-            "target": "h200" if args.h200 else "cpu",
+            "target": f"tpu {args.tpu}" if args.tpu else "h200" if args.h200 else "cpu",
             "jax": jax.__version__,
             "rounds": rows,
             "median": median,
