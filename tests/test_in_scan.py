@@ -190,7 +190,9 @@ def test_a_weight_every_iteration_shares_sums_only_its_mean_inside_the_scan(case
     """A recurrent cell's gradient sums over iterations (its dot contracts the iteration axis):
     Σ_t is linear, so the mean accumulates inside the scan, but φ of a sum over iterations is
     not a sum over them: sq, sign and the variance are formed after it. A factor the same at
-    every step (`context`) is not stacked by the scan; the stacked layers of the same model are."""
+    every step (`context`) is not stacked by the scan; the stacked layers of the same model are.
+    Both choices run: "first" is the plan asserted (the mean alone included, whose "cheapest"
+    is plain grad of the mean loss)."""
     stats, n = case
     params, loss, batch = _scan_case(2, 5)
     x, y = batch
@@ -202,9 +204,11 @@ def test_a_weight_every_iteration_shares_sums_only_its_mean_inside_the_scan(case
     }
     _, unit_grads = naive_unit_grads(loss, params, batch)
     want = naive_stats(unit_grads, clip_norm=1.0)
-    _, got = jax.jit(pegrad.value_and_grad_stats(loss, stats))(params, batch)
-    for s in stats:
-        assert_tree_close(got[s], want[s], f"recurrent/{s}")
+    for choose in ("first", "cheapest"):
+        fn = pegrad.value_and_grad_stats(loss, stats, choose=choose)
+        _, got = jax.jit(fn)(params, batch)
+        for s in stats:
+            assert_tree_close(got[s], want[s], f"recurrent/{choose}/{s}")
 
 
 def _equations(fn, *args):

@@ -93,3 +93,20 @@ def test_gram_of_a_contraction_is_formed_in_blocks_of_two_chunks():
         assert [c for where, c, _ in weight.formed if where == "head"] == [formed], plans
         fn = pegrad.value_and_grad_stats(loss, "gram", chunk_size=chunk, choose="first")
         np.testing.assert_allclose(jax.jit(fn)(params, batch)[1]["gram"], want, rtol=1e-10)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("impl", ["vmap", "factorized"])
+def test_dot_alone_on_a_contraction_is_one_contraction_per_example(impl: pegrad.Impl, n: int):
+    """A weight at every position asked for ⟨g_i, v⟩ alone forms no per-example gradient:
+    Σ_k a_kᵀ V b_k, one contraction of the head's operands with V = postᵀ v
+    (`Contraction.compute`); equal to the naive loop's for any batch size."""
+    piece = next(p for p in PIECES if p.name == "dense_over_sequence")
+    params, batch = piece.init(jax.random.key(0)), piece.example(jax.random.key(1), n)
+    loss = lambda p, ex: piece.loss(p, ex, False)  # noqa: E731
+    (weight,) = [p for p in pegrad.explain(loss, params, batch, "dot") if p.route == "contraction"]
+    assert weight.methods == {"dot": "factorized"} and not weight.formed, weight
+    _, grads = naive_unit_grads(loss, params, batch)
+    fn = pegrad.value_and_grad_stats(loss, "dot", impl=impl)
+    _, got = jax.jit(fn)(params, batch, dot_with=probe_like(params))
+    assert_tree_close(got["dot"], naive_stats(grads, 1.0)["dot"], f"{impl}/dot")
