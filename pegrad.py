@@ -1803,7 +1803,7 @@ def _factorized(
     found, looped, kept = loop(_chunked_in(plans, early), keep, hold=held)
     results.update(found)
     per_unit = {w: _added(graph, results, looped, w) for w in early if _kind(w) in _PER_UNIT}
-    if keep is not None or drop or clip_norm is not None:
+    if weighted or clip_norm is not None:
         later = functools.partial(loop, given=kept)
         after = (env, losses, results, per_unit, keep, drop, clip_norm, later)
         keep = _after_norms(graph, plans, need, *after)
@@ -2736,9 +2736,9 @@ def _run_head(
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
     outputs = [jaxpr.outvars[0], *jaxpr.outvars[1 + len(graph.leaves) :]]  # loss and aux
     wanted = [v for v in [*outputs, *interface] if isinstance(v, Var)]
-    jobs = {
-        id(j.scan): {i: k for i, k in in_scan.items() if k.scan is j.scan} for j in in_scan.values()
-    }
+    jobs: dict[int, dict[int, InScan]] = {}  # scan -> leaf index -> its job
+    for i, job in in_scan.items():
+        jobs.setdefault(id(job.scan), {})[i] = job
     forced = [job.scan.outvars[0] for job in in_scan.values()]
     head = _needed_by(jaxpr, [*wanted, *forced])  # the scans run even if nothing else reads them
     made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
