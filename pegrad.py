@@ -2725,12 +2725,15 @@ def _run_head(
     "dot"'s v as `_DOT_WITH`), the factorized results of the ingredients `early` and the
     auxiliary outputs [B, ...].
 
-    The head is every equation those values need, evaluated batched (vmap over examples) in
-    segments: as soon as a leaf's values exist, its factorized ingredients are computed, and
-    (XLA:CPU, one device: DESIGN.md, "One program per platform") an optimization barrier makes
-    the rest of the backward pass wait for them, holding them with what the next segment reads
-    from before it (the last, with what is read after the head). The leaves formed inside a
-    scan (`InScan`) have their sums formed there (`_scan_with_sums`), then `post`ed."""
+    The head is every equation those values need, evaluated for one example under one vmap
+    over the examples (axis `_EXAMPLES`), in segments (`_segments`). At a segment's end its
+    values read later that depend on the example are held with their examples, as the graph
+    reads them; the leaves whose values then exist have them gathered over the vmap's axis
+    (`_examples`: the batched value, examples first) and their factorized ingredients computed;
+    then (XLA:CPU, one device: DESIGN.md, "One program per platform") an optimization barrier
+    makes the rest of the backward pass wait for them, holding them with what the next segment
+    reads from before it (the last, with what is read after the head). The leaves formed
+    inside a scan (`InScan`) have their sums formed there (`_scan_with_sums`), then `post`ed."""
     jaxpr, reads = graph.jaxpr, [p.reads for p in plans]
     in_scan = {p.index: p.in_scan for p in plans if p.in_scan is not None}
     interface = list(dict.fromkeys(v for vs in reads for v in vs))
@@ -2739,43 +2742,33 @@ def _run_head(
     jobs: dict[int, dict[int, InScan]] = {}  # scan -> leaf index -> its job
     for i, job in in_scan.items():
         jobs.setdefault(id(job.scan), {})[i] = job
-    forced = [job.scan.outvars[0] for job in in_scan.values()]
-    head = _needed_by(jaxpr, [*wanted, *forced])  # the scans run even if nothing else reads them
-    made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
-    ready_at = [
-        -2 if i in in_scan else max((made_at[v] for v in vs if v in made_at), default=-1)
-        for i, vs in enumerate(reads)
-    ]
-    last_use = {v: k for k, eqn in enumerate(head) for v in eqn.invars if isinstance(v, Var)}
-    last_use |= dict.fromkeys(wanted, len(head))  # kept to the end
+    segments = _segments(graph, plans, wanted, [job.scan for job in in_scan.values()])
+    read = {v for eqns, *_ in segments for e in eqns for v in e.invars if isinstance(v, Var)}
+    seed, n = jnp.ones((), _dtype(jaxpr.invars[-1])), graph.n_examples
+    leaves, examples = jax.tree.leaves(params), jax.tree.leaves(batch)
+    mesh = max([_devices(x) for x in [*leaves, *examples]], default=1)  # on a mesh, no barrier
+    # out of the vmap: the loss and aux (each [B, ...]) and what the routes read after the head
+    batched = [*outputs, *(v for v in interface if graph.is_batched(v))]
+    unbatched = [v for v in interface if not graph.is_batched(v)]
 
-    values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
-    seed = jnp.ones((), _dtype(jaxpr.invars[-1]))
-    inputs = [*jax.tree.leaves(params), *jax.tree.leaves(batch), seed]
-    values.update(zip(jaxpr.invars, inputs, strict=True))
-    # Where each batched value holds its examples: a scan's stacked outputs keep them on
-    # axis 1, where vmap leaves them, so that no stacked residual is transposed (copied)
-    # between segments; the routes get every value they read with the examples first.
-    batch_axis: dict[Var, int] = {}
-    leading = lambda v: jnp.moveaxis(values[v], batch_axis.get(v, 0), 0)  # noqa: E731
-    mesh = max([_devices(x) for x in inputs], default=1)  # on a mesh, no barrier (docstring)
-    start, results = 0, {}
-    cuts = sorted({*ready_at, len(head) - 1} - {-2})
-    for cut, following in zip(cuts, [*cuts[1:], cuts[-1]], strict=True):
-        segment = head[start : cut + 1]
-        if segment:
-            results |= _run_segment(graph, segment, values, batch_axis, cut, last_use, jobs, keep)
-        start = max(start, cut + 1)
-        ready = [i for i, r in enumerate(ready_at) if r == cut]
-        if ready:
+    def one_example(example: list) -> tuple[list, list, dict]:
+        values: dict = dict(zip(jaxpr.constvars, graph.consts, strict=True))
+        values.update(zip(jaxpr.invars, [*leaves, *example, seed], strict=True))
+        results: dict = {}
+        bind = functools.partial(_scan_with_sums, graph, jobs, keep, {*read, *wanted}, results)
+        for eqns, crossing, ready, held in segments:
+            _evaluate(eqns, values, bind=bind if jobs else _bind)
+            for v in crossing:  # on axis 0, or 1 for a scan's stacked output (where vmap has it)
+                values[v] = _examples(values[v], n, int(_stacked_output(graph, v)))
+            if not ready:
+                continue
             # in order (not a set of variables, whose order is their addresses'): every trace,
             # every process, lowers to the same program
-            read = dict.fromkeys(v for i in ready for v in reads[i] if batch_axis.get(v, 0))
-            env, new = {**values, **{v: leading(v) for v in read}, _DOT_WITH: dot_with}, {}
+            read_now = dict.fromkeys(v for i in ready for v in reads[i] if graph.is_batched(v))
+            env = {**values, **{v: _examples(values[v], n) for v in read_now}, _DOT_WITH: dot_with}
+            new = {}
             for i in ready:
                 new |= _compute([plans[i]], early, _masked(graph, env, keep, reads[i]))
-            after = head[cut + 1 : following + 1]  # the next segment; none after the last cut
-            held = {v for e in after for v in e.invars if isinstance(v, Var)} if after else wanted
             live = [v for v in values if v in held]
             # every value varies over the manual axes any does (jax.shard_map), as a barrier
             # returns them; held on XLA:CPU only (docstring)
@@ -2783,15 +2776,46 @@ def _run_head(
             new, kept = _cpu_barrier(both) if mesh == 1 else both
             values.update(zip(live, kept, strict=True))
             results.update(new)
-    each = lambda x: jnp.broadcast_to(x, (graph.n_examples, *jnp.shape(x)))  # noqa: E731
-    losses, *aux = [leading(v) if graph.is_batched(v) else each(_read(values, v)) for v in outputs]
-    batched = {v: leading(v) for v in interface if v in graph.batched}
-    unbatched = {v: _read(values, v) for v in interface if v not in graph.batched}
-    env = {**batched, **unbatched, _DOT_WITH: dot_with}
+        return [_read(values, v) for v in batched], [values[v] for v in unbatched], results
+
+    got, once, results = jax.vmap(
+        one_example, out_axes=(0, None, None), axis_name=_EXAMPLES, axis_size=n
+    )(examples)
+    n_out = len(outputs)
+    losses, *aux = got[:n_out]
+    env = dict(zip([*batched[n_out:], *unbatched], [*got[n_out:], *once], strict=True))
+    env[_DOT_WITH] = dot_with
     for i, job in in_scan.items():  # their sums exist in core coordinates: apply the post
         posted = job.route.posted({w: results[w, i] for w in job.means}, env)
         results.update({(w, i): g for w, g in posted.items()})
     return losses, env, results, jax.tree.unflatten(graph.aux_tree, aux)
+
+
+def _segments(
+    graph: Graph, plans: Sequence[LeafPlan], wanted: Sequence[Var], scans: Sequence[Eqn]
+) -> list[tuple[list[Eqn], list[Var], list[int], set[Var]]]:
+    """The head — every equation the values `wanted` and the `scans` forming sums need, in
+    order — cut where leaves' values exist: per segment, (its equations, those of their values
+    that depend on the example and are read after it, the leaves ready at its end, the values
+    held there: what the equations up to the next leaf's read from before it, or, after the
+    last, every value wanted)."""
+    head = _needed_by(graph.jaxpr, [*wanted, *(scan.outvars[0] for scan in scans)])
+    made_at = {v: k for k, eqn in enumerate(head) for v in eqn.outvars}
+    ready: dict[int, list[int]] = {}
+    for p in (p for p in plans if p.in_scan is None):  # (those formed inside a scan: there)
+        at = max((made_at[v] for v in p.reads if v in made_at), default=-1)
+        ready.setdefault(at, []).append(p.index)
+    cuts = sorted({*ready, len(head) - 1})
+    last_use = {v: k for k, eqn in enumerate(head) for v in eqn.invars if isinstance(v, Var)}
+    last_use |= dict.fromkeys(wanted, len(head))  # kept to the end
+    segments = []
+    for start, cut, end in zip([-1, *cuts[:-1]], cuts, [*cuts[1:], cuts[-1]], strict=True):
+        eqns = head[start + 1 : cut + 1]
+        outs = [v for e in eqns for v in e.outvars if last_use.get(v, -1) > cut]
+        after = head[cut + 1 : end + 1]
+        held = {v for e in after for v in e.invars if isinstance(v, Var)} if after else {*wanted}
+        segments.append((eqns, [v for v in outs if graph.is_batched(v)], ready.get(cut, []), held))
+    return segments
 
 
 def _compute(
@@ -2820,57 +2844,32 @@ def _masked(graph: Graph, env: Mapping, keep: Array | None, names: Sequence[Var]
     return {**env, **masked}
 
 
-def _run_segment(
-    graph: Graph,
-    segment: list[Eqn],
-    values: dict,
-    batch_axis: dict[Var, int],
-    end: int,
-    last_use: dict,
-    jobs: Mapping[int, Mapping[int, InScan]],
-    keep: Array | None,
-) -> dict:
-    """Evaluate head equations batched (vmap over examples), adding to `values` every result
-    used after position `end` (its examples on axis `batch_axis[v]`, default 0); the scans
-    with `jobs` form their leaves' sums inside (returned: (ingredient, leaf index) -> the mean
-    in the core's coordinates)."""
-    produced = dict.fromkeys(v for e in segment for v in e.outvars)  # ordered: one program
-    ins = (v for e in segment for v in e.invars if isinstance(v, Var) and v not in produced)
-    reads = list(dict.fromkeys(ins))
-    reads_b = [v for v in reads if v in graph.batched]
-    reads_u = [v for v in reads if v not in graph.batched]
-    outs = [v for v in produced if last_use.get(v, -1) > end]
-    outs_b = [v for v in outs if v in graph.batched]
-    outs_u = [v for v in outs if v not in graph.batched]
-
-    if not reads_b:  # nothing here depends on the example (so no scan with jobs either)
-        env = _evaluate(segment, {v: values[v] for v in reads_u})
-        values.update((v, env[v]) for v in outs)
-        return {}
-
-    def one_example(batched_in: list, unbatched_in: list) -> tuple[list, list, dict]:
-        env = dict(zip(reads_b, batched_in, strict=True))
-        env.update(zip(reads_u, unbatched_in, strict=True))
-        sums: dict = {}  # what the scans with jobs form inside
-        read = {v for e in segment for v in e.invars if isinstance(v, Var)} | set(outs)
-        bind = functools.partial(_scan_with_sums, graph, jobs, keep, read, sums)
-        _evaluate(segment, env, bind=bind if jobs else _bind)
-        return [env[v] for v in outs_b], [env[v] for v in outs_u], sums
-
-    stacked = [1 if _stacked_output(graph, v) else 0 for v in outs_b]
-    got_b, got_u, sums = jax.vmap(
-        one_example,
-        in_axes=([batch_axis.get(v, 0) for v in reads_b], None),
-        out_axes=(stacked, None, None),
-        axis_name=_EXAMPLES,
-    )([values[v] for v in reads_b], [values[v] for v in reads_u])
-    batch_axis.update(zip(outs_b, stacked, strict=True))
-    values.update(zip(outs_b, got_b, strict=True))
-    values.update(zip(outs_u, got_u, strict=True))
-    return sums
+# The head's vmap axis, over which each leaf's values and the in-scan sums are gathered.
+_EXAMPLES = "pegrad_examples"
 
 
-_EXAMPLES = "pegrad_examples"  # the head's vmap axis, over which in-scan sums gather the batch
+def _examples(x: Value, n: int, axis: int | None = None) -> Array:
+    """In the head's vmap over its n examples (`_EXAMPLES`). With no `axis`: every example's
+    `x`, [n, ...], unbatched — the batched value with its examples moved first: `all_gather`
+    over the vmap's axis without a collective, which `jax.shard_map`'s checks refuse over an
+    axis that is not the mesh's. With an `axis`: `x` with its examples there, as vmap returns
+    a value on that out axis (one it keeps the same for every example: broadcast)."""
+    return _EXAMPLES_OF.bind(x, n=n, axis=axis)
+
+
+def _examples_batched(frame: Any, xs: Sequence, dims: Sequence, n: int, axis: int | None) -> tuple:
+    (x,), (d,), to = xs, dims, axis or 0
+    assert frame.name == _EXAMPLES and frame.size == n, frame  # bound in the head's vmap only
+    return (batching.broadcast(x, n, to, None) if d is None else jnp.moveaxis(x, d, to)), axis
+
+
+def _examples_aval(aval: Any, n: int, axis: int | None) -> Any:  # gathered: [n, ...]
+    return aval if axis is not None else aval.update(shape=(n, *aval.shape))
+
+
+_EXAMPLES_OF = jcore.Primitive("pegrad_examples")
+_EXAMPLES_OF.def_abstract_eval(_examples_aval)
+batching.fancy_primitive_batchers[_EXAMPLES_OF] = _examples_batched
 
 
 def _stacked_output(graph: Graph, var: Var) -> bool:
@@ -2918,7 +2917,7 @@ def _scan_with_sums(
         for i, job in jobs.items():
             m, env = job.route, {}
             for var in m.core.invars[:2]:
-                value = jax.lax.all_gather(next(operands), _EXAMPLES)
+                value = _examples(next(operands), graph.n_examples)
                 value = value if keep is None else _where_units(keep, value)
                 env[var] = jnp.expand_dims(value, 1)  # the core's operand, one iteration
             found = m.core_sums(env, m.dtype, job.means)

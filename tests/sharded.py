@@ -6,8 +6,9 @@ count must be set before JAX starts, so they run here, in a process of their own
 Each case writes "ok" or the first failure's message into OUT.json:
 - exact:MODEL:IMPL:B:CHUNK:MASK — every statistic with the batch sharded over the 8 devices
   (jit, P("data")) equals the same call on one device (float64, tests/helpers.py's closeness);
-- merged:MODEL:IMPL:B:MASK — every statistic but "gram" computed per shard in `jax.shard_map`
-  (its default checks) and merged by `pegrad.merge_shards` equals one device's; "gram" refused;
+- merged:MODEL:IMPL:B:MASK[:STATS] — every statistic but "gram" (or STATS, e.g. mean+var,
+  which a scanned model then forms inside its scan) computed per shard in `jax.shard_map` (its
+  default checks) and merged by `pegrad.merge_shards` equals one device's; "gram" refused;
 - traffic:MODEL:STATS:PARAMS — the optimized HLO's collectives at float32 (d 32, T 16, 2 blocks,
   B 16): every all-reduce together ≤ 1.25× one all-reduce of the parameters per parameter-shaped
   statistic, no collective-permute or all-to-all, all-gathers ≤ 1 % of the parameters and 1 kB
@@ -114,16 +115,23 @@ def exact(model: str, impl: str, n: str, chunk: str, mask: str) -> None:
         compare(many, one, grads, where)
 
 
-def merged(model: str, impl: str, n: str, mask: str) -> None:
+def merged(model: str, impl: str, n: str, mask: str, names: str = "") -> None:
     params, loss, batch = built(model, int(n))
     keep = mask_of(int(n), mask)
     keep_all = jnp.ones(int(n), bool) if keep is None else keep
     v = helpers.probe_like(params)
-    stats = tuple(s for s in EVERY if s != "gram")
-    fn = pegrad.value_and_grad_stats(loss, stats, impl=cast(pegrad.Impl, impl), clip_norm=CLIP)
+    stats = tuple(names.split("+")) if names else tuple(s for s in EVERY if s != "gram")
+    if names:  # without clipping or a mask: blocks in lax.scan form their statistics inside it
+        plan = pegrad.explain(loss, params, batch, stats)
+        assert any("inside the scan" in str(p) for p in plan), plan
+    clip = CLIP if "clipped_mean" in stats else None
+    fn = pegrad.value_and_grad_stats(loss, stats, impl=cast(pegrad.Impl, impl), clip_norm=clip)
+    extra = {"dot_with": v} if "dot" in stats else {}
+
+    given = names == "" or keep is not None  # a mask weighs the examples: nothing in the scan
 
     def local(p, b, k):
-        value, found = fn(p, b, k, dot_with=v)
+        value, found = fn(p, b, k if given else None, **extra)
         count = found["batch_size"]
         total = jax.lax.psum(jnp.where(count > 0, value * count, 0.0), "data")
         return total / jax.lax.psum(count, "data"), pegrad.merge_shards(found, "data")
@@ -131,8 +139,8 @@ def merged(model: str, impl: str, n: str, mask: str) -> None:
     specs = (P(), P("data"), P("data"))
     run = jax.jit(jax.shard_map(local, mesh=MESH, in_specs=specs, out_specs=P()))
     many_loss, many = run(params, sharded(batch), sharded(keep_all))
-    one_loss, one = jax.jit(fn)(params, batch, keep, dot_with=v)
-    where = f"{model}/{impl}/B{n}/mask {mask}/shard_map"
+    one_loss, one = jax.jit(fn)(params, batch, keep, **extra)
+    where = f"{model}/{impl}/B{n}/mask {mask}/{stats}/shard_map"
     np.testing.assert_allclose(many_loss, one_loss, rtol=1e-12, err_msg=where)
     compare(many, one, unit_grads_of(loss, params, batch, keep), where)
     try:

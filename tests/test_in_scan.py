@@ -281,11 +281,12 @@ def _large_transposes(fn, size: int, *args) -> int:
 
 
 @pytest.mark.parametrize("stats", PHI_STATS, ids="+".join)
-def test_stacked_residuals_are_not_copied_between_the_heads_segments(stats: tuple):
-    """The head runs in segments, each its own vmap (here one ends at `out`'s gradient,
-    between the forward and the backward scan): a scan's stacked outputs keep the examples on
-    axis 1 (where vmap leaves them), so no [L, B, ...] residual is transposed to [B, L, ...]
-    and back; plain grad transposes none either."""
+def test_stacked_residuals_are_not_copied_by_the_head(stats: tuple):
+    """The head is one vmap over the examples, whose leaves' statistics are computed where
+    their values exist (here one at `out`'s gradient, between the forward and the backward
+    scan): a scan's stacked outputs keep the examples on axis 1 (where vmap leaves them), so no
+    [L, B, ...] residual is transposed to [B, L, ...] and back; plain grad transposes none
+    either."""
     params, loss, batch = _case("sequence", 5)
 
     def plain(p, b):

@@ -8,7 +8,8 @@ read when JAX starts), which says what each case checks:
   the chunk loop's chunks split within each device's examples (chunk 16 of 24 examples: 2 of
   each device's 3) and with a mask;
 - merged: per-shard statistics in `jax.shard_map` (its default checks) merged into one
-  device's; "gram" refused; a shard with no kept example;
+  device's; "gram" refused; a shard with no kept example; blocks in lax.scan whose statistics
+  are formed inside the scan (the head gathers each shard's examples without a collective);
 - traffic: the optimized HLO's collectives (float32): ≤ 1.25× one all-reduce of the parameters
   per parameter-shaped statistic, no collective-permute or all-to-all, no gathered
   activations (replicated parameters), no more gathers than plain grad's (FSDP).
@@ -39,6 +40,7 @@ MERGED = [
     "merged:transformer:factorized:16:some",
     "merged:transformer:vmap:16:none",
     "merged:transformer-scan:factorized:16:none",
+    "merged:transformer-scan:factorized:16:none:mean+var",
 ]
 TRAFFIC = [
     "traffic:transformer:mean+sq_mean:replicated",

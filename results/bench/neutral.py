@@ -22,6 +22,10 @@ programs' compiled memory and their `explain` text (results/bench/registry-neutr
     python results/bench/neutral.py --compare zoo-before.json zoo-after.json
     python results/bench/neutral.py --only costs --out costs-before.json
 
+--anonymous blanks the optimized HLO's instruction names before hashing (bench): two programs
+that differ only in how XLA numbered their instructions (an operand order that compiles away)
+then digest alike. Compare two digests taken with the same flag.
+
 (--only zoo compiles with the tests' XLA flags, which only speed compilation up: both sides
 alike.)
 """
@@ -114,7 +118,7 @@ def zoo_rows(rows: dict[str, str], save: Callable[[], None]) -> dict[str, str]:
     return rows
 
 
-def bench_rows() -> dict[str, str]:
+def bench_rows(anonymous: bool = False) -> dict[str, str]:
     import bench
     import pegrad
 
@@ -146,6 +150,8 @@ def bench_rows() -> dict[str, str]:
             text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text() or "")
             first = min(i for i in (text.find("\n%"), text.find("\nENTRY")) if i >= 0)
             text = text.split("\n", 1)[0] + text[first:]
+            if anonymous:  # the same program whatever its instructions are named
+                text = re.sub(r"%[\w.\-]+", "%v", text)
             hlo = hashlib.sha256(text.encode()).hexdigest()[:16]
             temp = getattr(memory, "temp_size_in_bytes", None)
             rows[key] = f"temp {temp} hlo {hlo}\n{plan}"
@@ -230,6 +236,9 @@ def main() -> None:
     parser.add_argument("--out", help="write the digest here (JSON)")
     parser.add_argument("--only", choices=["zoo", "bench", "costs"], help="one half")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument(
+        "--anonymous", action="store_true", help="bench: the HLO's instruction names blanked"
+    )
     args = parser.parse_args()
     if args.compare:
         opener = lambda p: gzip.open(p, "rt") if p.endswith(".gz") else open(p)  # noqa: E731, SIM115
@@ -256,7 +265,7 @@ def main() -> None:
     if args.only in (None, "zoo"):
         zoo_rows(rows, save)
     if args.only in (None, "bench"):
-        rows |= bench_rows()
+        rows |= bench_rows(args.anonymous)
     save()
 
 
