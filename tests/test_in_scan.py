@@ -109,6 +109,27 @@ def test_means_and_variance_formed_inside_the_scan_equal_the_naive_loop(name: st
             assert_tree_close(got[s], want[s], f"{name}/{choose}/{s}")
 
 
+@pytest.mark.parametrize("stats", [("mean", "var"), ("mean", "sq_mean")], ids="+".join)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_users_vmap_over_parameter_sets_gives_each_sets_statistics(name: str, stats: tuple):
+    """jax.vmap over parameter sets (an ensemble) around pegrad's function: the head's own vmap
+    over the examples, inside it, gathers a leaf's values and each scan iteration's operands
+    (`pegrad_examples`, a rule for that vmap alone); each set's statistics equal its naive
+    loop."""
+    build, _ = MODELS[name]
+    params, loss, batch = _case(name, 5)
+    other, _ = build(jax.random.key(7))
+    assert _in_scan(loss, params, batch, stats)["['layers']"]
+    sets = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
+    fn = jax.vmap(pegrad.value_and_grad_stats(loss, stats), in_axes=(0, None))
+    _, got = jax.jit(fn)(sets, batch)
+    for k, p in enumerate((params, other)):
+        want = naive_stats(naive_unit_grads(loss, p, batch)[1], clip_norm=1.0)
+        for s in stats:
+            mine = jax.tree.map(lambda x, k=k: x[k], got[s])
+            assert_tree_close(mine, want[s], f"{name}/set {k}/{s}")
+
+
 @pytest.mark.parametrize("n", [2, 5], ids=lambda n: f"B{n}")
 @pytest.mark.parametrize("stats", NORMS, ids="+".join)
 @pytest.mark.parametrize("name", list(MODELS))
