@@ -127,8 +127,8 @@ def merged(model: str, impl: str, n: str, mask: str, names: str = "") -> None:
     clip = CLIP if "clipped_mean" in stats else None
     fn = pegrad.value_and_grad_stats(loss, stats, impl=cast(pegrad.Impl, impl), clip_norm=clip)
     extra = {"dot_with": v} if "dot" in stats else {}
-
-    given = names == "" or keep is not None  # a mask weighs the examples: nothing in the scan
+    # with STATS and no mask none is passed: any mask, all True too, keeps them out of the scan
+    given = names == "" or keep is not None
 
     def local(p, b, k):
         value, found = fn(p, b, k if given else None, **extra)
