@@ -125,18 +125,12 @@ def value_and_grad_stats(
 
     `params` is a pytree of floating arrays, or a model (an `eqx.Module`, a flax `nnx.Module`:
     any pytree but a dict, list or tuple) whose floating-array leaves are the parameters, the
-    rest held fixed; statistics then have its structure with None there (as `filter_grad`). A
-    layer that couples the examples (BatchNorm in training mode) is refused. `mask`, a bool
-    [B]: an example with mask False counts in no statistic and not in N (its inputs are a kept
-    example's before anything runs); "batch_size" is then the kept count N_eff (traced),
-    "sq_norms" is 0 at masked units, "var" divides by N_eff − 1 (NaN below 2 kept units; an
-    error for a concrete mask) and is formed, with the sums of leaves whose rewrite would
-    transpose through a masked example, from per-example gradients in chunks (so with "drop").
-    Statistics have dtype `stat_dtype(param dtype)` (float32 or wider); "sq_norms" and "dot"
-    are [N], "gram" [N, N] (its diagonal is "sq_norms"), unit i·T + t at token granularity, 0
-    at masked units. What they are for (SPEC §2): "dot" with a held-out batch's gradient is
-    each example's first-order effect on that loss (data attribution, TracIn); with the mean,
-    its alignment to the step; "gram" is the examples' gradient diversity and conflict.
+    rest held fixed; statistics then have its structure with None there (SPEC §1). `mask`, a
+    bool [B]: an example with mask False counts in no statistic and not in N, "batch_size" is
+    then the kept count (traced), and "var" divides by it − 1 (NaN below 2 kept units; an error
+    for a concrete mask). Statistics have dtype `stat_dtype(param dtype)` (float32 or wider);
+    "sq_norms" and "dot" are [N], "gram" [N, N], unit i·T + t at token granularity, 0 at masked
+    units (what they are for: SPEC §2).
     """
     stats = _check_options(
         stats, impl, granularity, chunk_size, clip_norm, choose, memory_budget, nonfinite
@@ -1967,8 +1961,9 @@ class Graph:
 
     Inputs are (param leaves, example leaves, seed); outputs (loss, gradient leaves). The
     backward pass starts from `seed` (1 at run time) so that `seeded` marks the cotangent side.
-    `batched`: depends on the example. `static`: computable from constants alone.
-    `positions`: at token granularity, each value's position axes (see _propagate_positions)."""
+    `batched`: depends on the example. `static`: computable from constants alone (`seeded` and
+    `static` are found where a proof first asks). `positions`: at token granularity, each
+    value's position axes (see _propagate_positions)."""
 
     jaxpr: jcore.Jaxpr
     consts: tuple[Value, ...]
@@ -1978,8 +1973,6 @@ class Graph:
     producer: Mapping[Var, Eqn]
     users: Mapping[Var, tuple[Eqn, ...]]
     batched: frozenset[Var]
-    seeded: frozenset[Var]
-    static: frozenset[Var]
     positions: Mapping[Var, Axes]
     untie: Untie | None
     param_tree: Any  # a PyTreeDef
@@ -2035,11 +2028,6 @@ class Graph:
             closed = _hoist_scans(closed, args, stats, weighted, budget)
         jaxpr = closed.jaxpr
         n_params, n_example = len(leaves), len(args) - len(leaves) - 1
-        static: set[Var] = set(jaxpr.constvars)
-        known = lambda v: isinstance(v, jcore.Literal) or v in static  # noqa: E731
-        for eqn in jaxpr.eqns:
-            if not eqn.effects and all(map(known, eqn.invars)):
-                static.update(eqn.outvars)
         untie, positions = None, {}
         if per_example > 1:  # Untie.build raises for a leaf not position-wise
             untie = Untie.build(lambda p, e: loss_fn(p, e)[0], params, batch)
@@ -2056,8 +2044,6 @@ class Graph:
             producer=_producers(jaxpr),
             users={v: tuple(u) for v, u in _users(jaxpr).items()},
             batched=frozenset(_depends_on(jaxpr, set(jaxpr.invars[n_params:-1]))),  # the example's
-            seeded=frozenset(_depends_on(jaxpr, {jaxpr.invars[-1]})),
-            static=frozenset(static),
             positions=positions,
             untie=untie,
             param_tree=param_tree,
@@ -2069,6 +2055,19 @@ class Graph:
         )
 
     # -- queries --------------------------------------------------------------------------
+
+    @functools.cached_property
+    def seeded(self) -> frozenset[Var]:
+        return frozenset(_depends_on(self.jaxpr, {self.jaxpr.invars[-1]}))
+
+    @functools.cached_property
+    def static(self) -> frozenset[Var]:
+        static: set[Var] = set(self.jaxpr.constvars)
+        known = lambda v: isinstance(v, jcore.Literal) or v in static  # noqa: E731
+        for eqn in self.jaxpr.eqns:
+            if not eqn.effects and all(map(known, eqn.invars)):
+                static.update(eqn.outvars)
+        return frozenset(static)
 
     def is_batched(self, var: Atom) -> bool:
         return isinstance(var, Var) and var in self.batched

@@ -16,7 +16,7 @@ ENTRY_POINTS = frozenset({"_factorized", "Plan"})
 # Budgets that move only down: Part I (the definition) and the whole file (issue 57 asks the
 # engine down to 4,000 lines); how they moved is in the log of this file. Growth fails.
 PART_I_LINES = 1761
-TOTAL_LINES = 4986
+TOTAL_LINES = 4985
 
 
 def _parts() -> tuple[list[ast.stmt], list[ast.stmt], int, int]:
