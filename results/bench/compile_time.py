@@ -13,6 +13,10 @@ its Python goes).
 plugin installed, JAX_PLATFORMS=cpu): the trace is the same Python, lower and compile XLA:GPU's.
 `--tpu TOPOLOGY` compiles for one chip of a TPU topology the same way (libtpu installed:
 `pip install "jax[tpu]"`), lower and compile XLA:TPU's.
+Each program's size is printed beside its times (what compile time follows: XLA's time grows
+with the program, not with one pass — results/readable/README.md): the traced equations (sub-
+jaxprs included), the optimized HLO's instructions, and the kernels of its entry computation
+(fusions and library calls: on a GPU, its launches).
 
     python results/bench/compile_time.py --rounds 3 --out results/bench/compile-time.json
     JAX_PLATFORMS=cpu python results/bench/compile_time.py --rounds 3 --h200
@@ -24,6 +28,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -91,6 +96,21 @@ def phases(fn: object, args: tuple) -> dict[str, float]:
     return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
 
 
+def sizes(fn: object, args: tuple) -> dict[str, int]:
+    """The program's traced equations, optimized HLO instructions and entry kernels."""
+    traced = fn.trace(*args)  # type: ignore[attr-defined]
+
+    def eqns(jaxpr: object) -> int:
+        subs = lambda e: sum(eqns(s) for s in pegrad._sub_jaxprs(e))  # noqa: E731
+        return sum(1 + subs(e) for e in jaxpr.eqns)  # type: ignore[attr-defined]
+
+    text = traced.lower().compile().as_text()
+    entry = text[text.index("ENTRY") :].split("\n}\n")[0]
+    kernels = len(re.findall(r" (?:fusion|custom-call)\(", entry))
+    instructions = len(re.findall(r"^\s+(?:ROOT )?%\S+ = ", text, re.M))
+    return {"equations": eqns(traced.jaxpr.jaxpr), "instructions": instructions, "kernels": kernels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="transformer")
@@ -124,9 +144,11 @@ def main() -> None:
         for name, got in rows.items()
     }
     base = median["plain grad"]["total"]
+    size = {name: sizes(make[name](), call_args) for name in make}
     for name, m in median.items():
         parts = ", ".join(f"{ph} {m[ph]:.2f}s" for ph in ("trace", "lower", "compile"))
         print(f"{name:24s} {m['total']:.2f}s ({parts}) = {m['total'] / base:.2f}x plain grad")
+        print(f"{'':24s} " + ", ".join(f"{v:,} {k}" for k, v in size[name].items()))
     if args.out:
         record = {
             "family": args.family,
@@ -136,6 +158,7 @@ def main() -> None:
             "rounds": rows,
             "median": median,
             "ratio": {name: m["total"] / base for name, m in median.items()},
+            "sizes": size,
         }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
