@@ -15,7 +15,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "pegrad.py"
 ENTRY_POINTS = frozenset({"_factorized", "Plan"})
 # Budgets that move only down: Part I (the definition) and the whole file (issue 57 asks the
 # engine down to 4,000 lines); how they moved is in the log of this file. Growth fails.
-PART_I_LINES = 1761
+PART_I_LINES = 1755
 TOTAL_LINES = 4985
 
 
