@@ -3,8 +3,7 @@
 ½‖Wx + b − y‖² per example, statistics ("mean", "sq_mean", "sq_norms"), impl="factorized",
 traced once under jit with sys.settrace on: every function of pegrad.py that runs, and the sum
 of their bodies' lines (def to last line, docstring included, nested functions counted once
-within the function that holds them). Prints the total (and how much of it is docstrings), the
-count, and the largest.
+within the function that holds them). Prints the total, the count, and the largest.
 
     python results/readable/dense_path.py [--list]
 """
@@ -81,30 +80,12 @@ def dense_path() -> dict[tuple[str, int, int], int]:
     return {span: span[2] - span[1] + 1 for span in ran}
 
 
-def docstring_lines() -> set[int]:
-    """The lines of pegrad.py that are a function's or a class's docstring."""
-    with open(SOURCE) as f:
-        tree = ast.parse(f.read())
-    found: set[int] = set()
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        kinds = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
-        if isinstance(node, kinds) and body and isinstance(body[0], ast.Expr):
-            value = body[0].value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                found.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()
     lines = dense_path()
-    docs = docstring_lines()
-    doc = sum(len(docs & set(range(first, last + 1))) for _, first, last in lines)
-    total = sum(lines.values())
-    print(f"{len(lines)} functions of pegrad.py, {total} lines ({doc} of them docstrings)")
+    print(f"{len(lines)} functions of pegrad.py, {sum(lines.values())} lines")
     if args.list:
         for (name, first, last), n in sorted(lines.items(), key=lambda kv: -kv[1]):
             print(f"{n:5d}  {name} (lines {first}-{last})")
