@@ -15,8 +15,8 @@ plugin installed, JAX_PLATFORMS=cpu): the trace is the same Python, lower and co
 `pip install "jax[tpu]"`), lower and compile XLA:TPU's.
 Each program's size is printed beside its times (what compile time follows: XLA's time grows
 with the program, not with one pass — results/readable/README.md): the traced equations (sub-
-jaxprs included), the optimized HLO's instructions, and the kernels of its entry computation
-(fusions and library calls: on a GPU, its launches).
+jaxprs included), the optimized HLO's instructions, and the kernels one step launches
+(hlo_cost.py, as gpu_aot.py counts them).
 
     python results/bench/compile_time.py --rounds 3 --out results/bench/compile-time.json
     JAX_PLATFORMS=cpu python results/bench/compile_time.py --rounds 3 --h200
@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "..")]
 
 import families  # noqa: E402
+import hlo_cost  # noqa: E402
 import pegrad  # noqa: E402
 
 SETS = {"mean+sq_mean": ("mean", "sq_mean"), "clipped_mean+sq_norms": ("clipped_mean", "sq_norms")}
@@ -85,30 +86,29 @@ def programs(family: str, batch: int, h200: bool, tpu: str | None, vmap: bool) -
     return {"make": made, "args": (params, data)}
 
 
-def phases(fn: object, args: tuple) -> dict[str, float]:
+def phases(fn: object, args: tuple) -> tuple[dict[str, float], dict[str, int]]:
+    """The seconds of each phase, and the size of what they made: the traced equations (sub-
+    jaxprs included), the optimized HLO's instructions, and the kernels one step launches
+    (hlo_cost.py's reading of it, loops by their trip counts)."""
     t0 = time.perf_counter()
     traced = fn.trace(*args)  # type: ignore[attr-defined]
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     t3 = time.perf_counter()
-    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
-
-
-def sizes(fn: object, args: tuple) -> dict[str, int]:
-    """The program's traced equations, optimized HLO instructions and entry kernels."""
-    traced = fn.trace(*args)  # type: ignore[attr-defined]
 
     def eqns(jaxpr: object) -> int:
         subs = lambda e: sum(eqns(s) for s in pegrad._sub_jaxprs(e))  # noqa: E731
         return sum(1 + subs(e) for e in jaxpr.eqns)  # type: ignore[attr-defined]
 
-    text = traced.lower().compile().as_text()
-    entry = text[text.index("ENTRY") :].split("\n}\n")[0]
-    kernels = len(re.findall(r" (?:fusion|custom-call)\(", entry))
-    instructions = len(re.findall(r"^\s+(?:ROOT )?%\S+ = ", text, re.M))
-    return {"equations": eqns(traced.jaxpr.jaxpr), "instructions": instructions, "kernels": kernels}
+    text = compiled.as_text()
+    size = {
+        "equations": eqns(traced.jaxpr.jaxpr),
+        "instructions": len(re.findall(r"^\s+(?:ROOT )?%\S+ = ", text, re.M)),
+        "kernels": hlo_cost.read_hlo(text).launches,
+    }
+    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}, size
 
 
 def main() -> None:
@@ -134,17 +134,18 @@ def main() -> None:
             print(f"== {name}: trace profile")
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in make}
+    size: dict[str, dict[str, int]] = {}
     for r in range(args.rounds):
         for name in make:
             jax.clear_caches()
-            rows[name].append(phases(make[name](), call_args))
+            times, size[name] = phases(make[name](), call_args)
+            rows[name].append(times)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]['total']:.2f}s" for k, v in rows.items()))
     median = {
         name: {ph: statistics.median(x[ph] for x in got) for ph in got[0]}
         for name, got in rows.items()
     }
     base = median["plain grad"]["total"]
-    size = {name: sizes(make[name](), call_args) for name in make}
     for name, m in median.items():
         parts = ", ".join(f"{ph} {m[ph]:.2f}s" for ph in ("trace", "lower", "compile"))
         print(f"{name:24s} {m['total']:.2f}s ({parts}) = {m['total'] / base:.2f}x plain grad")
